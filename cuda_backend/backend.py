@@ -1,0 +1,430 @@
+"""`CudaBackend`: the thin front that composes devices, contexts, pools, copies, the
+compiler, the launcher and the profiler; and `get_cuda_backend()`, its process-wide instance.
+
+Without PyCUDA or a GPU the backend runs in fallback mode: `is_available` is False, device 0
+is the host, memory comes from a host-memory pool with the same statistics, and GPU-only
+calls (compile, launch) raise CudaNotAvailableError. The layers above compute with NumPy.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import logging
+import platform
+import subprocess
+import threading
+import time
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from . import __version__
+from .devices import CudaDeviceInfo, enumerate_devices, host_device_info
+from .driver import load_driver, pycuda_version
+from .dtypes import CudaDataType
+from .errors import (CudaNotAvailableError, DTypeMismatchError, InvalidDeviceError,
+                     TransferError)
+from .memory import HostBinnedPool, MemoryPool, PinnedHostPool
+from .profiling import Profiler, write_json_atomic
+from .tensor import CudaTensor, normalize_shape
+from .transfers import host_contiguous
+
+logger = logging.getLogger("cuda_backend")
+FALLBACK_MESSAGE = "PyCUDA not available. CUDA backend will use fallback mode."
+
+
+class CudaBackend:
+    """Devices, contexts, memory, copies, compilation, launches and profiling."""
+
+    def __init__(self, enable_profiling: bool = False) -> None:
+        drv, reason = load_driver()
+        self._drv = drv
+        self.fallback_reason: Optional[str] = reason
+        self.is_available = drv is not None
+        self._profiler = Profiler()
+        self._profiling = False
+        self._lock = threading.RLock()
+        self._closed = False
+        self._streams: List[Any] = []
+        if self.is_available:
+            self._init_gpu(drv)
+        else:
+            logger.warning("%s (%s)", FALLBACK_MESSAGE, reason)
+            self._init_fallback()
+        self.enable_profiling = enable_profiling
+        atexit.register(self.shutdown)
+
+    # -- construction -------------------------------------------------------------
+    def _init_gpu(self, drv: Any) -> None:
+        import pycuda.tools
+        from .compiler import KernelCompiler
+        from .contexts import ContextManager
+        from .launch import Launcher
+        from .transfers import TransferEngine
+
+        self.devices: List[CudaDeviceInfo] = enumerate_devices(drv)
+        self._contexts = ContextManager(drv, len(self.devices))
+        self.memory_pools: Dict[int, MemoryPool] = {}
+        for info in self.devices:
+            dev = info.device_id
+            self.memory_pools[dev] = MemoryPool(
+                dev, pycuda.tools.DeviceMemoryPool(), device_total=info.memory_total,
+                activate=(lambda d=dev: self._contexts.activate(d)),
+                oom_errors=(drv.MemoryError,))
+        self._pinned = PinnedHostPool(drv)
+        self._transfers = TransferEngine(drv, self._contexts, self._pinned)
+        self._compiler = KernelCompiler(drv, self._contexts, self.devices)
+        self._launcher = Launcher(drv, self._compiler, self._contexts, self.devices)
+
+    def _init_fallback(self) -> None:
+        self.devices = [host_device_info()]
+        self._contexts = None
+        self.memory_pools = {0: MemoryPool(0, HostBinnedPool(),
+                                           device_total=self.devices[0].memory_total)}
+        self._pinned = None
+        self._transfers = None
+        self._compiler = None
+        self._launcher = None
+        self._host_device = 0
+
+    # -- devices and contexts -------------------------------------------------------
+    @property
+    def device_count(self) -> int:
+        """Number of GPUs (0 in fallback mode)."""
+        return len(self.devices) if self.is_available else 0
+
+    def get_device_info(self, device_id: int) -> CudaDeviceInfo:
+        return self.devices[self._validate(device_id)]
+
+    def _validate(self, device_id: Any) -> int:
+        if self.is_available:
+            return self._contexts.validate(device_id)
+        if device_id != 0 or isinstance(device_id, bool):
+            raise InvalidDeviceError(device_id, 0)
+        return 0
+
+    @property
+    def current_device(self) -> int:
+        """The calling thread's current device."""
+        return self._contexts.current_device() if self.is_available else 0
+
+    def set_device(self, device_id: int) -> None:
+        """Make device_id current for the calling thread."""
+        if self.is_available:
+            self._contexts.set_device(device_id)
+        else:
+            self._validate(device_id)
+
+    def device(self, device_id: int):
+        """`with backend.device(i):` runs the block on device i, then restores the previous."""
+        if self.is_available:
+            return self._contexts.device(device_id)
+        self._validate(device_id)
+        return contextlib.nullcontext(0)
+
+    def activate(self, device_id: int):
+        """Make device_id's context current for one operation (cheap when it already is)."""
+        if self.is_available:
+            return self._contexts.activate(device_id)
+        return contextlib.nullcontext()
+
+    def context(self, device_id: int) -> Any:
+        """The device's retained primary context (PyCUDA Context)."""
+        self._require_gpu("context")
+        return self._contexts.context(self._validate(device_id))
+
+    def synchronize(self, device_id: Optional[int] = None) -> None:
+        """Wait for all work on one device, or on every device that was used."""
+        if not self.is_available:
+            return
+        ids = [self._validate(device_id)] if device_id is not None \
+            else self._contexts.initialized_devices()
+        for dev in ids:
+            with self._contexts.activate(dev):
+                self._drv.Context.synchronize()
+
+    def create_stream(self, device_id: Optional[int] = None) -> Any:
+        """A new PyCUDA Stream on the device."""
+        self._require_gpu("create_stream")
+        dev = self.current_device if device_id is None else self._validate(device_id)
+        with self._contexts.activate(dev):
+            return self._drv.Stream()
+
+    def _require_gpu(self, what: str) -> None:
+        if not self.is_available:
+            raise CudaNotAvailableError(
+                f"{what} needs a CUDA GPU, but the backend is in fallback mode "
+                f"({self.fallback_reason})")
+
+    # -- memory -------------------------------------------------------------------
+    def _pool(self, device_id: Optional[int]) -> MemoryPool:
+        dev = self.current_device if device_id is None else self._validate(device_id)
+        return self.memory_pools[dev]
+
+    def allocate_memory(self, size: int, device_id: Optional[int] = None) -> int:
+        """Allocate size bytes from the device's pool; returns the device pointer."""
+        return self._pool(device_id).allocate_memory(size)
+
+    def free_memory(self, ptr: int, device_id: Optional[int] = None) -> None:
+        """Free a pointer from allocate_memory; an unknown or freed pointer raises."""
+        self._pool(device_id).free_memory(ptr)
+
+    def pinned_empty(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
+        """A page-locked host array from the pinned pool (a plain array in fallback mode)."""
+        shape = normalize_shape(shape)
+        dt = CudaDataType.from_any(dtype).numpy_dtype
+        if not self.is_available:
+            return np.empty(shape, dt)
+        with self._contexts.activate(self.current_device):
+            return self._pinned.empty(shape, dt)
+
+    def empty(self, shape: Any, dtype: Any = CudaDataType.FLOAT32,
+              device_id: Optional[int] = None) -> CudaTensor:
+        """An uninitialized tensor from the device's pool."""
+        shape = normalize_shape(shape)
+        dtype = CudaDataType.from_any(dtype)
+        dev = self.current_device if device_id is None else self._validate(device_id)
+        pool = self.memory_pools[dev]
+        t = CudaTensor(shape, dtype, dev, 0)
+        if t.nbytes == 0:
+            if not self.is_available:
+                t._host = np.empty(shape, dtype.numpy_dtype)
+            return t
+        block = pool.allocate(t.nbytes)
+        t._block, t._pool, t._ptr = block, pool, int(block)
+        if not self.is_available:
+            t._host = np.frombuffer(block._buf, dtype=dtype.numpy_dtype,
+                                    count=t.size).reshape(shape)
+        return t
+
+    # -- copies -------------------------------------------------------------------
+    def _destination(self, dst: Any, device_id: Optional[int]) -> tuple:
+        """(pointer, device, capacity bytes or None, tensor or None) of a copy target."""
+        if isinstance(dst, CudaTensor):
+            return dst.ptr, dst.device_id, dst.nbytes, dst
+        dev = self.current_device if device_id is None else self._validate(device_id)
+        ptr = int(dst)
+        block = self.memory_pools[dev]._by_ptr.get(ptr)
+        return ptr, dev, (int(block.size) if block is not None and hasattr(block, "size")
+                          else None), None
+
+    def copy_to_device(self, host_array: Any, device_ptr: Any,
+                       device_id: Optional[int] = None, stream: Any = None) -> float:
+        """Copy a host array to device memory (pointer or CudaTensor); returns ms (CUDA events)."""
+        host = host_contiguous(host_array)
+        ptr, dev, capacity, tensor = self._destination(device_ptr, device_id)
+        if tensor is not None:
+            _check_same(host, tensor, "copy_to_device")
+        if not self.is_available:
+            return _host_copy(host, ptr, capacity, to_host=False)
+        return self._transfers.to_device(host, ptr, dev, stream, capacity)
+
+    def copy_from_device(self, device_ptr: Any, host_array: np.ndarray,
+                         device_id: Optional[int] = None, stream: Any = None) -> float:
+        """Copy device memory into a host array; returns ms (CUDA events)."""
+        if not isinstance(host_array, np.ndarray):
+            raise TransferError(
+                f"copy_from_device needs a NumPy array to write into, got "
+                f"{type(host_array).__name__}")
+        ptr, dev, capacity, tensor = self._destination(device_ptr, device_id)
+        if tensor is not None:
+            _check_same(host_array, tensor, "copy_from_device")
+        target = host_array
+        if not host_array.flags.c_contiguous or host_array.dtype.byteorder not in ("=", "|"):
+            target = np.empty(host_array.shape, host_array.dtype.newbyteorder("="))
+        if not self.is_available:
+            ms = _host_copy(target, ptr, capacity, to_host=True)
+        else:
+            ms = self._transfers.from_device(target, ptr, dev, stream, capacity)
+        if target is not host_array:
+            host_array[...] = target
+        return ms
+
+    def copy_device_to_device(self, dst: Any, src: Any, nbytes: Optional[int] = None,
+                              device_id: Optional[int] = None, stream: Any = None) -> float:
+        """Copy between two allocations on one device; returns ms."""
+        dptr, dev, dcap, _ = self._destination(dst, device_id)
+        sptr, sdev, scap, _ = self._destination(src, device_id)
+        if nbytes is None:
+            if dcap is None or scap is None:
+                raise TransferError("nbytes is required when copying between raw pointers")
+            nbytes = min(dcap, scap)
+        for cap, what in ((dcap, "destination"), (scap, "source")):
+            if cap is not None and nbytes > cap:
+                raise TransferError(f"{nbytes} bytes do not fit the {what} of {cap} bytes")
+        if not self.is_available:
+            import ctypes
+            ctypes.memmove(dptr, sptr, nbytes)
+            return 0.0
+        return self._transfers.device_to_device(dptr, sptr, nbytes, dev, stream)
+
+    def to_device(self, array: Any, device_id: Optional[int] = None) -> CudaTensor:
+        """A new tensor holding a copy of a host array (bfloat16 needs a CudaTensor dtype)."""
+        host = host_contiguous(array)
+        t = self.empty(host.shape, CudaDataType.from_any(host.dtype), device_id)
+        if t.nbytes:
+            self.copy_to_device(host, t)
+        return t
+
+    def to_host(self, tensor: CudaTensor) -> np.ndarray:
+        """A new host array with the tensor's data."""
+        out = np.empty(tensor.shape, tensor.dtype.numpy_dtype)
+        if tensor.size:
+            self.copy_from_device(tensor, out)
+        else:
+            tensor.check_alive()
+        return out
+
+    # -- kernels ------------------------------------------------------------------
+    def compile_kernel(self, kernel_name: str, source_code: str,
+                       options: Optional[Sequence[str]] = None, device_id: Optional[int] = None,
+                       arch: Optional[str] = None, arg_types: Optional[str] = None) -> Any:
+        """Compile CUDA C with SourceModule (cached); returns a CudaKernel.
+
+        `arch` defaults to the device's ('sm_90' on Hopper); 'sm_90a' selects Hopper-only
+        instructions. Kernels must be `extern "C"`.
+        """
+        self._require_gpu("compile_kernel")
+        dev = self.current_device if device_id is None else self._validate(device_id)
+        return self._compiler.compile(kernel_name, source_code, options, dev, arch, arg_types)
+
+    def get_kernel(self, kernel_name: str, device_id: Optional[int] = None) -> Any:
+        self._require_gpu("get_kernel")
+        dev = self.current_device if device_id is None else self._validate(device_id)
+        return self._compiler.get(kernel_name, dev)
+
+    def launch_kernel(self, kernel_name: str, grid_size: Any, *args: Any,
+                      block_size: Any = (256, 1, 1), shared_mem: int = 0, stream: Any = None,
+                      device_id: Optional[int] = None) -> float:
+        """Launch a compiled kernel. Returns its time in ms when profiling, else 0.0 without
+        synchronizing. Limits are checked against the device before launching."""
+        if self._launcher is None:
+            self._require_gpu("launch_kernel")
+        return self._launcher.launch(kernel_name, grid_size, args, block_size, shared_mem,
+                                     stream, device_id)
+
+    # -- profiling ----------------------------------------------------------------
+    @property
+    def enable_profiling(self) -> bool:
+        return self._profiling
+
+    @enable_profiling.setter
+    def enable_profiling(self, value: bool) -> None:
+        self._profiling = bool(value)
+        prof = self._profiler if value else None
+        if self._launcher is not None:
+            self._launcher.profiler = prof
+        if self._transfers is not None:
+            self._transfers.profiler = prof
+
+    @property
+    def profiler(self) -> Profiler:
+        return self._profiler
+
+    def get_performance_stats(self) -> Dict[str, Any]:
+        """Kernel and copy timings (profiling on) and every pool's statistics."""
+        return {
+            "profiling_enabled": self._profiling,
+            "kernel_execution_times": self._profiler.kernel_stats(),
+            "memory_transfer_times": self._profiler.transfer_stats(),
+            "memory_pools": {dev: pool.get_stats() for dev, pool in self.memory_pools.items()},
+        }
+
+    def versions(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"cuda_backend": __version__, "python": platform.python_version(),
+                               "numpy": np.__version__, "pycuda": pycuda_version(),
+                               "cuda_driver": None, "nvcc": nvcc_version()}
+        if self.is_available:
+            out["cuda_driver"] = self._drv.get_driver_version()
+        return out
+
+    def export_performance_report(self, filename: str = "cuda_report.json") -> str:
+        """Write stats, device info and versions as JSON (atomically); returns the path."""
+        doc = {
+            "generated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "fallback_mode": not self.is_available,
+            "fallback_reason": self.fallback_reason,
+            "versions": self.versions(),
+            "devices": [d.to_dict() for d in self.devices],
+            **self.get_performance_stats(),
+        }
+        return write_json_atomic(filename, doc)
+
+    def export_chrome_trace(self, filename: str = "trace.json") -> str:
+        """Write every profiled launch and copy in the Chrome Trace Event format."""
+        return self._profiler.export_chrome_trace(filename)
+
+    # -- shutdown -----------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Free pools, release modules and pop contexts; registered at exit."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.is_available:
+            return
+        try:
+            for dev in self._contexts.initialized_devices():
+                with self._contexts.activate(dev):
+                    try:
+                        self._drv.Context.synchronize()
+                    except self._drv.Error:
+                        pass  # a faulted context: nothing more to wait for
+                    self.memory_pools[dev].shutdown()
+            self._pinned.shutdown()
+            self._compiler.clear()
+            gc.collect()
+        finally:
+            self._contexts.shutdown()
+
+
+def nvcc_version() -> Optional[str]:
+    try:
+        out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.stdout.splitlines():
+        if "release" in line:
+            return line.strip()
+    return None
+
+
+def _check_same(host: np.ndarray, tensor: CudaTensor, what: str) -> None:
+    expected = tensor.dtype.numpy_dtype
+    if host.dtype.newbyteorder("=") != expected:
+        raise DTypeMismatchError(
+            f"{what}: host array dtype {host.dtype} does not match the tensor's "
+            f"{tensor.dtype.name_str} (expected host dtype {expected})")
+    if host.size != tensor.size:
+        raise TransferError(
+            f"{what}: host array of shape {host.shape} ({host.size} elements) does not match "
+            f"the tensor of shape {tensor.shape} ({tensor.size} elements)")
+
+
+def _host_copy(host: np.ndarray, ptr: int, capacity: Optional[int], to_host: bool) -> float:
+    import ctypes
+    if capacity is not None and host.nbytes > capacity:
+        raise TransferError(f"{host.nbytes} bytes do not fit the {capacity}-byte allocation")
+    if host.nbytes:
+        if to_host:
+            ctypes.memmove(host.ctypes.data, ptr, host.nbytes)
+        else:
+            ctypes.memmove(ptr, host.ctypes.data, host.nbytes)
+    return 0.0
+
+
+_backend: Optional[CudaBackend] = None
+_backend_lock = threading.Lock()
+
+
+def get_cuda_backend(enable_profiling: bool = False) -> CudaBackend:
+    """The process-wide backend; enable_profiling=True turns profiling on for it."""
+    global _backend
+    if _backend is None:
+        with _backend_lock:
+            if _backend is None:
+                _backend = CudaBackend(enable_profiling=enable_profiling)
+                return _backend
+    if enable_profiling and not _backend.enable_profiling:
+        _backend.enable_profiling = True
+    return _backend

@@ -1,0 +1,111 @@
+"""`CudaDataType`: the element types tensors and templates support.
+
+NumPy has no bfloat16, so BFLOAT16 is stored on the host as uint16 bit patterns;
+`to_bfloat16_bits` / `from_bfloat16_bits` convert explicitly (round to nearest even).
+"""
+from __future__ import annotations
+
+import enum
+from typing import Union
+
+import numpy as np
+
+from .errors import DTypeMismatchError
+
+
+class CudaDataType(enum.Enum):
+    """Element type: its NumPy host dtype, item size and the C type templates use."""
+
+    FLOAT32 = ("float32", "float", "f4")
+    FLOAT64 = ("float64", "double", "f8")
+    FLOAT16 = ("float16", "__half", "f2")
+    BFLOAT16 = ("bfloat16", "__nv_bfloat16", "bf16")
+    INT32 = ("int32", "int", "i4")
+    INT64 = ("int64", "long long", "i8")
+    UINT8 = ("uint8", "unsigned char", "u1")
+    BOOL = ("bool", "bool", "b1")
+
+    @property
+    def name_str(self) -> str:
+        """Short name, as NumPy and PyTorch spell it ('float32', 'bfloat16')."""
+        return self.value[0]
+
+    @property
+    def c_type(self) -> str:
+        """The C/CUDA type name templates declare ('float', '__nv_bfloat16')."""
+        return self.value[1]
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        """Host dtype; BFLOAT16 maps to uint16 (its bit pattern)."""
+        if self is CudaDataType.BFLOAT16:
+            return np.dtype(np.uint16)
+        return np.dtype(self.value[0])
+
+    @property
+    def itemsize(self) -> int:
+        return 2 if self is CudaDataType.BFLOAT16 else self.numpy_dtype.itemsize
+
+    @property
+    def is_floating(self) -> bool:
+        return self in (CudaDataType.FLOAT32, CudaDataType.FLOAT64,
+                        CudaDataType.FLOAT16, CudaDataType.BFLOAT16)
+
+    @property
+    def typestr(self) -> str:
+        """The `__cuda_array_interface__` typestr; bfloat16 has none and raises."""
+        if self is CudaDataType.BFLOAT16:
+            raise DTypeMismatchError(
+                "bfloat16 has no __cuda_array_interface__ typestr (NumPy has no bfloat16); "
+                "convert to float32 or float16 first")
+        return self.numpy_dtype.str
+
+    @classmethod
+    def from_any(cls, value: Union["CudaDataType", str, np.dtype, type]) -> "CudaDataType":
+        """Accept a CudaDataType, a name ('float32', 'bf16'), a NumPy dtype or type."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            key = value.lower()
+            aliases = {"bf16": "bfloat16", "half": "float16", "float": "float32",
+                       "double": "float64", "fp32": "float32", "fp16": "float16",
+                       "fp64": "float64"}
+            key = aliases.get(key, key)
+            for member in cls:
+                if member.name_str == key:
+                    return member
+        try:
+            dt = np.dtype(value)
+        except TypeError:
+            dt = None
+        if dt is not None:
+            dt = dt.newbyteorder("=") if dt.byteorder not in ("=", "|") else dt
+            for member in cls:
+                if member is not CudaDataType.BFLOAT16 and member.numpy_dtype == dt:
+                    return member
+        supported = ", ".join(m.name_str for m in cls)
+        raise DTypeMismatchError(f"unsupported dtype {value!r}: expected one of {supported}")
+
+    @classmethod
+    def from_typestr(cls, typestr: str) -> "CudaDataType":
+        return cls.from_any(np.dtype(typestr))
+
+    def __repr__(self) -> str:
+        return f"CudaDataType.{self.name}"
+
+
+def to_bfloat16_bits(array: np.ndarray) -> np.ndarray:
+    """float32 (or anything castable) -> uint16 bfloat16 bit patterns, round to nearest even."""
+    a = np.ascontiguousarray(array, dtype=np.float32)
+    bits = a.view(np.uint32)
+    nan = np.isnan(a)
+    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
+    out = ((bits + rounding) >> 16).astype(np.uint16)
+    out[nan] = np.uint16(0x7FC0)
+    return out
+
+
+def from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 bit patterns -> float32 (exact)."""
+    b = np.ascontiguousarray(bits, dtype=np.uint16)
+    return (b.astype(np.uint32) << 16).view(np.float32)

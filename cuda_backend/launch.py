@@ -1,0 +1,187 @@
+"""Launches compiled kernels: argument conversion, limit checks, optional timing."""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .compiler import CudaKernel
+from .errors import KernelLaunchError, LaunchConfigurationError
+
+_FLOAT_CODES = frozenset("fd")
+_INT_CODES = frozenset("iIqQhHbB?")
+
+
+def normalize_dims(dims: Any, what: str) -> Tuple[int, int, int]:
+    """(x,), (x, y), (x, y, z) or x -> a 3-tuple of positive ints."""
+    if isinstance(dims, (int, np.integer)) and not isinstance(dims, bool):
+        dims = (int(dims),)
+    try:
+        dims = tuple(int(d) for d in dims)
+    except (TypeError, ValueError):
+        raise LaunchConfigurationError(
+            f"{what} must be an int or a tuple of 1 to 3 ints, got {dims!r}") from None
+    if not 1 <= len(dims) <= 3:
+        raise LaunchConfigurationError(f"{what} must have 1 to 3 dimensions, got {dims!r}")
+    if any(d < 1 for d in dims):
+        raise LaunchConfigurationError(f"{what} dimensions must be >= 1, got {dims!r}")
+    return dims + (1,) * (3 - len(dims))
+
+
+def check_limits(kernel: CudaKernel, info: Any, grid: Tuple[int, int, int],
+                 block: Tuple[int, int, int], shared_mem: int) -> None:
+    """Raise LaunchConfigurationError naming the first device or kernel limit exceeded."""
+    threads = block[0] * block[1] * block[2]
+    if threads > info.max_threads_per_block:
+        raise LaunchConfigurationError(
+            f"kernel '{kernel.name}': block {block} has {threads} threads, over the device "
+            f"limit of {info.max_threads_per_block} threads per block")
+    for axis, (b, lim) in enumerate(zip(block, info.max_block_dims)):
+        if b > lim:
+            raise LaunchConfigurationError(
+                f"kernel '{kernel.name}': block dimension {'xyz'[axis]}={b} is over the "
+                f"device limit of {lim}")
+    for axis, (g, lim) in enumerate(zip(grid, info.max_grid_dims)):
+        if g > lim:
+            raise LaunchConfigurationError(
+                f"kernel '{kernel.name}': grid dimension {'xyz'[axis]}={g} is over the "
+                f"device limit of {lim}")
+    if threads > kernel.max_threads_per_block:
+        raise LaunchConfigurationError(
+            f"kernel '{kernel.name}': block of {threads} threads is over this kernel's "
+            f"limit of {kernel.max_threads_per_block} threads per block (it uses "
+            f"{kernel.num_regs} registers per thread)")
+    if shared_mem < 0:
+        raise LaunchConfigurationError(
+            f"kernel '{kernel.name}': shared_mem must be >= 0, got {shared_mem}")
+    total_shared = kernel.static_shared_bytes + shared_mem
+    if total_shared > info.shared_memory_per_block_optin:
+        raise LaunchConfigurationError(
+            f"kernel '{kernel.name}': {shared_mem} bytes of dynamic shared memory plus "
+            f"{kernel.static_shared_bytes} static is over the device limit of "
+            f"{info.shared_memory_per_block_optin} bytes per block (opt-in maximum)")
+
+
+class Launcher:
+    """launch_kernel: the per-call path is kept to a dict lookup, a pack and the launch."""
+
+    def __init__(self, drv: Any, compiler: Any, contexts: Any, devices: Sequence[Any]) -> None:
+        self._drv = drv
+        self._compiler = compiler
+        self._contexts = contexts
+        self._devices = devices
+        self.profiler = None  # set by the backend when profiling is on
+
+    def launch(self, kernel_name: str, grid_size: Any, args: Sequence[Any],
+               block_size: Any = (256, 1, 1), shared_mem: int = 0, stream: Any = None,
+               device_id: Optional[int] = None) -> float:
+        if device_id is None:
+            device_id = self._contexts.current_device()
+        kernel = self._compiler.get(kernel_name, device_id)
+        cfg = (grid_size, block_size, shared_mem)
+        try:
+            dims = kernel.validated.get(cfg)
+        except TypeError:  # unhashable (lists)
+            dims = None
+        if dims is None:
+            dims = self._validate(kernel, device_id, grid_size, block_size, shared_mem)
+            try:
+                kernel.validated[cfg] = dims
+            except TypeError:
+                pass
+        grid, block = dims
+        if len(args) != len(kernel.arg_format):
+            raise LaunchConfigurationError(
+                f"kernel '{kernel_name}' takes {len(kernel.arg_format)} arguments "
+                f"(format '{kernel.arg_format}'), got {len(args)}")
+        values = [a if type(a) is int or (type(a) is float and c in _FLOAT_CODES)
+                  else _convert(a, c, i, kernel_name)
+                  for i, (a, c) in enumerate(zip(args, kernel.arg_format))]
+        if stream is not None and not isinstance(stream, self._drv.Stream):
+            stream = getattr(stream, "pycuda_stream", stream)
+        profiler = self.profiler
+        with self._contexts.activate(device_id):
+            if profiler is None:
+                try:
+                    kernel.function.prepared_async_call(grid, block, stream, *values,
+                                                        shared_size=shared_mem)
+                except self._drv.Error as exc:
+                    raise _launch_error(kernel_name, exc) from None
+                except Exception as exc:  # argument packing
+                    raise _pack_error(kernel, args, exc) from None
+                return 0.0
+            start, end = self._drv.Event(), self._drv.Event()
+            t0 = time.perf_counter()
+            start.record(stream)
+            try:
+                kernel.function.prepared_async_call(grid, block, stream, *values,
+                                                    shared_size=shared_mem)
+                end.record(stream)
+                end.synchronize()
+            except self._drv.Error as exc:
+                raise _launch_error(kernel_name, exc) from None
+            except Exception as exc:
+                raise _pack_error(kernel, args, exc) from None
+            ms = end.time_since(start)
+        profiler.record_kernel(kernel_name, ms, device_id, t0, grid, block, shared_mem)
+        return ms
+
+    def _validate(self, kernel: CudaKernel, device_id: int, grid_size: Any, block_size: Any,
+                  shared_mem: int) -> tuple:
+        grid = normalize_dims(grid_size, "grid_size")
+        block = normalize_dims(block_size, "block_size")
+        if not isinstance(shared_mem, (int, np.integer)) or isinstance(shared_mem, bool):
+            raise LaunchConfigurationError(f"shared_mem must be an int, got {shared_mem!r}")
+        info = self._devices[device_id]
+        check_limits(kernel, info, grid, block, int(shared_mem))
+        if kernel.static_shared_bytes + shared_mem > 48 * 1024 and \
+                shared_mem > kernel.max_dynamic_shared_bytes:
+            with self._contexts.activate(device_id):
+                kernel.function.set_attribute(
+                    self._drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, int(shared_mem))
+            kernel.max_dynamic_shared_bytes = int(shared_mem)
+        return grid, block
+
+
+def _convert(arg: Any, code: str, index: int, kernel_name: str) -> Any:
+    """Turn one launch argument into what struct.pack wants for its declared code."""
+    if code == "P":
+        if hasattr(arg, "ptr") and not isinstance(arg, (int, float)):
+            return arg.ptr  # CudaTensor (raises if freed)
+        cai = getattr(arg, "__cuda_array_interface__", None)
+        if cai is not None:
+            return cai["data"][0]
+        try:
+            return int(arg)  # PyCUDA allocations, raw pointers
+        except (TypeError, ValueError):
+            raise LaunchConfigurationError(
+                f"kernel '{kernel_name}' argument {index}: expected a device pointer "
+                f"(CudaTensor, int or allocation), got {type(arg).__name__}") from None
+    if isinstance(arg, np.generic):
+        arg = arg.item()
+    if code in _INT_CODES and isinstance(arg, float):
+        if not arg.is_integer():
+            raise LaunchConfigurationError(
+                f"kernel '{kernel_name}' argument {index}: an integer parameter got "
+                f"non-integral {arg!r}")
+        return int(arg)
+    if code in _FLOAT_CODES and isinstance(arg, (int, bool)):
+        return float(arg)
+    return arg
+
+
+def _pack_error(kernel: CudaKernel, args: Sequence[Any], exc: Exception) -> Exception:
+    kinds = ", ".join(type(a).__name__ for a in args)
+    return LaunchConfigurationError(
+        f"kernel '{kernel.name}': arguments ({kinds}) do not match its parameters "
+        f"(format '{kernel.arg_format}'): {exc}")
+
+
+def _launch_error(kernel_name: str, exc: Exception) -> Exception:
+    text = str(exc)
+    fatal = any(k in text.lower() for k in ("illegal", "launch failed", "misaligned",
+                                           "exception", "trap", "unspecified launch"))
+    hint = (" The kernel faulted: this device's CUDA context is no longer usable in this "
+            "process; restart the process." if fatal else "")
+    return KernelLaunchError(f"launch of kernel '{kernel_name}' failed: {text}.{hint}")

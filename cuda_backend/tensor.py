@@ -1,0 +1,199 @@
+"""`CudaTensor`: a C-contiguous n-d array in device memory (or host memory in fallback mode)."""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from .dtypes import CudaDataType
+from .errors import DTypeMismatchError, InvalidArgumentError, TensorFreedError
+
+
+def normalize_shape(shape: Any) -> Tuple[int, ...]:
+    """An int or a sequence of non-negative ints -> a tuple, with a clear error otherwise."""
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (int(shape),)
+    try:
+        shape = tuple(int(s) for s in shape)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"shape must be an int or a tuple of ints, got {shape!r}") from None
+    if any(s < 0 for s in shape):
+        raise InvalidArgumentError(f"shape dimensions must be >= 0, got {shape}")
+    return shape
+
+
+class CudaTensor:
+    """Device array: shape, dtype, device, and a pool block it owns (or an owner it keeps alive).
+
+    Use `free()` (or `with tensor:`) to give memory back early; any use afterwards raises
+    TensorFreedError. Exports `__cuda_array_interface__` v3 for CuPy, PyTorch and Numba.
+    """
+
+    __slots__ = ("shape", "dtype", "device_id", "_block", "_ptr", "_pool", "_owner",
+                 "_host", "stream", "size", "nbytes", "__weakref__")
+
+    def __init__(self, shape: Tuple[int, ...], dtype: CudaDataType, device_id: int,
+                 ptr: int, block: Any = None, pool: Any = None, owner: Any = None,
+                 host: Optional[np.ndarray] = None) -> None:
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.device_id = device_id
+        self._ptr = ptr
+        self._block = block
+        self._pool = pool
+        self._owner = owner
+        self._host = host
+        self.stream = None  # the stream that last wrote it; None means the legacy default stream
+        size = 1
+        for s in self.shape:
+            size *= s
+        self.size = size
+        self.nbytes = size * dtype.itemsize
+
+    # -- basic properties ---------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def strides(self) -> Tuple[int, ...]:
+        strides, acc = [], self.dtype.itemsize
+        for s in reversed(self.shape):
+            strides.append(acc)
+            acc *= max(s, 1)
+        return tuple(reversed(strides))
+
+    @property
+    def is_contiguous(self) -> bool:
+        return True
+
+    @property
+    def is_freed(self) -> bool:
+        return self._ptr is None
+
+    @property
+    def ptr(self) -> int:
+        """Device pointer (raises TensorFreedError after free())."""
+        ptr = self._ptr
+        if ptr is None:
+            raise TensorFreedError(
+                f"tensor of shape {self.shape} ({self.dtype.name_str}) on device "
+                f"{self.device_id} was freed and cannot be used")
+        return ptr
+
+    def check_alive(self) -> "CudaTensor":
+        self.ptr
+        return self
+
+    @property
+    def host_view(self) -> np.ndarray:
+        """Fallback mode only: the NumPy array that holds the data."""
+        self.check_alive()
+        if self._host is None:
+            raise InvalidArgumentError("host_view exists only for fallback-mode tensors")
+        return self._host
+
+    # -- lifetime -----------------------------------------------------------------
+    def free(self) -> None:
+        """Return the memory to the pool now; a second free is a no-op."""
+        if self._ptr is None:
+            return
+        self._ptr = None
+        block, pool = self._block, self._pool
+        self._block = self._pool = self._owner = self._host = None
+        if block is not None:
+            if pool is not None:
+                pool.release(block)
+            else:
+                block.free()
+
+    def __enter__(self) -> "CudaTensor":
+        return self.check_alive()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.free()
+
+    # -- interop ------------------------------------------------------------------
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        if self._host is not None:
+            raise InvalidArgumentError(
+                "fallback-mode tensors live in host memory and have no "
+                "__cuda_array_interface__; use to_numpy()")
+        stream = 1 if self.stream is None else int(getattr(self.stream, "handle", self.stream))
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.typestr,
+            "data": (self.ptr if self.size else 0, False),
+            "strides": None,
+            "descr": [("", self.dtype.typestr)],
+            "version": 3,
+            "stream": stream,
+        }
+
+    @classmethod
+    def from_cuda_array(cls, obj: Any, device_id: Optional[int] = None) -> "CudaTensor":
+        """Wrap any object exporting `__cuda_array_interface__` without copying.
+
+        The tensor keeps `obj` alive; `free()` drops that reference and frees nothing.
+        """
+        cai = getattr(obj, "__cuda_array_interface__", None)
+        if cai is None:
+            raise InvalidArgumentError(
+                f"{type(obj).__name__} does not export __cuda_array_interface__")
+        shape = tuple(int(s) for s in cai["shape"])
+        dtype = CudaDataType.from_typestr(cai["typestr"])
+        strides = cai.get("strides")
+        if strides is not None:
+            expected, acc = [], dtype.itemsize
+            for s in reversed(shape):
+                expected.append(acc)
+                acc *= max(s, 1)
+            if tuple(int(x) for x in strides) != tuple(reversed(expected)) and \
+                    int(np.prod(shape)) > 1:
+                raise InvalidArgumentError(
+                    f"only C-contiguous arrays can be wrapped without a copy; got strides "
+                    f"{tuple(strides)} for shape {shape}")
+        if cai.get("mask") is not None:
+            raise InvalidArgumentError("masked arrays cannot be wrapped")
+        ptr = int(cai["data"][0])
+        if device_id is None:
+            device_id = pointer_device(ptr)
+        t = cls(shape, dtype, device_id, ptr, owner=obj)
+        stream = cai.get("stream")
+        if stream not in (None, 1, 2):
+            t.stream = stream
+        return t
+
+    # -- display ------------------------------------------------------------------
+    def __repr__(self) -> str:
+        state = ", freed" if self._ptr is None else ""
+        where = "host" if self._host is not None else f"cuda:{self.device_id}"
+        return (f"CudaTensor(shape={self.shape}, dtype={self.dtype.name_str}, "
+                f"device={where}{state})")
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+
+def pointer_device(ptr: int) -> int:
+    """The device ordinal a device pointer belongs to (CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)."""
+    import ctypes
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        ordinal = ctypes.c_int(-1)
+        res = lib.cuPointerGetAttribute(ctypes.byref(ordinal), ctypes.c_int(9),
+                                        ctypes.c_uint64(ptr))
+        if res == 0 and ordinal.value >= 0:
+            return ordinal.value
+    except OSError:
+        pass
+    return 0
+
+
+def check_dtype(tensor: CudaTensor, expected: CudaDataType, what: str = "tensor") -> None:
+    if tensor.dtype is not expected:
+        raise DTypeMismatchError(
+            f"{what} has dtype {tensor.dtype.name_str}, expected {expected.name_str}")

@@ -1,0 +1,175 @@
+"""Host <-> device copies, timed with CUDA events.
+
+Page-locked host arrays go straight to the DMA engine. Large pageable arrays are staged
+through two page-locked buffers from the backend's `PageLockedMemoryPool`, so the host copy
+of one chunk overlaps the DMA of the previous one.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from .errors import KernelLaunchError, TransferError
+
+STAGING_THRESHOLD = 8 << 20   # bytes; below this the driver's own pageable path is used
+STAGING_CHUNK = 8 << 20
+
+
+def is_pinned(array: np.ndarray) -> bool:
+    """True if the array's memory is page-locked by PyCUDA (pagelocked_empty, the pools,
+    register_host_memory)."""
+    obj = array
+    for _ in range(8):
+        obj = getattr(obj, "base", None)
+        if obj is None:
+            return False
+        name = type(obj).__name__
+        if "HostAllocation" in name or "HostMemory" in name or "HostPointer" in name:
+            return True
+    return False
+
+
+def host_contiguous(array: Any) -> np.ndarray:
+    """C-contiguous, native-endian view or copy of a host array."""
+    a = np.asarray(array)
+    if a.dtype.byteorder not in ("=", "|"):
+        a = a.astype(a.dtype.newbyteorder("="))
+    return np.ascontiguousarray(a)
+
+
+class TransferEngine:
+    """copy_to_device / copy_from_device / copy_device_to_device with event timing."""
+
+    def __init__(self, drv: Any, contexts: Any, pinned_pool: Any) -> None:
+        self._drv = drv
+        self._contexts = contexts
+        self._pinned = pinned_pool
+        self.profiler = None
+        self.staging_threshold = STAGING_THRESHOLD
+        self.staging_chunk = STAGING_CHUNK
+
+    # -- helpers ------------------------------------------------------------------
+    def _timed(self, kind: str, nbytes: int, device_id: int, stream: Any, work) -> float:
+        drv = self._drv
+        with self._contexts.activate(device_id):
+            start, end = drv.Event(), drv.Event()
+            t0 = time.perf_counter()
+            start.record(stream)
+            try:
+                work()
+                end.record(stream)
+                end.synchronize()
+            except drv.Error as exc:
+                raise KernelLaunchError(
+                    f"{kind} copy of {nbytes} bytes on device {device_id} failed: {exc}. If "
+                    f"an earlier kernel faulted, this device's context is no longer usable") from None
+            ms = end.time_since(start)
+        if self.profiler is not None:
+            self.profiler.record_transfer(kind, nbytes, ms, device_id, t0)
+        return ms
+
+    # -- host to device -----------------------------------------------------------
+    def to_device(self, host: np.ndarray, dst_ptr: int, device_id: int, stream: Any = None,
+                  capacity: Optional[int] = None) -> float:
+        nbytes = host.nbytes
+        if capacity is not None and nbytes > capacity:
+            raise TransferError(
+                f"host array of {nbytes} bytes does not fit the destination of {capacity} bytes")
+        if nbytes == 0:
+            return 0.0
+        drv = self._drv
+        if is_pinned(host):
+            def work():
+                drv.memcpy_htod_async(dst_ptr, host, stream)
+        elif nbytes >= self.staging_threshold:
+            def work():
+                self._staged_htod(host, dst_ptr, stream)
+        else:
+            def work():
+                drv.memcpy_htod(dst_ptr, host) if stream is None else \
+                    drv.memcpy_htod_async(dst_ptr, host, stream)
+        return self._timed("htod", nbytes, device_id, stream, work)
+
+    def _staged_htod(self, host: np.ndarray, dst_ptr: int, stream: Any) -> None:
+        drv = self._drv
+        src = host.reshape(-1).view(np.uint8)
+        chunk = self.staging_chunk
+        own_stream = stream or drv.Stream()
+        bufs = [self._pinned.empty((chunk,), np.uint8) for _ in range(2)]
+        done = [None, None]
+        for i, off in enumerate(range(0, src.size, chunk)):
+            n = min(chunk, src.size - off)
+            slot = i & 1
+            if done[slot] is not None:
+                done[slot].synchronize()
+            np.copyto(bufs[slot][:n], src[off:off + n])
+            drv.memcpy_htod_async(dst_ptr + off, bufs[slot][:n], own_stream)
+            ev = drv.Event()
+            ev.record(own_stream)
+            done[slot] = ev
+        for ev in done:
+            if ev is not None:
+                ev.synchronize()
+
+    # -- device to host -----------------------------------------------------------
+    def from_device(self, host: np.ndarray, src_ptr: int, device_id: int, stream: Any = None,
+                    capacity: Optional[int] = None) -> float:
+        nbytes = host.nbytes
+        if capacity is not None and nbytes > capacity:
+            raise TransferError(
+                f"host array of {nbytes} bytes is larger than the device source of "
+                f"{capacity} bytes")
+        if not host.flags.c_contiguous or not host.flags.writeable:
+            raise TransferError("copy_from_device needs a writeable C-contiguous host array")
+        if nbytes == 0:
+            return 0.0
+        drv = self._drv
+        if is_pinned(host):
+            def work():
+                drv.memcpy_dtoh_async(host, src_ptr, stream)
+        elif nbytes >= self.staging_threshold:
+            def work():
+                self._staged_dtoh(host, src_ptr, stream)
+        else:
+            def work():
+                drv.memcpy_dtoh(host, src_ptr) if stream is None else \
+                    drv.memcpy_dtoh_async(host, src_ptr, stream)
+        return self._timed("dtoh", nbytes, device_id, stream, work)
+
+    def _staged_dtoh(self, host: np.ndarray, src_ptr: int, stream: Any) -> None:
+        drv = self._drv
+        dst = host.reshape(-1).view(np.uint8)
+        chunk = self.staging_chunk
+        own_stream = stream or drv.Stream()
+        bufs = [self._pinned.empty((chunk,), np.uint8) for _ in range(2)]
+        pending: list = []  # (slot, offset, n, event)
+        for i, off in enumerate(range(0, dst.size, chunk)):
+            n = min(chunk, dst.size - off)
+            slot = i & 1
+            if len(pending) == 2:
+                self._drain(pending.pop(0), bufs, dst)
+            drv.memcpy_dtoh_async(bufs[slot][:n], src_ptr + off, own_stream)
+            ev = drv.Event()
+            ev.record(own_stream)
+            pending.append((slot, off, n, ev))
+        while pending:
+            self._drain(pending.pop(0), bufs, dst)
+
+    @staticmethod
+    def _drain(item: Tuple[int, int, int, Any], bufs: list, dst: np.ndarray) -> None:
+        slot, off, n, ev = item
+        ev.synchronize()
+        np.copyto(dst[off:off + n], bufs[slot][:n])
+
+    # -- device to device ---------------------------------------------------------
+    def device_to_device(self, dst_ptr: int, src_ptr: int, nbytes: int, device_id: int,
+                         stream: Any = None) -> float:
+        if nbytes == 0:
+            return 0.0
+        drv = self._drv
+
+        def work():
+            drv.memcpy_dtod_async(dst_ptr, src_ptr, nbytes, stream)
+        return self._timed("dtod", nbytes, device_id, stream, work)

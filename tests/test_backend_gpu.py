@@ -1,0 +1,442 @@
+"""Core runtime on a real GPU: devices, contexts, pools, copies, compilation, launches,
+profiling, interop and clean exit. Marked `gpu`; skipped without PyCUDA or a GPU."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import cuda_backend as cb
+from cuda_backend import CudaDataType as DT
+
+pytestmark = pytest.mark.gpu
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_py(code: str, env=None, timeout=120):
+    e = dict(os.environ)
+    e["PYTHONPATH"] = REPO + os.pathsep + e.get("PYTHONPATH", "")
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=e, timeout=timeout)
+
+
+def fresh(shape, dtype, rng):
+    if np.issubdtype(dtype, np.floating):
+        return rng.standard_normal(shape).astype(dtype)
+    if dtype == np.bool_:
+        return rng.random(shape) < 0.5
+    info = np.iinfo(dtype)
+    return rng.integers(max(info.min, -1000), min(info.max, 1000), size=shape).astype(dtype)
+
+
+# -- devices and contexts ---------------------------------------------------------------
+def test_devices_enumerated(backend):
+    assert backend.is_available and backend.device_count >= 1
+    for i, d in enumerate(backend.devices):
+        assert d.device_id == i and d.name
+        assert d.compute_capability >= (3, 0)
+        assert d.memory_total > 2**30 and d.multiprocessor_count > 0
+        assert d.max_threads_per_block >= 512 and d.warp_size == 32
+        assert d.shared_memory_per_block_optin >= d.shared_memory_per_block > 0
+        assert d.l2_cache_size > 0 and d.memory_bus_width_bits > 0
+        assert d.theoretical_bandwidth_gbps > 100
+        assert d.pci_bus_id
+        assert backend.get_device_info(i) is d
+
+
+def test_invalid_device_names_range(backend):
+    with pytest.raises(cb.InvalidDeviceError, match=r"0\.\.%d" % (backend.device_count - 1)):
+        backend.set_device(backend.device_count)
+    with pytest.raises(cb.InvalidDeviceError):
+        backend.get_device_info(-1)
+
+
+def test_primary_context_is_shared_with_driver(backend):
+    import pycuda.driver as drv
+    ctx = backend.context(0)
+    primary = drv.Device(0).retain_primary_context()
+    try:
+        assert ctx.handle == primary.handle
+    finally:
+        primary.detach()
+
+
+def test_device_context_manager_restores_even_on_error(backend):
+    backend.set_device(0)
+    last = backend.device_count - 1
+    with pytest.raises(RuntimeError):
+        with backend.device(last):
+            assert backend.current_device == last
+            raise RuntimeError("boom")
+    assert backend.current_device == 0
+
+
+def test_threads_switch_devices_independently(backend):
+    errors, results = [], {}
+
+    def work(tid):
+        try:
+            dev = tid % backend.device_count
+            backend.set_device(dev)
+            rng = np.random.default_rng(tid)
+            for _ in range(20):
+                a = rng.standard_normal(1000).astype(np.float32)
+                t = backend.to_device(a, device_id=dev)
+                back = backend.to_host(t)
+                t.free()
+                assert np.array_equal(a, back)
+            results[tid] = backend.current_device
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert all(results[i] == i % backend.device_count for i in range(8))
+
+
+# -- memory pools -------------------------------------------------------------------
+def test_pool_stats_after_cycles(backend):
+    pool = backend.memory_pools[0]
+    pool.free_all_blocks()
+    pool.reset_counters()
+    start_active = pool.get_stats()["active_memory"]
+    ptrs = [backend.allocate_memory(1 << 20) for _ in range(4)]
+    s = pool.get_stats()
+    assert s["active_memory"] - start_active >= 4 << 20
+    assert s["allocation_count"] == 4 and s["misses"] == 4 and s["hits"] == 0
+    for p in ptrs:
+        backend.free_memory(p)
+    s = pool.get_stats()
+    assert s["active_memory"] == start_active
+    assert s["peak_allocated"] >= start_active + (4 << 20)
+    assert s["cached_bytes"] >= 4 << 20 and s["n_free_blocks"] >= 4
+    for _ in range(3):
+        backend.free_memory(backend.allocate_memory(1 << 20))
+    s = pool.get_stats()
+    assert s["hits"] == 3 and s["free_count"] == 7
+    with pytest.raises(cb.InvalidPointerError, match="0x"):
+        backend.free_memory(ptrs[0])
+    pool.free_all_blocks()
+    assert pool.n_free_blocks() == 0 and pool.free_bytes() == 0
+
+
+def test_pool_oom_ladder_and_limit(backend):
+    pool = backend.memory_pools[0]
+    with pytest.raises(cb.CudaOutOfMemoryError) as info:
+        backend.allocate_memory(backend.devices[0].memory_total * 4)
+    msg = str(info.value)
+    assert "device 0" in msg and "tried to allocate" in msg and "In use" in msg
+    assert isinstance(info.value, MemoryError)
+    assert pool.get_stats()["oom_retries"] >= 1
+    pool.set_limit(size=64 << 20)
+    try:
+        with pytest.raises(cb.CudaOutOfMemoryError, match="limit"):
+            backend.allocate_memory(128 << 20)
+        backend.free_memory(backend.allocate_memory(1 << 20))  # still usable
+    finally:
+        pool.set_limit()
+    assert pool.get_limit() == 0
+
+
+# -- copies -------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int32, np.int64,
+                                   np.uint8, np.bool_])
+@pytest.mark.parametrize("n", [1, 7, 1000003])
+def test_copy_round_trip(backend, dtype, n):
+    rng = np.random.default_rng()
+    a = fresh((n,), dtype, rng)
+    t = backend.empty((n,), dtype)
+    ms_in = backend.copy_to_device(a, t)
+    out = np.empty_like(a)
+    ms_out = backend.copy_from_device(t, out)
+    t.free()
+    assert np.array_equal(a, out)
+    assert ms_in > 0 and ms_out > 0
+
+
+def test_copy_bfloat16_and_large_staged(backend):
+    rng = np.random.default_rng()
+    x = rng.standard_normal(3_000_001).astype(np.float32)
+    bits = cb.to_bfloat16_bits(x)
+    t = backend.empty(x.shape, DT.BFLOAT16)
+    backend.copy_to_device(bits, t)
+    assert np.array_equal(backend.to_host(t), bits)
+    t.free()
+    big = rng.standard_normal((5000, 3001)).astype(np.float32)  # 60 MB, staged path
+    tb = backend.to_device(big)
+    assert np.array_equal(backend.to_host(tb), big)
+    tb.free()
+
+
+def test_copy_noncontiguous_and_byteswapped(backend):
+    rng = np.random.default_rng()
+    a = rng.standard_normal((64, 33)).astype(np.float32)
+    t = backend.to_device(a.T)  # Fortran-ordered view
+    assert np.array_equal(backend.to_host(t), a.T)
+    b = a.astype(">f4")
+    t2 = backend.to_device(b)
+    assert np.array_equal(backend.to_host(t2), a)
+    t.free(); t2.free()
+
+
+def test_copy_mismatch_raises_before_copy(backend):
+    t = backend.empty((10,), DT.FLOAT32)
+    with pytest.raises(cb.TransferError, match="shape"):
+        backend.copy_to_device(np.zeros(11, np.float32), t)
+    with pytest.raises(cb.DTypeMismatchError, match="float64"):
+        backend.copy_to_device(np.zeros(10, np.float64), t)
+    ptr = backend.allocate_memory(400)
+    with pytest.raises(cb.TransferError):
+        backend.copy_to_device(np.zeros(1000, np.float32), ptr)
+    backend.free_memory(ptr)
+    t.free()
+    with pytest.raises(cb.TensorFreedError):
+        backend.copy_to_device(np.zeros(10, np.float32), t)
+
+
+def test_pinned_copies(backend):
+    h = backend.pinned_empty((1 << 20,), np.float32)
+    h[:] = np.random.default_rng().standard_normal(h.shape)
+    t = backend.empty(h.shape, DT.FLOAT32)
+    assert backend.copy_to_device(h, t) > 0
+    h2 = backend.pinned_empty((1 << 20,), np.float32)
+    backend.copy_from_device(t, h2)
+    assert np.array_equal(h, h2)
+    t.free()
+
+
+# -- compilation and launches ---------------------------------------------------------
+SAXPY = r'''
+extern "C" __global__ void saxpy_test(float* y, const float* x, float a, int n)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+'''
+
+
+def test_compile_and_launch_saxpy(backend):
+    backend.compile_kernel("saxpy_test", SAXPY)
+    rng = np.random.default_rng()
+    n = 100_003
+    x, y = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    tx, ty = backend.to_device(x), backend.to_device(y)
+    backend.launch_kernel("saxpy_test", ((n + 255) // 256,), ty, tx, 2.5, n, block_size=(256,))
+    np.testing.assert_allclose(backend.to_host(ty), 2.5 * x.astype(np.float64) + y, rtol=1e-6)
+    # ints and floats are converted to the declared types
+    backend.launch_kernel("saxpy_test", (n + 255) // 256, ty, tx, 1, float(n))
+    tx.free(); ty.free()
+
+
+def test_compile_cache_hit_does_not_call_nvcc(backend, monkeypatch):
+    import pycuda.compiler
+    calls = []
+    real = pycuda.compiler.compile_plain
+    monkeypatch.setattr(pycuda.compiler, "compile_plain",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    src = SAXPY.replace("saxpy_test", "saxpy_cache_probe")
+    k1 = backend.compile_kernel("saxpy_cache_probe", src)
+    n_after_first = len(calls)
+    k2 = backend.compile_kernel("saxpy_cache_probe", src)
+    assert k1 is k2 and len(calls) == n_after_first
+
+
+def test_disk_cache_across_processes(tmp_path):
+    code = f'''
+        import pycuda.compiler, cuda_backend as cb
+        calls = []
+        real = pycuda.compiler.call_capture_output
+        pycuda.compiler.call_capture_output = lambda cmd, *a, **k: (
+            calls.append(cmd) or real(cmd, *a, **k))
+        b = cb.get_cuda_backend()
+        b.compile_kernel("disk_probe", {SAXPY.replace("saxpy_test", "disk_probe")!r})
+        print("NVCC_COMPILES", sum(1 for c in calls if "--cubin" in c))
+    '''
+    env = {"CUDA_BACKEND_CACHE_DIR": str(tmp_path)}
+    first = run_py(code, env)
+    second = run_py(code, env)
+    assert first.returncode == 0, first.stderr
+    assert "NVCC_COMPILES 1" in first.stdout
+    assert "NVCC_COMPILES 0" in second.stdout, second.stdout + second.stderr
+
+
+def test_compile_error_message(backend):
+    bad = 'extern "C" __global__ void broken(float* x)\n{\n    x[0] = undefined_name;\n}\n'
+    with pytest.raises(cb.KernelCompilationError) as info:
+        backend.compile_kernel("broken", bad)
+    msg = str(info.value)
+    assert msg.startswith("Failed to compile CUDA kernel 'broken'")
+    assert "undefined_name" in msg and ">>3 |" in msg and "nvcc" in msg
+
+
+def test_unknown_kernel_and_launch_limits(backend):
+    with pytest.raises(cb.KernelNotFoundError, match="no_such_kernel"):
+        backend.launch_kernel("no_such_kernel", (1,))
+    backend.compile_kernel("saxpy_test", SAXPY)
+    t = backend.empty((4,), DT.FLOAT32)
+    info = backend.devices[0]
+    with pytest.raises(cb.LaunchConfigurationError, match="threads per block"):
+        backend.launch_kernel("saxpy_test", (1,), t, t, 1.0, 4, block_size=(2048,))
+    with pytest.raises(cb.LaunchConfigurationError, match="grid dimension y"):
+        backend.launch_kernel("saxpy_test", (1, info.max_grid_dims[1] + 1), t, t, 1.0, 4)
+    with pytest.raises(cb.LaunchConfigurationError, match="shared memory"):
+        backend.launch_kernel("saxpy_test", (1,), t, t, 1.0, 4,
+                              shared_mem=info.shared_memory_per_block_optin + 1)
+    with pytest.raises(cb.LaunchConfigurationError, match="takes 4 arguments"):
+        backend.launch_kernel("saxpy_test", (1,), t, t, 1.0)
+    with pytest.raises(cb.LaunchConfigurationError, match="non-integral"):
+        backend.launch_kernel("saxpy_test", (1,), t, t, 1.0, 4.5)
+    t.free()
+    with pytest.raises(cb.TensorFreedError):
+        backend.launch_kernel("saxpy_test", (1,), t, t, 1.0, 4)
+    # the backend still works after every error
+    backend.launch_kernel("saxpy_test", (1,), *(2 * [backend.to_device(np.ones(4, np.float32))]),
+                          1.0, 4)
+
+
+@pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT64, DT.FLOAT16, DT.BFLOAT16])
+@pytest.mark.parametrize("tiled,tile", [(True, 8), (True, 16), (True, 32), (False, 16)])
+def test_generated_matmul_matches_numpy(backend, dtype, tiled, tile):
+    gen = cb.get_kernel_generator()
+    kernel = gen.get_kernel("matmul.cu.j2", use_tiled=tiled, tile_size=tile,
+                            **cb.kernels.dtype_params(dtype))
+    rng = np.random.default_rng()
+    M, K, N = 67, 131, 45
+    a = rng.standard_normal((M, K))
+    b = rng.standard_normal((K, N))
+    if dtype is DT.BFLOAT16:
+        ha, hb = cb.to_bfloat16_bits(a), cb.to_bfloat16_bits(b)
+        a, b = cb.from_bfloat16_bits(ha), cb.from_bfloat16_bits(hb)
+    else:
+        ha, hb = a.astype(dtype.numpy_dtype), b.astype(dtype.numpy_dtype)
+        a, b = ha, hb
+    ta, tb = backend.empty((M, K), dtype), backend.empty((K, N), dtype)
+    backend.copy_to_device(ha, ta); backend.copy_to_device(hb, tb)
+    tc = backend.empty((M, N), dtype)
+    backend.copy_to_device(np.full((M, N), 0xFFFF if dtype.itemsize == 2 else 0,
+                                   dtype.numpy_dtype) if dtype is DT.BFLOAT16 else
+                           np.full((M, N), np.nan, dtype.numpy_dtype), tc)  # poison
+    block, grid = (tile, tile, 1), ((N + tile - 1) // tile, (M + tile - 1) // tile, 1)
+    backend.launch_kernel(kernel.name, grid, ta, tb, tc, M, N, K, block_size=block)
+    out = backend.to_host(tc)
+    if dtype is DT.BFLOAT16:
+        out = cb.from_bfloat16_bits(out)
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    rel = np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref)
+    tol = {DT.FLOAT32: 1e-5 * np.sqrt(K), DT.FLOAT64: 1e-12, DT.FLOAT16: 1e-2,
+           DT.BFLOAT16: 1e-2}[dtype]
+    assert np.isfinite(out).all() and rel < tol
+    for t in (ta, tb, tc):
+        t.free()
+
+
+def test_seed_kernel_optimization_example(backend):
+    gen = cb.get_kernel_generator()
+    src = gen.generate_matrix_multiply_kernel(dtype=DT.FLOAT32, use_tiled=True, tile_size=32)
+    backend.compile_kernel("optimized_matmul", src)
+    block, grid = gen.optimize_kernel_parameters("matrix_multiply", (1024, 1024, 1024))
+    assert block == (32, 32, 1) and grid == (32, 32, 1)
+
+
+# -- profiling ------------------------------------------------------------------------
+def test_profiling_stats_and_export(backend, tmp_path):
+    backend.enable_profiling = True
+    try:
+        backend.profiler.reset()
+        backend.compile_kernel("saxpy_test", SAXPY)
+        x = backend.to_device(np.ones(1 << 16, np.float32))
+        ms = backend.launch_kernel("saxpy_test", (256,), x, x, 2.0, 1 << 16)
+        assert ms > 0
+        backend.to_host(x)
+        x.free()
+        stats = backend.get_performance_stats()
+        k = stats["kernel_execution_times"]["saxpy_test"]
+        assert k["total_executions"] == 1 and k["min_ms"] <= k["average_ms"] <= k["max_ms"]
+        for kind in ("htod", "dtoh"):
+            t = stats["memory_transfer_times"][kind]
+            assert t["count"] >= 1 and t["total_bytes"] >= 1 << 18 and t["average_gbps"] > 0
+        path = backend.export_performance_report(str(tmp_path / "r.json"))
+        doc = json.load(open(path))
+        assert doc["devices"][0]["name"] == backend.devices[0].name
+        assert doc["versions"]["pycuda"] and doc["versions"]["cuda_driver"]
+        assert "saxpy_test" in doc["kernel_execution_times"]
+        trace = json.load(open(backend.export_chrome_trace(str(tmp_path / "trace.json"))))
+        names = {e["name"] for e in trace["traceEvents"]}
+        assert "saxpy_test" in names and "memcpy htod" in names
+        assert all(e["ph"] == "X" and e["dur"] >= 0 for e in trace["traceEvents"])
+    finally:
+        backend.enable_profiling = False
+    assert backend.launch_kernel("saxpy_test", (1,), backend.to_device(np.ones(4, np.float32)),
+                                 backend.to_device(np.ones(4, np.float32)), 1.0, 4) == 0.0
+
+
+# -- interop --------------------------------------------------------------------------
+def test_cupy_interop_zero_copy(backend):
+    cp = pytest.importorskip("cupy")
+    t = backend.to_device(np.arange(10, dtype=np.float32))
+    view = cp.asarray(t)
+    view[3] = 42.0
+    cp.cuda.runtime.deviceSynchronize()
+    assert backend.to_host(t)[3] == 42.0
+    c = cp.arange(6, dtype=cp.float64).reshape(2, 3)
+    w = cb.CudaTensor.from_cuda_array(c)
+    assert w.shape == (2, 3) and w.dtype is DT.FLOAT64
+    backend.copy_to_device(np.full((2, 3), 7.0), w)
+    assert float(c[1, 2]) == 7.0
+    t.free()
+
+
+def test_torch_interop_zero_copy(backend):
+    torch = pytest.importorskip("torch")
+    t = backend.to_device(np.arange(8, dtype=np.int32))
+    tt = torch.as_tensor(t, device="cuda")
+    tt[0] = -5
+    torch.cuda.synchronize()
+    assert backend.to_host(t)[0] == -5
+    src = torch.arange(12, dtype=torch.float32, device="cuda").reshape(3, 4)
+    w = cb.CudaTensor.from_cuda_array(src)
+    assert w.shape == (3, 4) and w.device_id == src.device.index
+    backend.copy_to_device(np.ones((3, 4), np.float32), w)
+    assert float(src.sum()) == 12.0
+    t.free()
+
+
+# -- exit -----------------------------------------------------------------------------
+@pytest.mark.parametrize("scenario", ["normal", "exception", "thread", "profiled"])
+def test_clean_exit(scenario):
+    body = {
+        "normal": "t = b.to_device(np.ones(100, np.float32)); b.set_device(0)",
+        "exception": "t = b.to_device(np.ones(100, np.float32)); raise ValueError('boom')",
+        "thread": textwrap.dedent("""
+            import threading
+            def w():
+                b.set_device(0)
+                x = b.to_device(np.ones(100, np.float32))
+                b.to_host(x)
+            th = threading.Thread(target=w); th.start(); th.join()
+            t = b.to_device(np.ones(100, np.float32))
+        """),
+        "profiled": "b.enable_profiling = True; t = b.to_device(np.ones(100, np.float32)); "
+                    "b.compile_kernel('k', 'extern \"C\" __global__ void k(float* x) {}'); "
+                    "b.launch_kernel('k', (1,), t)",
+    }[scenario]
+    code = "import numpy as np, cuda_backend as cb\nb = cb.get_cuda_backend()\n" + body
+    r = run_py(code)
+    if scenario == "exception":
+        assert r.returncode == 1 and "ValueError: boom" in r.stderr
+    else:
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    for bad in ("context stack", "PyCUDA WARNING", "PyCUDA ERROR", "CUDA_ERROR", "abort"):
+        assert bad not in r.stderr, r.stderr
