@@ -65,14 +65,18 @@ class CudaBackend:
 
         self.devices: List[CudaDeviceInfo] = enumerate_devices(drv)
         self._contexts = ContextManager(drv, len(self.devices))
-        self.memory_pools: Dict[int, MemoryPool] = {}
-        for info in self.devices:
-            dev = info.device_id
-            self.memory_pools[dev] = MemoryPool(
-                dev, pycuda.tools.DeviceMemoryPool(), device_total=info.memory_total,
-                activate=(lambda d=dev: self._contexts.activate(d)),
-                oom_errors=(drv.MemoryError,))
-        self._pinned = PinnedHostPool(drv)
+        contexts = self._contexts
+
+        def make_pool(dev: int) -> MemoryPool:
+            # A DeviceMemoryPool binds to the context current when it is made.
+            with contexts.activate(dev):
+                return MemoryPool(dev, pycuda.tools.DeviceMemoryPool(),
+                                  device_total=self.devices[dev].memory_total,
+                                  activate=lambda: contexts.activate(dev),
+                                  oom_errors=(drv.MemoryError,))
+        self.memory_pools: Dict[int, MemoryPool] = _LazyPools(make_pool, contexts.validate)
+        with contexts.activate(contexts.current_device()):
+            self._pinned = PinnedHostPool(drv)
         self._transfers = TransferEngine(drv, self._contexts, self._pinned)
         self._compiler = KernelCompiler(drv, self._contexts, self.devices)
         self._launcher = Launcher(drv, self._compiler, self._contexts, self.devices)
@@ -205,9 +209,7 @@ class CudaBackend:
             return dst.ptr, dst.device_id, dst.nbytes, dst
         dev = self.current_device if device_id is None else self._validate(device_id)
         ptr = int(dst)
-        block = self.memory_pools[dev]._by_ptr.get(ptr)
-        return ptr, dev, (int(block.size) if block is not None and hasattr(block, "size")
-                          else None), None
+        return ptr, dev, self.memory_pools[dev].capacity(ptr), None
 
     def copy_to_device(self, host_array: Any, device_ptr: Any,
                        device_id: Optional[int] = None, stream: Any = None) -> float:
@@ -370,12 +372,30 @@ class CudaBackend:
                         self._drv.Context.synchronize()
                     except self._drv.Error:
                         pass  # a faulted context: nothing more to wait for
-                    self.memory_pools[dev].shutdown()
+                    if dev in self.memory_pools:
+                        self.memory_pools[dev].shutdown()
             self._pinned.shutdown()
             self._compiler.clear()
             gc.collect()
         finally:
             self._contexts.shutdown()
+
+
+class _LazyPools(dict):
+    """device id -> MemoryPool, made on first access inside the device's context."""
+
+    def __init__(self, factory: Any, validate: Any) -> None:
+        super().__init__()
+        self._factory = factory
+        self._validate = validate
+        self._lock = threading.Lock()
+
+    def __missing__(self, device_id: int) -> MemoryPool:
+        device_id = self._validate(device_id)
+        with self._lock:
+            if device_id not in self:
+                dict.__setitem__(self, device_id, self._factory(device_id))
+            return dict.__getitem__(self, device_id)
 
 
 def nvcc_version() -> Optional[str]:

@@ -83,6 +83,13 @@ class ContextManager:
         return st
 
     # -- current device ---------------------------------------------------------------
+    def top_device(self) -> Optional[int]:
+        """Device whose context this thread has current through us, None if none yet."""
+        st = getattr(self._local, "state", None)
+        if st is None or not st.stack:
+            return None
+        return st.stack[-1][0]
+
     def current_device(self) -> int:
         """The calling thread's current device (0 until set)."""
         st = getattr(self._local, "state", None)
@@ -150,4 +157,4 @@ class ContextManager:
         self._contexts = [None] * self._count
 
 
-_NULL = contextlib.nullcontext()
+from .memory import _NULL  # noqa: E402  (one shared no-op context object)

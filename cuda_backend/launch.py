@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence, Tuple
 import numpy as np
 
 from .compiler import CudaKernel
+from .tensor import CudaTensor
 from .errors import KernelLaunchError, LaunchConfigurationError
 
 _FLOAT_CODES = frozenset("fd")
@@ -64,11 +65,14 @@ def check_limits(kernel: CudaKernel, info: Any, grid: Tuple[int, int, int],
 
 
 class Launcher:
-    """launch_kernel: the per-call path is kept to a dict lookup, a pack and the launch."""
+    """launch_kernel: the per-call path is kept to dict lookups, one pack and the launch."""
 
     def __init__(self, drv: Any, compiler: Any, contexts: Any, devices: Sequence[Any]) -> None:
+        from pycuda._pvt_struct import pack
         self._drv = drv
+        self._pack = pack
         self._compiler = compiler
+        self._kernels = compiler._by_name  # (device_id, name) -> CudaKernel, shared
         self._contexts = contexts
         self._devices = devices
         self.profiler = None  # set by the backend when profiling is on
@@ -76,55 +80,71 @@ class Launcher:
     def launch(self, kernel_name: str, grid_size: Any, args: Sequence[Any],
                block_size: Any = (256, 1, 1), shared_mem: int = 0, stream: Any = None,
                device_id: Optional[int] = None) -> float:
+        top = self._contexts.top_device()
         if device_id is None:
-            device_id = self._contexts.current_device()
-        kernel = self._compiler.get(kernel_name, device_id)
-        cfg = (grid_size, block_size, shared_mem)
+            device_id = 0 if top is None else top
+        kernel = self._kernels.get((device_id, kernel_name))
+        if kernel is None:
+            kernel = self._compiler.get(kernel_name, device_id)
         try:
-            dims = kernel.validated.get(cfg)
+            dims = kernel.validated.get((grid_size, block_size, shared_mem))
         except TypeError:  # unhashable (lists)
             dims = None
         if dims is None:
             dims = self._validate(kernel, device_id, grid_size, block_size, shared_mem)
-            try:
-                kernel.validated[cfg] = dims
-            except TypeError:
-                pass
-        grid, block = dims
-        if len(args) != len(kernel.arg_format):
+        fmt = kernel.arg_format
+        if len(args) != len(fmt):
             raise LaunchConfigurationError(
-                f"kernel '{kernel_name}' takes {len(kernel.arg_format)} arguments "
-                f"(format '{kernel.arg_format}'), got {len(args)}")
-        values = [a if type(a) is int or (type(a) is float and c in _FLOAT_CODES)
-                  else _convert(a, c, i, kernel_name)
-                  for i, (a, c) in enumerate(zip(args, kernel.arg_format))]
+                f"kernel '{kernel_name}' takes {len(fmt)} arguments (format '{fmt}'), "
+                f"got {len(args)}")
+        values = []
+        for i, a in enumerate(args):
+            t = type(a)
+            if t is int:
+                values.append(a)
+            elif t is CudaTensor:
+                p = a._ptr
+                values.append(p if p is not None else a.ptr)
+            elif t is float and fmt[i] in _FLOAT_CODES:
+                values.append(a)
+            else:
+                values.append(_convert(a, fmt[i], i, kernel_name))
+        try:
+            buf = self._pack(fmt, *values)
+        except Exception as exc:
+            raise _pack_error(kernel, args, exc) from None
         if stream is not None and not isinstance(stream, self._drv.Stream):
             stream = getattr(stream, "pycuda_stream", stream)
-        profiler = self.profiler
-        with self._contexts.activate(device_id):
-            if profiler is None:
+        if self.profiler is None:
+            if top == device_id:
                 try:
-                    kernel.function.prepared_async_call(grid, block, stream, *values,
-                                                        shared_size=shared_mem)
+                    kernel.function._launch_kernel(dims[0], dims[1], buf, shared_mem, stream)
                 except self._drv.Error as exc:
                     raise _launch_error(kernel_name, exc) from None
-                except Exception as exc:  # argument packing
-                    raise _pack_error(kernel, args, exc) from None
                 return 0.0
-            start, end = self._drv.Event(), self._drv.Event()
+            with self._contexts.activate(device_id):
+                try:
+                    kernel.function._launch_kernel(dims[0], dims[1], buf, shared_mem, stream)
+                except self._drv.Error as exc:
+                    raise _launch_error(kernel_name, exc) from None
+            return 0.0
+        return self._timed_launch(kernel, device_id, dims, buf, shared_mem, stream)
+
+    def _timed_launch(self, kernel: CudaKernel, device_id: int, dims: tuple, buf: bytes,
+                      shared_mem: int, stream: Any) -> float:
+        drv = self._drv
+        with self._contexts.activate(device_id):
+            start, end = drv.Event(), drv.Event()
             t0 = time.perf_counter()
-            start.record(stream)
             try:
-                kernel.function.prepared_async_call(grid, block, stream, *values,
-                                                    shared_size=shared_mem)
+                start.record(stream)
+                kernel.function._launch_kernel(dims[0], dims[1], buf, shared_mem, stream)
                 end.record(stream)
                 end.synchronize()
-            except self._drv.Error as exc:
-                raise _launch_error(kernel_name, exc) from None
-            except Exception as exc:
-                raise _pack_error(kernel, args, exc) from None
+            except drv.Error as exc:
+                raise _launch_error(kernel.name, exc) from None
             ms = end.time_since(start)
-        profiler.record_kernel(kernel_name, ms, device_id, t0, grid, block, shared_mem)
+        self.profiler.record_kernel(kernel.name, ms, device_id, t0, dims[0], dims[1], shared_mem)
         return ms
 
     def _validate(self, kernel: CudaKernel, device_id: int, grid_size: Any, block_size: Any,
@@ -141,7 +161,12 @@ class Launcher:
                 kernel.function.set_attribute(
                     self._drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, int(shared_mem))
             kernel.max_dynamic_shared_bytes = int(shared_mem)
-        return grid, block
+        dims = (grid, block)
+        try:
+            kernel.validated[(grid_size, block_size, shared_mem)] = dims
+        except TypeError:
+            pass
+        return dims
 
 
 def _convert(arg: Any, code: str, index: int, kernel_name: str) -> Any:

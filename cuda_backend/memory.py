@@ -114,6 +114,16 @@ class HostBinnedPool:
         self.free_held()
 
 
+def _check_size(nbytes: Any) -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+        raise InvalidArgumentError(
+            f"allocation size must be a non-negative int, got {nbytes!r}")
+    return int(nbytes)
+
+
+_NULL = contextlib.nullcontext()
+
+
 def _numpy_host_allocator(size: int) -> Tuple[Any, int]:
     buf = np.empty(size, dtype=np.uint8)
     return buf, int(buf.ctypes.data)
@@ -128,9 +138,9 @@ class MemoryPool:
         self.device_id = device_id
         self._pool = pool
         self._device_total = device_total
-        self._activate = activate or contextlib.nullcontext
+        self._activate = activate or (lambda: _NULL)
         self._oom_errors = oom_errors
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._limit = 0
         self._by_ptr: Dict[int, Any] = {}
         self.reset_counters()
@@ -148,12 +158,21 @@ class MemoryPool:
     # -- allocation -----------------------------------------------------------------
     def allocate(self, nbytes: int) -> Any:
         """A pool block of at least nbytes (an object with int() and .free())."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
-            raise InvalidArgumentError(
-                f"allocation size must be a non-negative int, got {nbytes!r}")
-        nbytes = max(int(nbytes), 1)
+        if type(nbytes) is not int:
+            nbytes = _check_size(nbytes)
+        if nbytes <= 0:
+            if nbytes < 0:
+                raise InvalidArgumentError(f"allocation size must be >= 0 bytes, got {nbytes}")
+            nbytes = 1
+        ctx = self._activate()
+        if ctx is not _NULL:
+            with ctx:
+                return self._allocate_locked(nbytes)
+        return self._allocate_locked(nbytes)
+
+    def _allocate_locked(self, nbytes: int) -> Any:
         pool = self._pool
-        with self._lock, self._activate():
+        with self._lock:
             if self._limit:
                 self._check_limit(nbytes)
             held = pool.held_blocks
@@ -213,25 +232,30 @@ class MemoryPool:
 
     def allocate_memory(self, size: int) -> int:
         """Allocate and return a raw device pointer; free it with `free_memory`."""
-        if size == 0:
+        if size == 0 and type(size) is int:
             return 0
         block = self.allocate(size)
         ptr = int(block)
-        with self._lock:
-            self._by_ptr[ptr] = block
+        self._by_ptr[ptr] = (block, size)
         return ptr
+
+    def capacity(self, ptr: int) -> Optional[int]:
+        """Bytes requested for a pointer from allocate_memory, None if unknown."""
+        entry = self._by_ptr.get(ptr)
+        return None if entry is None else entry[1]
 
     def free_memory(self, ptr: int) -> None:
         """Free a pointer from `allocate_memory`; unknown or already freed pointers raise."""
         if ptr == 0:
             return
+        entry = self._by_ptr.pop(ptr, None)
+        if entry is None:
+            raise InvalidPointerError(
+                f"pointer 0x{int(ptr):x} was not allocated by the pool of device "
+                f"{self.device_id} with allocate_memory, or was already freed")
         with self._lock:
-            block = self._by_ptr.pop(int(ptr), None)
-            if block is None:
-                raise InvalidPointerError(
-                    f"pointer 0x{int(ptr):x} was not allocated by the pool of device "
-                    f"{self.device_id} with allocate_memory, or was already freed")
-            self.release(block)
+            self._explicit_frees += 1
+            entry[0].free()
 
     # -- CuPy-style queries -------------------------------------------------------
     def used_bytes(self) -> int:
@@ -248,7 +272,7 @@ class MemoryPool:
 
     def free_all_blocks(self) -> None:
         """Return every cached (unused) block to the driver."""
-        with self._lock, self._activate():
+        with self._activate(), self._lock:
             self._pool.free_held()
 
     def set_limit(self, size: Optional[int] = None, fraction: Optional[float] = None) -> None:
@@ -291,7 +315,7 @@ class MemoryPool:
 
     def shutdown(self) -> None:
         """Free cached blocks and stop caching (used at exit)."""
-        with self._lock, self._activate():
+        with self._activate(), self._lock:
             self._by_ptr.clear()
             self._pool.stop_holding()
 
