@@ -52,7 +52,16 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
             mm.append({**dtype_params(dt), "use_tiled": True, "tile_size": tile})
         mm.append({**dtype_params(dt), "use_tiled": False, "tile_size": 16})
     variants["matmul.cu.j2"] = mm
+    # Each op module lists the parameter sets it renders.
+    import importlib
+    for name in OP_MODULES:
+        module = importlib.import_module(f"cuda_backend.ops.{name}")
+        for template, sets in module.template_variants().items():
+            variants.setdefault(template, []).extend(sets)
     return variants
+
+
+OP_MODULES = ("elementwise", "reduction", "softmax", "transpose", "matmul")
 
 
 def templates_path() -> Any:

@@ -165,6 +165,49 @@ class CudaTensor:
             t.stream = stream
         return t
 
+    # -- operators (CudaMath) -----------------------------------------------------
+    def __add__(self, other: Any) -> "CudaTensor":
+        return _math().add(self, other)
+
+    def __radd__(self, other: Any) -> "CudaTensor":
+        return _math().add(other, self)
+
+    def __sub__(self, other: Any) -> "CudaTensor":
+        return _math().subtract(self, other)
+
+    def __rsub__(self, other: Any) -> "CudaTensor":
+        return _math().subtract(other, self)
+
+    def __mul__(self, other: Any) -> "CudaTensor":
+        return _math().multiply(self, other)
+
+    def __rmul__(self, other: Any) -> "CudaTensor":
+        return _math().multiply(other, self)
+
+    def __truediv__(self, other: Any) -> "CudaTensor":
+        return _math().divide(self, other)
+
+    def __rtruediv__(self, other: Any) -> "CudaTensor":
+        return _math().divide(other, self)
+
+    def __pow__(self, other: Any) -> "CudaTensor":
+        return _math().power(self, other)
+
+    def __matmul__(self, other: Any) -> "CudaTensor":
+        return _math().matrix_multiply(self, other)
+
+    def __neg__(self) -> "CudaTensor":
+        return _math().negative(self)
+
+    @property
+    def T(self) -> "CudaTensor":
+        """Transpose of a 2-D tensor (last two axes of a 3-D one), as a new tensor."""
+        return _math().matrix_transpose(self)
+
+    def numpy(self) -> np.ndarray:
+        """A host copy (bfloat16 as float32)."""
+        return _math().to_numpy(self)
+
     # -- display ------------------------------------------------------------------
     def __repr__(self) -> str:
         state = ", freed" if self._ptr is None else ""
@@ -176,6 +219,11 @@ class CudaTensor:
         if not self.shape:
             raise TypeError("len() of a 0-d tensor")
         return self.shape[0]
+
+
+def _math() -> Any:
+    from .cuda_math import get_cuda_math
+    return get_cuda_math()
 
 
 def pointer_device(ptr: int) -> int:

@@ -365,4 +365,4 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

@@ -1,0 +1,130 @@
+"""Autotuner: times a small set of kernel configs once per (device, op, shape class) and
+keeps the winner in memory and in a JSON file (written atomically).
+
+A config is a dict of template parameters (hashable once frozen); one that fails to compile
+or launch scores infinity and loses instead of crashing. Set `CUDA_BACKEND_AUTOTUNE=0` to
+skip timing and take the first candidate; `CUDA_BACKEND_AUTOTUNE_PATH` moves the file.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from .errors import CudaBackendError
+from .profiling import write_json_atomic
+
+logger = logging.getLogger("cuda_backend")
+
+
+def default_path() -> str:
+    path = os.environ.get("CUDA_BACKEND_AUTOTUNE_PATH")
+    if path:
+        return path
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "cuda_backend", "autotune.json")
+
+
+def config_key(config: Dict[str, Any]) -> str:
+    return json.dumps(config, sort_keys=True)
+
+
+class Autotuner:
+    """pick(op, shape_class, candidates, run) -> the fastest config."""
+
+    def __init__(self, backend: Any, path: Optional[str] = None) -> None:
+        self.backend = backend
+        self.path = path or default_path()
+        self._lock = threading.Lock()
+        self._choices: Dict[str, Dict[str, Any]] = {}
+        self._loaded = False
+        self.enabled = os.environ.get("CUDA_BACKEND_AUTOTUNE", "1") not in ("0", "")
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        try:
+            with open(self.path) as f:
+                doc = json.load(f)
+            if doc.get("version") == 1:
+                self._choices.update(doc.get("choices", {}))
+        except (OSError, ValueError):
+            pass
+
+    def _key(self, op: str, shape_class: Any, device_id: int) -> str:
+        name = self.backend.devices[device_id].name
+        return f"{name}|{op}|{json.dumps(shape_class, default=str)}"
+
+    def pick(self, op: str, shape_class: Any, candidates: Sequence[Dict[str, Any]],
+             run: Callable[[Dict[str, Any]], None], device_id: int = 0,
+             repeats: int = 3) -> Dict[str, Any]:
+        """The best candidate for this (device, op, shape class); times them on first use.
+
+        run(config) must launch the work once (asynchronously is fine).
+        """
+        if not candidates:
+            raise CudaBackendError(f"autotuner: no candidates for {op}")
+        if len(candidates) == 1 or not self.enabled or not self.backend.is_available:
+            return dict(candidates[0])
+        key = self._key(op, shape_class, device_id)
+        with self._lock:
+            self._load()
+            hit = self._choices.get(key)
+        if hit is not None:
+            wanted = hit["config"]
+            for c in candidates:
+                if config_key(c) == config_key(wanted):
+                    return dict(c)
+        timings = self._time_all(candidates, run, device_id, repeats)
+        best = min(range(len(candidates)), key=lambda i: timings[i])
+        if math.isinf(timings[best]):
+            raise CudaBackendError(f"autotuner: every candidate for {op} {shape_class} failed")
+        entry = {"config": dict(candidates[best]), "ms": timings[best],
+                 "all_ms": {config_key(c): t for c, t in zip(candidates, timings)}}
+        with self._lock:
+            self._choices[key] = entry
+            self._save()
+        logger.debug("autotune %s %s -> %s (%.4f ms)", op, shape_class, candidates[best],
+                     timings[best])
+        return dict(candidates[best])
+
+    def _time_all(self, candidates: Sequence[Dict[str, Any]], run: Callable, device_id: int,
+                  repeats: int) -> List[float]:
+        drv = self.backend._drv
+        out = []
+        with self.backend.activate(device_id):
+            for cfg in candidates:
+                try:
+                    run(cfg)  # warm-up: compiles and loads
+                    drv.Context.synchronize()
+                    start, end = drv.Event(), drv.Event()
+                    start.record()
+                    for _ in range(repeats):
+                        run(cfg)
+                    end.record()
+                    end.synchronize()
+                    out.append(end.time_since(start) / repeats)
+                except Exception as exc:  # a config that fails loses
+                    logger.debug("autotune config %s failed: %s", cfg, exc)
+                    try:
+                        drv.Context.synchronize()
+                    except Exception:
+                        pass
+                    out.append(float("inf"))
+        return out
+
+    def _save(self) -> None:
+        doc = {"version": 1, "choices": self._choices}
+        try:
+            write_json_atomic(self.path, doc)
+        except OSError as exc:
+            logger.debug("autotune: cannot write %s: %s", self.path, exc)
+
+    def choices(self) -> Dict[str, Dict[str, Any]]:
+        with self._lock:
+            self._load()
+            return dict(self._choices)

@@ -1,0 +1,217 @@
+"""`CudaMath`: tensor math on the GPU, NumPy underneath in fallback mode.
+
+The public methods check their operands and hand off to one module per operation family
+in `cuda_backend/ops/` (elementwise, reduction, softmax, transpose, matmul), each of which
+renders its template in `templates/`.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .backend import CudaBackend, get_cuda_backend
+from .dtypes import CudaDataType
+from .errors import InvalidArgumentError
+from .kernels import KernelGenerator
+from .ops import common
+from .ops import elementwise as ew
+from .ops import matmul as mm
+from .ops import reduction as red
+from .ops import softmax as sm
+from .ops import transpose as tr
+from .tensor import CudaTensor, normalize_shape
+
+Operand = Union[CudaTensor, int, float]
+Axis = Union[None, int, Tuple[int, ...]]
+
+
+class CudaMath:
+    """Tensors and math operations on the backend's devices."""
+
+    def __init__(self, backend: Optional[CudaBackend] = None) -> None:
+        self.backend = backend or get_cuda_backend()
+        self.generator = KernelGenerator(self.backend)
+        self._autotuner = None
+
+    @property
+    def gpu(self) -> bool:
+        """True when operations run on a GPU, False in NumPy fallback mode."""
+        return self.backend.is_available
+
+    @property
+    def autotuner(self) -> Any:
+        if self._autotuner is None:
+            from .autotune import Autotuner
+            self._autotuner = Autotuner(self.backend)
+        return self._autotuner
+
+    def kernel(self, template: str, device_id: int, **params: Any) -> Any:
+        """Compiled kernel for a template and parameters (memoized per device)."""
+        return self.generator.get_kernel(template, device_id=device_id, **params)
+
+    # -- tensors ----------------------------------------------------------------------
+    def create_tensor(self, shape: Any, dtype: Any = CudaDataType.FLOAT32,
+                      device_id: Optional[int] = None) -> CudaTensor:
+        """An uninitialized tensor on the current device (or device_id)."""
+        return self.backend.empty(shape, CudaDataType.from_any(dtype), device_id)
+
+    def from_numpy(self, array: Any, device_id: Optional[int] = 0,
+                   dtype: Any = None) -> CudaTensor:
+        """Copy a host array to a new tensor; dtype= converts (e.g. to bfloat16)."""
+        a = np.asarray(array)
+        target = CudaDataType.from_any(dtype if dtype is not None else a.dtype)
+        dev = self.backend.current_device if device_id is None else device_id
+        return common.from_host(self, a, target, dev)
+
+    def to_numpy(self, tensor: CudaTensor) -> np.ndarray:
+        """A host copy; bfloat16 comes back as float32 (NumPy has no bfloat16)."""
+        return common.host_array(self, common.check_tensor(tensor, "tensor"))
+
+    def free_tensor(self, tensor: CudaTensor) -> None:
+        """Give the tensor's memory back to its pool now."""
+        if not isinstance(tensor, CudaTensor):
+            raise InvalidArgumentError(f"expected a CudaTensor, got {type(tensor).__name__}")
+        tensor.free()
+
+    def from_cuda_array(self, obj: Any) -> CudaTensor:
+        """Wrap a CuPy/PyTorch/Numba device array without copying."""
+        return CudaTensor.from_cuda_array(obj)
+
+    def fill(self, tensor: CudaTensor, value: Union[int, float]) -> CudaTensor:
+        """Set every element to value, in place; returns the tensor."""
+        return ew.fill(self, common.check_tensor(tensor), value)
+
+    def zeros(self, shape: Any, dtype: Any = CudaDataType.FLOAT32,
+              device_id: Optional[int] = None) -> CudaTensor:
+        return self.fill(self.create_tensor(shape, dtype, device_id), 0)
+
+    def ones(self, shape: Any, dtype: Any = CudaDataType.FLOAT32,
+             device_id: Optional[int] = None) -> CudaTensor:
+        return self.fill(self.create_tensor(shape, dtype, device_id), 1)
+
+    def copy(self, tensor: CudaTensor) -> CudaTensor:
+        """A new tensor with the same contents (device-to-device copy)."""
+        return ew.copy(self, common.check_tensor(tensor))
+
+    # -- elementwise --------------------------------------------------------------------
+    def vector_add(self, a: CudaTensor, b: CudaTensor) -> CudaTensor:
+        """a + b for same-shape tensors (the seed's API); `add` broadcasts."""
+        common.check_tensor(a, "a"), common.check_tensor(b, "b")
+        if a.shape != b.shape:
+            from .errors import ShapeMismatchError
+            raise ShapeMismatchError(
+                f"vector_add needs equal shapes, got {a.shape} and {b.shape} "
+                f"(use add() for broadcasting)")
+        return ew.binary(self, "add", a, b)
+
+    def add(self, a: Operand, b: Operand) -> CudaTensor:
+        return ew.binary(self, "add", a, b)
+
+    def subtract(self, a: Operand, b: Operand) -> CudaTensor:
+        return ew.binary(self, "subtract", a, b)
+
+    def multiply(self, a: Operand, b: Operand) -> CudaTensor:
+        return ew.binary(self, "multiply", a, b)
+
+    def divide(self, a: Operand, b: Operand) -> CudaTensor:
+        return ew.binary(self, "divide", a, b)
+
+    def maximum(self, a: Operand, b: Operand) -> CudaTensor:
+        return ew.binary(self, "maximum", a, b)
+
+    def minimum(self, a: Operand, b: Operand) -> CudaTensor:
+        return ew.binary(self, "minimum", a, b)
+
+    def power(self, a: Operand, b: Operand) -> CudaTensor:
+        return ew.binary(self, "power", a, b)
+
+    def exp(self, x: CudaTensor) -> CudaTensor:
+        return ew.unary(self, "exp", x)
+
+    def log(self, x: CudaTensor) -> CudaTensor:
+        return ew.unary(self, "log", x)
+
+    def sqrt(self, x: CudaTensor) -> CudaTensor:
+        return ew.unary(self, "sqrt", x)
+
+    def abs(self, x: CudaTensor) -> CudaTensor:
+        return ew.unary(self, "abs", x)
+
+    def tanh(self, x: CudaTensor) -> CudaTensor:
+        return ew.unary(self, "tanh", x)
+
+    def negative(self, x: CudaTensor) -> CudaTensor:
+        return ew.unary(self, "negative", x)
+
+    def relu(self, x: CudaTensor) -> CudaTensor:
+        return ew.unary(self, "relu", x)
+
+    def sigmoid(self, x: CudaTensor) -> CudaTensor:
+        return ew.unary(self, "sigmoid", x)
+
+    # -- reductions ---------------------------------------------------------------------
+    def reduce_sum(self, tensor: CudaTensor, axis: Axis = None,
+                   keepdims: bool = False) -> CudaTensor:
+        return red.reduce(self, "sum", tensor, axis, keepdims)
+
+    def reduce_max(self, tensor: CudaTensor, axis: Axis = None,
+                   keepdims: bool = False) -> CudaTensor:
+        return red.reduce(self, "max", tensor, axis, keepdims)
+
+    def reduce_min(self, tensor: CudaTensor, axis: Axis = None,
+                   keepdims: bool = False) -> CudaTensor:
+        return red.reduce(self, "min", tensor, axis, keepdims)
+
+    def reduce_mean(self, tensor: CudaTensor, axis: Axis = None,
+                    keepdims: bool = False) -> CudaTensor:
+        return red.reduce(self, "mean", tensor, axis, keepdims)
+
+    def argmax(self, tensor: CudaTensor, axis: Optional[int] = None,
+               keepdims: bool = False) -> CudaTensor:
+        """Index of the first maximum (int64), over the flattened tensor or one axis."""
+        return red.argmax(self, tensor, axis, keepdims)
+
+    def softmax(self, tensor: CudaTensor) -> CudaTensor:
+        """Softmax over the last axis."""
+        return sm.softmax(self, tensor, log=False)
+
+    def log_softmax(self, tensor: CudaTensor) -> CudaTensor:
+        """log(softmax(x)) over the last axis, computed stably."""
+        return sm.softmax(self, tensor, log=True)
+
+    # -- matrices -----------------------------------------------------------------------
+    def matrix_transpose(self, tensor: CudaTensor) -> CudaTensor:
+        """Transpose of a 2-D tensor (or of the last two axes of a 3-D one)."""
+        return tr.transpose(self, tensor)
+
+    def matrix_multiply(self, a: CudaTensor, b: CudaTensor,
+                        precision: Optional[str] = None) -> CudaTensor:
+        """a @ b for 2-D, or batched 3-D (B,M,K)@(B,K,N) with a broadcast batch.
+
+        float32 is true FP32 by default; precision="tf32" opts into TF32 tensor cores.
+        float16/bfloat16 use tensor cores with float32 accumulation.
+        """
+        return mm.matmul(self, a, b, precision)
+
+    # -- benchmarks ---------------------------------------------------------------------
+    def benchmark_operations(self, sizes: Sequence[Tuple[int, ...]],
+                             iterations: int = 20) -> dict:
+        """{operation: {size: {"average_time_ms", "gflops" or "gbps", ...}}} (the seed's)."""
+        from .math_benchmark import benchmark_operations
+        return benchmark_operations(self, sizes, iterations)
+
+
+_math: Optional[CudaMath] = None
+_math_lock = threading.Lock()
+
+
+def get_cuda_math() -> CudaMath:
+    """The CudaMath instance for the process-wide backend."""
+    global _math
+    if _math is None:
+        with _math_lock:
+            if _math is None:
+                _math = CudaMath(get_cuda_backend())
+    return _math

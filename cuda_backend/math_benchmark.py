@@ -1,0 +1,81 @@
+"""`CudaMath.benchmark_operations`: quick per-operation timings in the seed's format.
+
+GPU times come from CUDA events around each call after one warm-up call; fallback times
+from the host clock. For the full comparison against peers use `cuda-backend report`.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Dict, Sequence, Tuple
+
+import numpy as np
+
+from .errors import InvalidArgumentError
+
+
+def _time_ms(m: Any, fn: Callable[[], Any], iterations: int) -> list:
+    out = fn()  # warm-up (compiles, autotunes)
+    _free(out)
+    times = []
+    if m.gpu:
+        drv = m.backend._drv
+        for _ in range(iterations):
+            start, end = drv.Event(), drv.Event()
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            times.append(end.time_since(start))
+            _free(out)
+    else:
+        for _ in range(iterations):
+            t0 = time.perf_counter()
+            out = fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            _free(out)
+    return times
+
+
+def _free(out: Any) -> None:
+    if hasattr(out, "free"):
+        out.free()
+
+
+def benchmark_operations(m: Any, sizes: Sequence[Tuple[int, ...]],
+                         iterations: int = 20) -> Dict[str, Dict[Any, Dict[str, float]]]:
+    """{operation: {size: {"average_time_ms", "median_time_ms", "min_time_ms",
+    "gflops" or "gbps"}}} for vector_add, relu, sigmoid, reduce_sum, softmax,
+    matrix_transpose and matrix_multiply on float32 inputs of each 2-D size."""
+    if iterations < 1:
+        raise InvalidArgumentError(f"iterations must be >= 1, got {iterations}")
+    rng = np.random.default_rng()
+    results: Dict[str, Dict[Any, Dict[str, float]]] = {}
+    for size in sizes:
+        shape = tuple(int(s) for s in size)
+        if len(shape) != 2:
+            raise InvalidArgumentError(f"sizes must be (rows, cols) pairs, got {size!r}")
+        rows, cols = shape
+        n = rows * cols
+        a = m.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+        b = m.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+        bt = m.from_numpy(rng.standard_normal((cols, rows), dtype=np.float32))
+        cases = {
+            "vector_add": (lambda: m.vector_add(a, b), ("gbps", 3 * 4 * n)),
+            "relu": (lambda: m.relu(a), ("gbps", 2 * 4 * n)),
+            "sigmoid": (lambda: m.sigmoid(a), ("gbps", 2 * 4 * n)),
+            "reduce_sum": (lambda: m.reduce_sum(a), ("gbps", 4 * n)),
+            "softmax": (lambda: m.softmax(a), ("gbps", 2 * 4 * n)),
+            "matrix_transpose": (lambda: m.matrix_transpose(a), ("gbps", 2 * 4 * n)),
+            "matrix_multiply": (lambda: m.matrix_multiply(a, bt), ("gflops", 2 * rows * rows * cols)),
+        }
+        for name, (fn, (unit, amount)) in cases.items():
+            times = _time_ms(m, fn, iterations)
+            avg = statistics.fmean(times)
+            med = statistics.median(times)
+            entry = {"average_time_ms": avg, "median_time_ms": med, "min_time_ms": min(times)}
+            entry[unit] = amount / (med * 1e-3) / 1e9 if med > 0 else 0.0
+            results.setdefault(name, {})[size] = entry
+        for t in (a, b, bt):
+            t.free()
+    return results

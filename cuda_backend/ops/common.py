@@ -1,0 +1,133 @@
+"""Helpers every op module uses: operand checks, broadcasting, launch sizing, host fallback."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..dtypes import CudaDataType, from_bfloat16_bits, to_bfloat16_bits
+from ..errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
+                      ShapeMismatchError)
+from ..tensor import CudaTensor
+
+FLOATS = (CudaDataType.FLOAT32, CudaDataType.FLOAT64, CudaDataType.FLOAT16,
+          CudaDataType.BFLOAT16)
+
+
+def check_tensor(t: Any, what: str = "operand") -> CudaTensor:
+    """t must be a live CudaTensor."""
+    if not isinstance(t, CudaTensor):
+        raise InvalidArgumentError(
+            f"{what} must be a CudaTensor, got {type(t).__name__} (use from_numpy first)")
+    t.check_alive()
+    return t
+
+
+def same_device(*tensors: CudaTensor) -> int:
+    """The common device of the operands; raises naming both devices otherwise."""
+    dev = tensors[0].device_id
+    for t in tensors[1:]:
+        if t.device_id != dev:
+            raise DeviceMismatchError(
+                f"operands are on different devices: cuda:{dev} and cuda:{t.device_id}; "
+                f"move one with tensor.to(device_id) first")
+    return dev
+
+
+def same_dtype(*tensors: CudaTensor) -> CudaDataType:
+    """Tensors of one op must share a dtype (no implicit promotion between tensors)."""
+    dt = tensors[0].dtype
+    for t in tensors[1:]:
+        if t.dtype is not dt:
+            raise DTypeMismatchError(
+                f"mixed dtypes {dt.name_str} and {t.dtype.name_str}: tensors of one operation "
+                f"must share a dtype (only Python scalars are converted to the tensor's dtype)")
+    return dt
+
+
+def require_dtype(t: CudaTensor, allowed: Iterable[CudaDataType], op: str) -> None:
+    allowed = tuple(allowed)
+    if t.dtype not in allowed:
+        names = ", ".join(d.name_str for d in allowed)
+        raise DTypeMismatchError(f"{op} does not support {t.dtype.name_str}; supported: {names}")
+
+
+def broadcast_shapes(a: Sequence[int], b: Sequence[int]) -> Tuple[int, ...]:
+    """NumPy's broadcasting rule, with an error naming both shapes."""
+    out = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        x = a[-i] if i <= len(a) else 1
+        y = b[-i] if i <= len(b) else 1
+        if x != y and x != 1 and y != 1:
+            raise ShapeMismatchError(
+                f"shapes {tuple(a)} and {tuple(b)} cannot be broadcast together "
+                f"(dimension -{i}: {x} vs {y})")
+        out.append(max(x, y) if x != 0 and y != 0 else 0)
+    return tuple(reversed(out))
+
+
+def normalize_axes(axis: Any, ndim: int) -> Tuple[int, ...]:
+    """axis (None, int or tuple) -> sorted tuple of non-negative axes; errors name the range."""
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    out = []
+    for ax in axes:
+        if isinstance(ax, bool) or not isinstance(ax, (int, np.integer)):
+            raise InvalidArgumentError(f"axis must be an int, a tuple of ints or None, got {axis!r}")
+        if not -ndim <= ax < ndim:
+            raise InvalidArgumentError(
+                f"axis {ax} is out of range for a tensor of {ndim} dimensions "
+                f"(valid: {-ndim}..{ndim - 1})" if ndim else
+                f"axis {ax} is out of range for a 0-d tensor")
+        out.append(int(ax) % ndim)
+    if len(set(out)) != len(out):
+        raise InvalidArgumentError(f"repeated axis in {axis!r}")
+    return tuple(sorted(out))
+
+
+def grid_1d(n: int, block: int, sm_count: int, waves: int = 8) -> int:
+    """Blocks for a grid-stride loop over n items: enough to fill every SM, no more."""
+    need = (n + block - 1) // block
+    return max(1, min(need, sm_count * waves))
+
+
+# -- host side ------------------------------------------------------------------------
+def host_array(m: Any, t: CudaTensor) -> np.ndarray:
+    """The tensor's values as a NumPy array (bfloat16 widened to float32)."""
+    a = m.backend.to_host(t)
+    if t.dtype is CudaDataType.BFLOAT16:
+        return from_bfloat16_bits(a).reshape(t.shape)
+    return a
+
+
+def from_host(m: Any, values: np.ndarray, dtype: CudaDataType, device_id: int) -> CudaTensor:
+    """A new tensor holding values converted to dtype (bfloat16 rounded to nearest even)."""
+    values = np.asarray(values)
+    if dtype is CudaDataType.BFLOAT16:
+        host = to_bfloat16_bits(values.astype(np.float32)).reshape(values.shape)
+    else:
+        host = np.ascontiguousarray(values, dtype=dtype.numpy_dtype)
+    out = m.backend.empty(values.shape, dtype, device_id)
+    if out.nbytes:
+        m.backend.copy_to_device(host, out)
+    return out
+
+
+def scalar_for(dtype: CudaDataType, value: Any) -> Any:
+    """A Python scalar converted for a kernel's value argument of this dtype."""
+    if isinstance(value, (np.generic,)):
+        value = value.item()
+    if isinstance(value, bool):
+        value = int(value)
+    if not isinstance(value, (int, float)):
+        raise InvalidArgumentError(f"expected a Python number, got {type(value).__name__}")
+    return float(value) if dtype.is_floating else int(value)
+
+
+def is_scalar(x: Any) -> bool:
+    return isinstance(x, (int, float, bool, np.number, np.bool_)) and not isinstance(x, CudaTensor)
+
+
+def maybe(t: Optional[CudaTensor]) -> Optional[CudaTensor]:
+    return None if t is None else check_tensor(t)
