@@ -24,7 +24,7 @@ from .devices import CudaDeviceInfo, enumerate_devices, host_device_info
 from .driver import load_driver, pycuda_version
 from .dtypes import CudaDataType
 from .errors import (CudaNotAvailableError, DTypeMismatchError, InvalidDeviceError,
-                     TransferError)
+                     TransferError, driver_failure)
 from .memory import HostBinnedPool, MemoryPool, PinnedHostPool
 from .profiling import Profiler, write_json_atomic
 from .tensor import CudaTensor, normalize_shape
@@ -104,7 +104,7 @@ class CudaBackend:
     def _validate(self, device_id: Any) -> int:
         if self.is_available:
             return self._contexts.validate(device_id)
-        if device_id != 0 or isinstance(device_id, bool):
+        if device_id != 0 or type(device_id) not in (int, np.int32, np.int64):
             raise InvalidDeviceError(device_id, 0)
         return 0
 
@@ -146,7 +146,10 @@ class CudaBackend:
             else self._contexts.initialized_devices()
         for dev in ids:
             with self._contexts.activate(dev):
-                self._drv.Context.synchronize()
+                try:
+                    self._drv.Context.synchronize()
+                except self._drv.Error as exc:
+                    raise driver_failure(f"synchronize of device {dev}", exc, dev) from None
 
     def create_stream(self, device_id: Optional[int] = None) -> Any:
         """A new PyCUDA Stream on the device."""
@@ -191,6 +194,7 @@ class CudaBackend:
         dev = self.current_device if device_id is None else self._validate(device_id)
         pool = self.memory_pools[dev]
         t = CudaTensor(shape, dtype, dev, 0)
+        t.on_host = not self.is_available
         if t.nbytes == 0:
             if not self.is_available:
                 t._host = np.empty(shape, dtype.numpy_dtype)
@@ -229,6 +233,8 @@ class CudaBackend:
             raise TransferError(
                 f"copy_from_device needs a NumPy array to write into, got "
                 f"{type(host_array).__name__}")
+        if not host_array.flags.writeable:
+            raise TransferError("copy_from_device needs a writeable host array")
         ptr, dev, capacity, tensor = self._destination(device_ptr, device_id)
         if tensor is not None:
             _check_same(host_array, tensor, "copy_from_device")
@@ -242,6 +248,47 @@ class CudaBackend:
         if target is not host_array:
             host_array[...] = target
         return ms
+
+    def copy_to_device_async(self, host_array: np.ndarray, device_ptr: Any, stream: Any,
+                             device_id: Optional[int] = None) -> None:
+        """Queue a copy from page-locked host memory on a stream and return at once."""
+        ptr, dev, capacity, tensor = self._check_async(host_array, device_ptr, device_id,
+                                                       "copy_to_device_async")
+        if not self.is_available:
+            _host_copy(host_array, ptr, capacity, to_host=False)
+            return
+        with self._contexts.activate(dev):
+            self._drv.memcpy_htod_async(ptr, host_array, stream)
+        if tensor is not None:
+            tensor.stream = stream
+
+    def copy_from_device_async(self, device_ptr: Any, host_array: np.ndarray, stream: Any,
+                               device_id: Optional[int] = None) -> None:
+        """Queue a copy into page-locked host memory on a stream and return at once;
+        synchronize the stream before reading host_array."""
+        ptr, dev, capacity, _ = self._check_async(host_array, device_ptr, device_id,
+                                                  "copy_from_device_async")
+        if not self.is_available:
+            _host_copy(host_array, ptr, capacity, to_host=True)
+            return
+        with self._contexts.activate(dev):
+            self._drv.memcpy_dtoh_async(host_array, ptr, stream)
+
+    def _check_async(self, host: Any, target: Any, device_id: Optional[int], what: str) -> tuple:
+        from .transfers import is_pinned
+        if not isinstance(host, np.ndarray) or not host.flags.c_contiguous:
+            raise TransferError(f"{what} needs a C-contiguous NumPy array")
+        ptr, dev, capacity, tensor = self._destination(target, device_id)
+        if tensor is not None:
+            _check_same(host, tensor, what)
+        elif capacity is not None and host.nbytes > capacity:
+            raise TransferError(
+                f"{what}: {host.nbytes} bytes do not fit the {capacity}-byte allocation")
+        if self.is_available and not is_pinned(host):
+            raise TransferError(
+                f"{what} needs page-locked host memory (backend.pinned_empty); pageable "
+                f"memory would make the copy synchronous")
+        return ptr, dev, capacity, tensor
 
     def copy_device_to_device(self, dst: Any, src: Any, nbytes: Optional[int] = None,
                               device_id: Optional[int] = None, stream: Any = None) -> float:

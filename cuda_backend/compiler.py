@@ -29,6 +29,7 @@ _SCALAR_FORMATS = {
     "unsigned char": "B", "uint8_t": "B", "bool": "?",
     "float": "f", "double": "d",
 }
+_LAUNCH_BOUNDS = r"(?:__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)\s*)?"
 _QUALIFIERS = {"const", "volatile", "__restrict__", "__restrict", "restrict",
                "__grid_constant__", "struct"}
 
@@ -40,9 +41,8 @@ def source_hash(source: str) -> str:
 def kernel_signature(source: str, kernel_name: str) -> Optional[List[str]]:
     """The C parameter list of `kernel_name` in source, or None if it is not declared there."""
     pattern = re.compile(
-        r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+"
-        r"(?:__launch_bounds__\s*\([^)]*\)\s*)?" + re.escape(kernel_name) + r"\s*\(([^)]*)\)",
-        re.S)
+        r"__global__\s+" + _LAUNCH_BOUNDS + r"void\s+" + _LAUNCH_BOUNDS
+        + re.escape(kernel_name) + r"\s*\(([^)]*)\)", re.S)
     m = pattern.search(_strip_comments(source))
     if m is None:
         return None
@@ -51,9 +51,8 @@ def kernel_signature(source: str, kernel_name: str) -> Optional[List[str]]:
 
 
 def declared_kernels(source: str) -> List[str]:
-    return re.findall(r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+"
-                      r"(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(",
-                      _strip_comments(source))
+    return re.findall(r"__global__\s+" + _LAUNCH_BOUNDS + r"void\s+" + _LAUNCH_BOUNDS
+                      + r"(\w+)\s*\(", _strip_comments(source))
 
 
 def _strip_comments(source: str) -> str:
@@ -64,10 +63,11 @@ def _strip_comments(source: str) -> str:
 def _aliases(source: str) -> Dict[str, str]:
     """typedef/using aliases of scalar types, so `T` resolves to `float`."""
     out = {}
-    for m in re.finditer(r"typedef\s+([\w\s]+?)\s+(\w+)\s*;", source):
-        out[m.group(2)] = " ".join(m.group(1).split())
-    for m in re.finditer(r"using\s+(\w+)\s*=\s*([\w\s]+?)\s*;", source):
-        out[m.group(1)] = " ".join(m.group(2).split())
+    source = _strip_comments(source)
+    for m in re.finditer(r"typedef\s+([\w\s*]+?)\s*(\w+)\s*;", source):
+        out[m.group(2)] = " ".join(m.group(1).replace("*", " * ").split())
+    for m in re.finditer(r"using\s+(\w+)\s*=\s*([\w\s*]+?)\s*;", source):
+        out[m.group(1)] = " ".join(m.group(2).replace("*", " * ").split())
     return out
 
 
@@ -76,13 +76,20 @@ def arg_format(source: str, kernel_name: str, params: Sequence[str]) -> str:
     aliases = _aliases(source)
     fmt = []
     for p in params:
-        if "*" in p:
+        if "*" in p or "[" in p:
             fmt.append("P")
             continue
         words = [w for w in p.replace("&", " ").split() if w not in _QUALIFIERS]
-        ctype = " ".join(words[:-1]) if len(words) > 1 else (words[0] if words else "")
+        whole = " ".join(words)
+        if whole in _SCALAR_FORMATS or whole in aliases:
+            ctype = whole  # an unnamed parameter
+        else:
+            ctype = " ".join(words[:-1]) if len(words) > 1 else (words[0] if words else "")
         for _ in range(4):
             ctype = aliases.get(ctype, ctype)
+        if "*" in ctype:
+            fmt.append("P")
+            continue
         code = _SCALAR_FORMATS.get(ctype)
         if code is None:
             raise InvalidArgumentError(

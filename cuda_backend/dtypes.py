@@ -65,6 +65,8 @@ class CudaDataType(enum.Enum):
         """Accept a CudaDataType, a name ('float32', 'bf16'), a NumPy dtype or type."""
         if isinstance(value, cls):
             return value
+        if value is None:
+            raise DTypeMismatchError("dtype must be given, got None")
         if isinstance(value, str):
             key = value.lower()
             aliases = {"bf16": "bfloat16", "half": "float16", "float": "float32",

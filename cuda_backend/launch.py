@@ -8,7 +8,7 @@ import numpy as np
 
 from .compiler import CudaKernel
 from .tensor import CudaTensor
-from .errors import KernelLaunchError, LaunchConfigurationError
+from .errors import LaunchConfigurationError, driver_failure
 
 _FLOAT_CODES = frozenset("fd")
 _INT_CODES = frozenset("iIqQhHbB?")
@@ -120,13 +120,15 @@ class Launcher:
                 try:
                     kernel.function._launch_kernel(dims[0], dims[1], buf, shared_mem, stream)
                 except self._drv.Error as exc:
-                    raise _launch_error(kernel_name, exc) from None
+                    raise driver_failure(f"launch of kernel '{kernel_name}'", exc,
+                                         device_id) from None
                 return 0.0
             with self._contexts.activate(device_id):
                 try:
                     kernel.function._launch_kernel(dims[0], dims[1], buf, shared_mem, stream)
                 except self._drv.Error as exc:
-                    raise _launch_error(kernel_name, exc) from None
+                    raise driver_failure(f"launch of kernel '{kernel_name}'", exc,
+                                         device_id) from None
             return 0.0
         return self._timed_launch(kernel, device_id, dims, buf, shared_mem, stream)
 
@@ -142,7 +144,8 @@ class Launcher:
                 end.record(stream)
                 end.synchronize()
             except drv.Error as exc:
-                raise _launch_error(kernel.name, exc) from None
+                raise driver_failure(f"launch of kernel '{kernel.name}'", exc,
+                                     device_id) from None
             ms = end.time_since(start)
         self.profiler.record_kernel(kernel.name, ms, device_id, t0, dims[0], dims[1], shared_mem)
         return ms
@@ -201,12 +204,3 @@ def _pack_error(kernel: CudaKernel, args: Sequence[Any], exc: Exception) -> Exce
     return LaunchConfigurationError(
         f"kernel '{kernel.name}': arguments ({kinds}) do not match its parameters "
         f"(format '{kernel.arg_format}'): {exc}")
-
-
-def _launch_error(kernel_name: str, exc: Exception) -> Exception:
-    text = str(exc)
-    fatal = any(k in text.lower() for k in ("illegal", "launch failed", "misaligned",
-                                           "exception", "trap", "unspecified launch"))
-    hint = (" The kernel faulted: this device's CUDA context is no longer usable in this "
-            "process; restart the process." if fatal else "")
-    return KernelLaunchError(f"launch of kernel '{kernel_name}' failed: {text}.{hint}")

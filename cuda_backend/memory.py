@@ -178,10 +178,11 @@ class MemoryPool:
             held = pool.held_blocks
             try:
                 block = pool.allocate(nbytes)
+                hit = pool.held_blocks < held
             except self._oom_errors:
                 block = self._retry_after_oom(nbytes)
-                held = pool.held_blocks + 1  # counted as a miss
-            if pool.held_blocks < held:
+                hit = False
+            if hit:
                 self._hits += 1
             else:
                 self._misses += 1
@@ -248,12 +249,12 @@ class MemoryPool:
         """Free a pointer from `allocate_memory`; unknown or already freed pointers raise."""
         if ptr == 0:
             return
-        entry = self._by_ptr.pop(ptr, None)
-        if entry is None:
-            raise InvalidPointerError(
-                f"pointer 0x{int(ptr):x} was not allocated by the pool of device "
-                f"{self.device_id} with allocate_memory, or was already freed")
         with self._lock:
+            entry = self._by_ptr.pop(ptr, None)
+            if entry is None:
+                raise InvalidPointerError(
+                    f"pointer 0x{int(ptr):x} was not allocated by the pool of device "
+                    f"{self.device_id} with allocate_memory, or was already freed")
             self._explicit_frees += 1
             entry[0].free()
 

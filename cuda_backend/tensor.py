@@ -30,7 +30,7 @@ class CudaTensor:
     """
 
     __slots__ = ("shape", "dtype", "device_id", "_block", "_ptr", "_pool", "_owner",
-                 "_host", "stream", "size", "nbytes", "__weakref__")
+                 "_host", "stream", "size", "nbytes", "on_host", "__weakref__")
 
     def __init__(self, shape: Tuple[int, ...], dtype: CudaDataType, device_id: int,
                  ptr: int, block: Any = None, pool: Any = None, owner: Any = None,
@@ -43,6 +43,7 @@ class CudaTensor:
         self._pool = pool
         self._owner = owner
         self._host = host
+        self.on_host = host is not None  # fallback mode: the data lives in host memory
         self.stream = None  # the stream that last wrote it; None means the legacy default stream
         size = 1
         for s in self.shape:
@@ -116,7 +117,7 @@ class CudaTensor:
     # -- interop ------------------------------------------------------------------
     @property
     def __cuda_array_interface__(self) -> dict:
-        if self._host is not None:
+        if self.on_host:
             raise InvalidArgumentError(
                 "fallback-mode tensors live in host memory and have no "
                 "__cuda_array_interface__; use to_numpy()")
@@ -211,7 +212,7 @@ class CudaTensor:
     # -- display ------------------------------------------------------------------
     def __repr__(self) -> str:
         state = ", freed" if self._ptr is None else ""
-        where = "host" if self._host is not None else f"cuda:{self.device_id}"
+        where = "host" if self.on_host else f"cuda:{self.device_id}"
         return (f"CudaTensor(shape={self.shape}, dtype={self.dtype.name_str}, "
                 f"device={where}{state})")
 

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .errors import KernelLaunchError, TransferError
+from .errors import TransferError, driver_failure
 
 STAGING_THRESHOLD = 32 << 20  # bytes; below this the driver's own pageable path is used
 STAGING_CHUNK = 16 << 20
@@ -37,7 +37,7 @@ def host_contiguous(array: Any) -> np.ndarray:
     a = np.asarray(array)
     if a.dtype.byteorder not in ("=", "|"):
         a = a.astype(a.dtype.newbyteorder("="))
-    return np.ascontiguousarray(a)
+    return a if a.flags.c_contiguous else np.array(a, order="C")
 
 
 class TransferEngine:
@@ -63,9 +63,8 @@ class TransferEngine:
                 end.record(stream)
                 end.synchronize()
             except drv.Error as exc:
-                raise KernelLaunchError(
-                    f"{kind} copy of {nbytes} bytes on device {device_id} failed: {exc}. If "
-                    f"an earlier kernel faulted, this device's context is no longer usable") from None
+                raise driver_failure(f"{kind} copy of {nbytes} bytes on device {device_id}",
+                                     exc, device_id) from None
             ms = end.time_since(start)
         if self.profiler is not None:
             self.profiler.record_transfer(kind, nbytes, ms, device_id, t0)

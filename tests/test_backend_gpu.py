@@ -217,6 +217,22 @@ def test_pinned_copies(backend):
     t.free()
 
 
+def test_async_copies_on_a_stream(backend):
+    stream = backend.create_stream()
+    h = backend.pinned_empty((4096,), np.float32)
+    h[:] = np.random.default_rng().standard_normal(h.shape)
+    t = backend.empty(h.shape, DT.FLOAT32)
+    backend.copy_to_device_async(h, t, stream)
+    back = backend.pinned_empty((4096,), np.float32)
+    backend.copy_from_device_async(t, back, stream)
+    stream.synchronize()
+    assert np.array_equal(h, back)
+    assert t.__cuda_array_interface__["stream"] == stream.handle
+    with pytest.raises(cb.TransferError, match="page-locked"):
+        backend.copy_to_device_async(np.ones(4096, np.float32), t, stream)
+    t.free()
+
+
 # -- compilation and launches ---------------------------------------------------------
 SAXPY = r'''
 extern "C" __global__ void saxpy_test(float* y, const float* x, float a, int n)
@@ -270,6 +286,18 @@ def test_disk_cache_across_processes(tmp_path):
     assert first.returncode == 0, first.stderr
     assert "NVCC_COMPILES 1" in first.stdout
     assert "NVCC_COMPILES 0" in second.stdout, second.stdout + second.stderr
+
+
+def test_compile_for_sm_90a(backend):
+    if backend.devices[0].compute_capability != (9, 0):
+        pytest.skip("sm_90a needs a Hopper GPU")
+    src = SAXPY.replace("saxpy_test", "saxpy_90a")
+    k = backend.compile_kernel("saxpy_90a", src, arch="sm_90a")
+    assert k.arch == "sm_90a"
+    x = backend.to_device(np.ones(32, np.float32))
+    backend.launch_kernel("saxpy_90a", (1,), x, x, 1.0, 32, block_size=(32,))
+    assert np.array_equal(backend.to_host(x), np.full(32, 2.0, np.float32))
+    x.free()
 
 
 def test_compile_error_message(backend):
@@ -440,3 +468,23 @@ def test_clean_exit(scenario):
         assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     for bad in ("context stack", "PyCUDA WARNING", "PyCUDA ERROR", "CUDA_ERROR", "abort"):
         assert bad not in r.stderr, r.stderr
+
+
+def test_kernel_fault_reports_dead_context():
+    code = r'''
+        import sys, numpy as np, cuda_backend as cb
+        b = cb.get_cuda_backend()
+        src = 'extern "C" __global__ void oob(const float* x, float* y) { y[0] = x[1LL << 40]; }'
+        b.compile_kernel("oob", src)
+        x = b.to_device(np.ones(4, np.float32))
+        try:
+            b.launch_kernel("oob", (1,), x, x, block_size=(1,))
+            b.synchronize()
+        except cb.KernelLaunchError as exc:
+            print("ERROR:", exc)
+            sys.exit(3)
+        sys.exit(0)
+    '''
+    r = run_py(code, timeout=120)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "no longer usable" in r.stdout and "illegal" in r.stdout.lower()

@@ -152,32 +152,22 @@ def test_by_value_struct_raises(prelude, param):
     assert isinstance(info.value, ValueError)
 
 
-@pytest.mark.xfail(strict=True, reason="package bug: _aliases only matches [\\w\\s] type "
-                                       "names, so a pointer typedef is not seen as a pointer")
 def test_pointer_typedef_is_a_pointer():
     assert one("fptr p", "typedef float* fptr;") == "P"
 
 
-@pytest.mark.xfail(strict=True, reason="package bug: an array parameter (decays to a pointer) "
-                                       "gets the element's scalar code")
 def test_array_parameter_is_a_pointer():
     assert one("float x[]") == "P"
 
 
-@pytest.mark.xfail(strict=True, reason="package bug: an unnamed multi-word parameter loses its "
-                                       "last word as if it were the name ('unsigned char' -> "
-                                       "'unsigned' -> 'I')")
 def test_unnamed_multiword_parameter():
     assert fmt('extern "C" __global__ void k(float*, unsigned char) {}') == "PB"
 
 
-@pytest.mark.xfail(strict=True, reason="package bug: _aliases reads typedefs inside comments")
 def test_commented_out_typedef_is_ignored():
     assert one("real_t x", "typedef float real_t; // typedef double real_t;") == "f"
 
 
-@pytest.mark.xfail(strict=True, reason="package bug: __launch_bounds__ arguments with nested "
-                                       "parentheses are not matched ([^)]*)")
 def test_launch_bounds_with_nested_parentheses():
     src = 'extern "C" __global__ void __launch_bounds__((TILE) * (TILE)) k(int n) {}'
     assert declared_kernels(src) == ["k"]

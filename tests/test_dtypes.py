@@ -84,8 +84,6 @@ def test_from_any_unsupported_names_the_supported_ones(value):
     assert isinstance(info.value, CudaBackendError)
 
 
-@pytest.mark.xfail(strict=True, reason="package bug: from_any(None) returns FLOAT64 because "
-                                       "np.dtype(None) is float64")
 def test_from_any_none_is_rejected():
     with pytest.raises(DTypeMismatchError):
         CudaDataType.from_any(None)

@@ -334,16 +334,12 @@ def test_zero_size_tensor(fb):
 
 
 @needs_fallback
-@pytest.mark.xfail(strict=True, reason="package bug: transfers.host_contiguous uses "
-                                       "np.ascontiguousarray, which turns 0-d arrays into 1-d")
 def test_zero_dim_array_keeps_its_shape(fb):
     t = fb.to_device(np.array(3.5))
     assert t.shape == ()
 
 
 @needs_fallback
-@pytest.mark.xfail(strict=True, reason="package bug: fallback copy_from_device memmoves into a "
-                                       "read-only host array (the GPU path raises TransferError)")
 def test_copy_into_read_only_array_raises(fb):
     t = fb.to_device(np.ones(4, np.float32))
     ro = np.zeros(4, np.float32)
@@ -357,8 +353,6 @@ def test_copy_into_read_only_array_raises(fb):
 
 
 @needs_fallback
-@pytest.mark.xfail(strict=True, reason="package bug: repr of a freed fallback tensor says "
-                                       "device=cuda:0 (free() drops _host, which repr reads)")
 def test_freed_fallback_tensor_repr_says_host(fb):
     t = fb.empty(3)
     t.free()

@@ -186,9 +186,6 @@ def test_oom_ladder_free_cached_and_retry():
     assert s["allocation_count"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason="package bug: an allocation that succeeds only after the "
-                                       "OOM retry is counted as a cache hit (memory.py sets "
-                                       "held = pool.held_blocks + 1)")
 def test_oom_retry_counts_as_a_miss():
     pool, alloc = make_pool()
     alloc.fail_next = 1
