@@ -46,7 +46,7 @@ class CudaBackend:
         self._profiling = False
         self._lock = threading.RLock()
         self._closed = False
-        self._streams: List[Any] = []
+        self._peer_enabled: Dict[tuple, bool] = {}
         if self.is_available:
             self._init_gpu(drv)
         else:
@@ -153,10 +153,30 @@ class CudaBackend:
 
     def create_stream(self, device_id: Optional[int] = None) -> Any:
         """A new PyCUDA Stream on the device."""
-        self._require_gpu("create_stream")
+        return self.stream(device_id).pycuda_stream
+
+    def stream(self, device_id: Optional[int] = None) -> Any:
+        """A new `Stream` on the device; `with backend.stream() as s:` makes it the default
+        for operations issued inside the block on that device."""
+        from .streams import Stream
+        self._require_gpu("stream")
         dev = self.current_device if device_id is None else self._validate(device_id)
-        with self._contexts.activate(dev):
-            return self._drv.Stream()
+        return Stream(self, dev)
+
+    def event(self, device_id: Optional[int] = None, timing: bool = True) -> Any:
+        """A new `Event` on the device, for cross-stream dependencies and timing."""
+        from .streams import Event
+        self._require_gpu("event")
+        dev = self.current_device if device_id is None else self._validate(device_id)
+        return Event(self, dev, timing)
+
+    def _resolve_stream(self, stream: Any, device_id: int) -> Any:
+        """A PyCUDA stream (or None) from a Stream, a PyCUDA stream, or the `with` default."""
+        if stream is None:
+            from .streams import current_stream
+            default = current_stream(device_id)
+            return None if default is None else default.pycuda_stream
+        return getattr(stream, "pycuda_stream", stream)
 
     def _require_gpu(self, what: str) -> None:
         if not self.is_available:
@@ -224,7 +244,8 @@ class CudaBackend:
             _check_same(host, tensor, "copy_to_device")
         if not self.is_available:
             return _host_copy(host, ptr, capacity, to_host=False)
-        return self._transfers.to_device(host, ptr, dev, stream, capacity)
+        return self._transfers.to_device(host, ptr, dev, self._resolve_stream(stream, dev),
+                                         capacity)
 
     def copy_from_device(self, device_ptr: Any, host_array: np.ndarray,
                          device_id: Optional[int] = None, stream: Any = None) -> float:
@@ -244,7 +265,8 @@ class CudaBackend:
         if not self.is_available:
             ms = _host_copy(target, ptr, capacity, to_host=True)
         else:
-            ms = self._transfers.from_device(target, ptr, dev, stream, capacity)
+            ms = self._transfers.from_device(target, ptr, dev, self._resolve_stream(stream, dev),
+                                             capacity)
         if target is not host_array:
             host_array[...] = target
         return ms
@@ -257,6 +279,7 @@ class CudaBackend:
         if not self.is_available:
             _host_copy(host_array, ptr, capacity, to_host=False)
             return
+        stream = self._resolve_stream(stream, dev)
         with self._contexts.activate(dev):
             self._drv.memcpy_htod_async(ptr, host_array, stream)
         if tensor is not None:
@@ -272,7 +295,7 @@ class CudaBackend:
             _host_copy(host_array, ptr, capacity, to_host=True)
             return
         with self._contexts.activate(dev):
-            self._drv.memcpy_dtoh_async(host_array, ptr, stream)
+            self._drv.memcpy_dtoh_async(host_array, ptr, self._resolve_stream(stream, dev))
 
     def _check_async(self, host: Any, target: Any, device_id: Optional[int], what: str) -> tuple:
         from .transfers import is_pinned
@@ -306,7 +329,49 @@ class CudaBackend:
             import ctypes
             ctypes.memmove(dptr, sptr, nbytes)
             return 0.0
-        return self._transfers.device_to_device(dptr, sptr, nbytes, dev, stream)
+        return self._transfers.device_to_device(dptr, sptr, nbytes, dev,
+                                                self._resolve_stream(stream, dev))
+
+    def can_access_peer(self, device_id: int, peer_device: int) -> bool:
+        """Whether device_id can read peer_device's memory directly."""
+        self._require_gpu("can_access_peer")
+        a, b = self._validate(device_id), self._validate(peer_device)
+        return a == b or bool(self._drv.Device(a).can_access_peer(self._drv.Device(b)))
+
+    def enable_peer_access(self, device_id: int, peer_device: int) -> bool:
+        """Enable device_id -> peer_device access once per pair; False if the pair cannot."""
+        key = (device_id, peer_device)
+        with self._lock:
+            done = self._peer_enabled.get(key)
+            if done is not None:
+                return done
+            ok = self.can_access_peer(device_id, peer_device)
+            if ok and device_id != peer_device:
+                with self._contexts.activate(device_id):
+                    try:
+                        self._drv.Context.enable_peer_access(self._contexts.context(peer_device))
+                    except self._drv.Error as exc:
+                        if "already" not in str(exc).lower():
+                            ok = False
+            self._peer_enabled[key] = ok
+            return ok
+
+    def copy_to_tensor_device(self, tensor: CudaTensor, device_id: int,
+                              stream: Any = None) -> CudaTensor:
+        """A copy of tensor on device_id (peer-to-peer when the devices allow, else via host)."""
+        tensor.check_alive()
+        dst_dev = self._validate(device_id)
+        out = self.empty(tensor.shape, tensor.dtype, dst_dev)
+        if tensor.nbytes == 0:
+            return out
+        if not self.is_available or dst_dev == tensor.device_id:
+            self.copy_device_to_device(out, tensor, tensor.nbytes, stream=stream)
+            return out
+        ok = self.enable_peer_access(dst_dev, tensor.device_id) and \
+            self.enable_peer_access(tensor.device_id, dst_dev)
+        self._transfers.peer(out.ptr, dst_dev, tensor.ptr, tensor.device_id, tensor.nbytes, ok,
+                             self._resolve_stream(stream, dst_dev))
+        return out
 
     def to_device(self, array: Any, device_id: Optional[int] = None) -> CudaTensor:
         """A new tensor holding a copy of a host array (bfloat16 needs a CudaTensor dtype)."""

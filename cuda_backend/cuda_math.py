@@ -79,6 +79,10 @@ class CudaMath:
         """Wrap a CuPy/PyTorch/Numba device array without copying."""
         return CudaTensor.from_cuda_array(obj)
 
+    def to_device(self, tensor: CudaTensor, device_id: int) -> CudaTensor:
+        """A copy of tensor on device_id (peer-to-peer when the devices allow)."""
+        return common.check_tensor(tensor, "tensor").to(device_id)
+
     def fill(self, tensor: CudaTensor, value: Union[int, float]) -> CudaTensor:
         """Set every element to value, in place; returns the tensor."""
         return ew.fill(self, common.check_tensor(tensor), value)

@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence, Tuple
 import numpy as np
 
 from .compiler import CudaKernel
+from . import streams as _streams
 from .tensor import CudaTensor
 from .errors import LaunchConfigurationError, driver_failure
 
@@ -113,7 +114,11 @@ class Launcher:
             buf = self._pack(fmt, *values)
         except Exception as exc:
             raise _pack_error(kernel, args, exc) from None
-        if stream is not None and not isinstance(stream, self._drv.Stream):
+        if stream is None:
+            if _streams._local.__dict__.get("stack"):
+                default = _streams.current_stream(device_id)
+                stream = None if default is None else default.pycuda_stream
+        elif not isinstance(stream, self._drv.Stream):
             stream = getattr(stream, "pycuda_stream", stream)
         if self.profiler is None:
             if top == device_id:

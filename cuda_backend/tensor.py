@@ -205,6 +205,13 @@ class CudaTensor:
         """Transpose of a 2-D tensor (last two axes of a 3-D one), as a new tensor."""
         return _math().matrix_transpose(self)
 
+    def to(self, device_id: int) -> "CudaTensor":
+        """A copy on another device (peer-to-peer when possible); self if already there."""
+        if device_id == self.device_id:
+            return self.check_alive()
+        from .backend import get_cuda_backend
+        return get_cuda_backend().copy_to_tensor_device(self, device_id)
+
     def numpy(self) -> np.ndarray:
         """A host copy (bfloat16 as float32)."""
         return _math().to_numpy(self)

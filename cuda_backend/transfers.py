@@ -144,3 +144,24 @@ class TransferEngine:
         def work():
             drv.memcpy_dtod_async(dst_ptr, src_ptr, nbytes, stream)
         return self._timed("dtod", nbytes, device_id, stream, work)
+
+    # -- device to device, across GPUs ----------------------------------------------
+    def peer(self, dst_ptr: int, dst_device: int, src_ptr: int, src_device: int, nbytes: int,
+             peer_ok: bool, stream: Any = None) -> float:
+        """Copy between devices: directly when peer access is enabled, else via the host."""
+        if nbytes == 0:
+            return 0.0
+        drv = self._drv
+        if peer_ok:
+            dst_ctx = self._contexts.context(dst_device)
+            src_ctx = self._contexts.context(src_device)
+
+            def work():
+                drv.memcpy_peer_async(dst_ptr, src_ptr, nbytes, dst_ctx, src_ctx, stream)
+            return self._timed("peer", nbytes, dst_device, stream, work)
+        staging = self._pinned.empty((nbytes,), np.uint8)
+        with self._contexts.activate(src_device):
+            ms = self._timed("dtoh", nbytes, src_device, None,
+                             lambda: drv.memcpy_dtoh(staging, src_ptr))
+        return ms + self._timed("htod", nbytes, dst_device, stream,
+                                lambda: drv.memcpy_htod_async(dst_ptr, staging, stream))

@@ -1,0 +1,473 @@
+"""Elementwise operations: binary ops with NumPy broadcasting, unary ops and activations,
+fill and copy.
+
+Kernels come from `templates/elementwise.cu.j2`, one render per (kind, op, dtype):
+- "binary": same-shape contiguous operands, or a tensor and a Python scalar (the scalar is a
+  kernel argument), with 16-byte vector loads/stores, UNROLL vectors in flight per thread and
+  a scalar tail; unaligned pointers (wrapped arrays at odd offsets) take a scalar path.
+- "broadcast": different shapes. Dims are collapsed where both operands broadcast the same
+  way (at most 6 remain; more are looped over here), and the kernel decomposes each output
+  index with 32-bit division when the size allows; rows whose innermost dim is a multiple of
+  the vector width (bias adds) still use 16-byte accesses.
+- "unary": one contiguous input, an optional float parameter `alpha` passed as an argument.
+
+The per-call path is kept lean for small tensors: kernels are memoized in a dict on the
+CudaMath instance, the grid is integer math, and nothing is autotuned per call.
+Half types compute in float32 and round once on store; Python scalars take the tensor's
+dtype (rounded to it first, as NumPy does).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..dtypes import CudaDataType, from_bfloat16_bits, to_bfloat16_bits
+from ..errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
+                      ShapeMismatchError)
+from ..kernels import dtype_params
+from ..tensor import CudaTensor
+from . import common
+
+DT = CudaDataType
+FLOATS = common.FLOATS
+INTS = (DT.INT32, DT.INT64)
+ALL = FLOATS + INTS
+
+TEMPLATE = "elementwise.cu.j2"
+BLOCK = 256          # threads per block
+UNROLL = 4           # 16-byte vectors in flight per thread per loop step
+BLOCKS_PER_SM = 8    # resident 256-thread blocks per SM (2048 threads)
+GRID_WAVES = 0       # 0: one block per BLOCK*UNROLL vectors; k > 0: cap at k full waves
+MAX_BCAST_DIMS = 6
+
+# op -> dtypes it supports
+BINARY_OPS: Dict[str, Tuple[CudaDataType, ...]] = {
+    "add": ALL, "subtract": ALL, "multiply": ALL, "divide": FLOATS,
+    "maximum": ALL, "minimum": ALL, "power": FLOATS,
+}
+COMMUTATIVE = frozenset({"add", "multiply", "maximum", "minimum"})
+
+# op -> (dtypes, {parameter: default}); a parameter is passed to the kernel as `alpha`.
+UNARY_OPS: Dict[str, Tuple[Tuple[CudaDataType, ...], Dict[str, float]]] = {
+    "exp": (FLOATS, {}), "log": (FLOATS, {}), "sqrt": (FLOATS, {}), "tanh": (FLOATS, {}),
+    "abs": (ALL, {}), "negative": (ALL, {}), "relu": (FLOATS, {}), "sigmoid": (FLOATS, {}),
+    "silu": (FLOATS, {}), "gelu": (FLOATS, {}), "gelu_exact": (FLOATS, {}),
+    "leaky_relu": (FLOATS, {"alpha": 0.01}), "elu": (FLOATS, {"alpha": 1.0}),
+}
+
+_BLOCK_DIMS = (BLOCK, 1, 1)
+_INT_RANGE = {DT.INT32: (-2**31, 2**31 - 1), DT.INT64: (-2**63, 2**63 - 1),
+              DT.UINT8: (0, 255), DT.BOOL: (0, 1)}
+
+
+def _vec(dtype: CudaDataType) -> int:
+    """Elements per 16-byte vector."""
+    return 16 // dtype.itemsize
+
+
+def _params(kind: str, op: str, dtype: CudaDataType) -> Dict[str, Any]:
+    return {"kind": kind, "op": op, **dtype_params(dtype), "block_size": BLOCK,
+            "vec": _vec(dtype), "unroll": UNROLL}
+
+
+def template_variants() -> Dict[str, List[Dict[str, Any]]]:
+    """Every parameter set this module renders. fill() uses fill.cu.j2 with the parameter
+    sets kernels.template_variants() already lists, so they are not repeated here."""
+    out = []
+    for op, dtypes in BINARY_OPS.items():
+        for dt in dtypes:
+            out.append(_params("binary", op, dt))
+            out.append(_params("broadcast", op, dt))
+    for op, (dtypes, _) in UNARY_OPS.items():
+        for dt in dtypes:
+            out.append(_params("unary", op, dt))
+    return {TEMPLATE: out}
+
+
+# -- kernels and launch sizing --------------------------------------------------------------
+class _DeviceCache:
+    """Per (CudaMath, device): compiled kernels by (kind, op, dtype) and the SM count."""
+
+    __slots__ = ("kernels", "sm_count")
+
+    def __init__(self, sm_count: int) -> None:
+        self.kernels: Dict[tuple, Any] = {}
+        self.sm_count = sm_count
+
+
+def _cache(m: Any, dev: int) -> _DeviceCache:
+    caches = m.__dict__.get("_elementwise_cache")
+    if caches is None:
+        caches = m.__dict__.setdefault("_elementwise_cache", {})
+    c = caches.get(dev)
+    if c is None:
+        c = caches.setdefault(dev, _DeviceCache(
+            m.backend.get_device_info(dev).multiprocessor_count))
+    return c
+
+
+def _kernel_name(m: Any, cache: _DeviceCache, dev: int, kind: str, op: str,
+                 dtype: CudaDataType) -> str:
+    key = (kind, op, dtype)
+    k = cache.kernels.get(key)
+    if k is None:
+        k = m.kernel(TEMPLATE, dev, **_params(kind, op, dtype)).name
+        cache.kernels[key] = k
+    return k
+
+
+def _grid(items: int, sm_count: int) -> int:
+    """Blocks for `items` work items (vectors or elements), UNROLL per thread per step."""
+    blocks = -(-items // (BLOCK * UNROLL)) or 1
+    if GRID_WAVES:
+        blocks = min(blocks, sm_count * BLOCKS_PER_SM * GRID_WAVES)
+    return min(blocks, 2**31 - 1)
+
+
+# -- operand checks ---------------------------------------------------------------------------
+def _scalar(dtype: CudaDataType, value: Any, what: str) -> Any:
+    """A Python scalar in the tensor's dtype, as the kernel argument: float (rounded to the
+    dtype first, as NumPy converts a Python float) or int (range-checked)."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, bool):
+        value = int(value)
+    if not isinstance(value, (int, float)):
+        raise InvalidArgumentError(
+            f"{what} must be a CudaTensor or a real number, got {type(value).__name__}")
+    if dtype.is_floating:
+        try:
+            v = float(value)
+        except OverflowError:
+            raise InvalidArgumentError(
+                f"{what} = {value} does not fit {dtype.name_str}") from None
+        if dtype is DT.FLOAT64:
+            return v
+        with np.errstate(over="ignore"):
+            if dtype is DT.FLOAT32:
+                return float(np.float32(v))
+            if dtype is DT.FLOAT16:
+                return float(np.float16(v))
+            return float(from_bfloat16_bits(to_bfloat16_bits(np.array([v], np.float32)))[0])
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise DTypeMismatchError(
+                f"{what} = {value!r} is not an integer, but the tensor is {dtype.name_str} "
+                f"(scalars take the tensor's dtype)")
+        value = int(value)
+    lo, hi = _INT_RANGE[dtype]
+    if not lo <= value <= hi:
+        raise InvalidArgumentError(f"{what} = {value} is out of range for {dtype.name_str} "
+                                   f"({lo}..{hi})")
+    return value
+
+
+def _output(m: Any, out: Optional[CudaTensor], shape: Tuple[int, ...], dtype: CudaDataType,
+            dev: int) -> CudaTensor:
+    """The given out= tensor after checks, else a new one (allocated only after the inputs
+    were validated, so errors leak nothing)."""
+    if out is None:
+        return m.backend.empty(shape, dtype, dev)
+    common.check_tensor(out, "out")
+    if out.shape != shape:
+        raise ShapeMismatchError(f"out has shape {out.shape}, expected the result shape {shape}")
+    if out.dtype is not dtype:
+        raise DTypeMismatchError(
+            f"out has dtype {out.dtype.name_str}, expected {dtype.name_str}")
+    if out.device_id != dev:
+        raise DeviceMismatchError(
+            f"out is on cuda:{out.device_id}, but the operands are on cuda:{dev}")
+    return out
+
+
+# -- host (fallback) computation ----------------------------------------------------------
+def _compute_type(dtype: CudaDataType) -> np.dtype:
+    """The NumPy type the op computes in, as on the GPU (half types in float32)."""
+    if dtype in (DT.FLOAT16, DT.BFLOAT16):
+        return np.dtype(np.float32)
+    return dtype.numpy_dtype
+
+
+def _host(m: Any, t: CudaTensor) -> np.ndarray:
+    return common.host_array(m, t).astype(_compute_type(t.dtype), copy=False)
+
+
+def _store_host(m: Any, values: np.ndarray, out: CudaTensor) -> CudaTensor:
+    """Write computed values into out, rounding once to its dtype."""
+    values = np.asarray(values).reshape(out.shape)
+    if out.dtype is DT.BFLOAT16:
+        host = to_bfloat16_bits(values.astype(np.float32)).reshape(out.shape)
+    else:
+        host = np.ascontiguousarray(values, dtype=out.dtype.numpy_dtype)
+    m.backend.copy_to_device(host, out)
+    return out
+
+
+_NP_BINARY: Dict[str, Callable] = {
+    "add": np.add, "subtract": np.subtract, "multiply": np.multiply, "divide": np.divide,
+    "maximum": np.maximum, "minimum": np.minimum, "power": np.power,
+}
+
+_erfc = np.frompyfunc(math.erfc, 1, 1)
+
+
+def _np_unary(op: str, x: np.ndarray, alpha: float) -> np.ndarray:
+    """The unary ops in NumPy, with the formulas the kernels use."""
+    t = x.dtype.type
+    one = t(1)
+    if op == "exp":
+        return np.exp(x)
+    if op == "log":
+        return np.log(x)
+    if op == "sqrt":
+        return np.sqrt(x)
+    if op == "abs":
+        return np.abs(x)
+    if op == "tanh":
+        return np.tanh(x)
+    if op == "negative":
+        return np.negative(x)
+    if op == "relu":
+        return np.where(x < 0, t(0), x)
+    if op == "sigmoid":
+        return one / (one + np.exp(-x))
+    if op == "silu":
+        return x / (one + np.exp(-x))
+    if op == "gelu":
+        return x / (one + np.exp(t(-1.5957691216057308) * (x + t(0.044715) * x * x * x)))
+    if op == "gelu_exact":
+        return (t(0.5) * x * _erfc(x * t(-0.7071067811865476)).astype(x.dtype)).astype(x.dtype)
+    if op == "leaky_relu":
+        return np.where(x > 0, x, t(alpha) * x)
+    if op == "elu":
+        return np.where(x > 0, x, t(alpha) * np.expm1(x))
+    raise InvalidArgumentError(f"unknown unary op {op!r}")
+
+
+# -- binary ---------------------------------------------------------------------------------
+def binary(m: Any, op: str, a: Any, b: Any, out: Optional[CudaTensor] = None) -> CudaTensor:
+    """op(a, b) elementwise with NumPy broadcasting; a and b are CudaTensors or Python/NumPy
+    scalars (at least one tensor). The result has the tensors' dtype. `out`, if given, must
+    have the result's shape, dtype and device (it may be an input of that same shape)."""
+    dtypes = BINARY_OPS.get(op)
+    if dtypes is None:
+        raise InvalidArgumentError(
+            f"unknown binary op {op!r}; expected one of {', '.join(BINARY_OPS)}")
+    ta, tb = isinstance(a, CudaTensor), isinstance(b, CudaTensor)
+    if ta and tb:
+        a.check_alive()
+        b.check_alive()
+        dev = common.same_device(a, b)
+        dtype = common.same_dtype(a, b)
+        shape = a.shape if a.shape == b.shape else common.broadcast_shapes(a.shape, b.shape)
+        mode = 0
+    elif ta:
+        a.check_alive()
+        dev, dtype, shape, mode = a.device_id, a.dtype, a.shape, 1
+    elif tb:
+        b.check_alive()
+        dev, dtype, shape, mode = b.device_id, b.dtype, b.shape, 2
+    else:
+        raise InvalidArgumentError(
+            f"{op} needs at least one CudaTensor operand, got {type(a).__name__} and "
+            f"{type(b).__name__}")
+    if dtype not in dtypes:
+        common.require_dtype(a if ta else b, dtypes, op)
+    if mode == 1:
+        sv = _scalar(dtype, b, "b")
+    elif mode == 2:
+        sv = _scalar(dtype, a, "a")
+    else:
+        sv = 0.0 if dtype.is_floating else 0
+    res = _output(m, out, shape, dtype, dev)
+    n = res.size
+    if n == 0:
+        return res
+    if not m.gpu:
+        return _binary_host(m, op, a, b, sv, mode, res)
+    cache = _cache(m, dev)
+    if mode == 0 and a.shape != b.shape:
+        dims = _collapse(shape, a.shape, b.shape)
+        if dims is not None:
+            return _broadcast_launch(m, cache, op, dtype, dev, res, a, b, dims)
+    if mode == 2 and op in COMMUTATIVE:
+        a, b, mode = b, a, 1
+    name = _kernel_name(m, cache, dev, "binary", op, dtype)
+    vec = 16 // dtype.itemsize
+    if mode == 0:
+        aligned = not ((res._ptr | a._ptr | b._ptr) & 15)
+        args = (res, a, b, sv, n, 0)
+    elif mode == 1:
+        aligned = not ((res._ptr | a._ptr) & 15)
+        args = (res, a, 0, sv, n, 1)
+    else:
+        aligned = not ((res._ptr | b._ptr) & 15)
+        args = (res, 0, b, sv, n, 2)
+    grid = _grid(n // vec if aligned else n, cache.sm_count)
+    m.backend.launch_kernel(name, grid, *args, block_size=_BLOCK_DIMS, device_id=dev)
+    return res
+
+
+def _binary_host(m: Any, op: str, a: Any, b: Any, sv: Any, mode: int,
+                 res: CudaTensor) -> CudaTensor:
+    """Fallback: the same op in NumPy, in the GPU's compute type, rounded once."""
+    ct = _compute_type(res.dtype)
+    x = _host(m, a) if mode != 2 else np.asarray(sv, dtype=ct)
+    y = _host(m, b) if mode != 1 else np.asarray(sv, dtype=ct)
+    with np.errstate(all="ignore"):
+        values = _NP_BINARY[op](x, y)
+    return _store_host(m, np.broadcast_to(values, res.shape), res)
+
+
+def _collapse(shape: Tuple[int, ...], a_shape: Tuple[int, ...],
+              b_shape: Tuple[int, ...]) -> Optional[List[Tuple[int, int, int]]]:
+    """(size, a stride, b stride) per dim, outermost first, in elements, after dropping
+    size-1 dims and merging neighbours that both operands traverse the same way. None when
+    both operands turn out to be contiguous over the same elements (same-shape path)."""
+    nd = len(shape)
+    dims = []
+    strides = []
+    for s in (a_shape, b_shape):
+        s = (1,) * (nd - len(s)) + tuple(s)
+        st, acc = [0] * nd, 1
+        for d in range(nd - 1, -1, -1):
+            st[d] = acc if s[d] != 1 else 0
+            acc *= s[d]
+        strides.append(st)
+    for d in range(nd):
+        if shape[d] == 1:
+            continue
+        size, x, y = shape[d], strides[0][d], strides[1][d]
+        if dims:
+            ps, px, py = dims[-1]
+            if px == x * size and py == y * size:
+                dims[-1] = (ps * size, x, y)
+                continue
+        dims.append((size, x, y))
+    if not dims or (len(dims) == 1 and dims[0][1] == 1 and dims[0][2] == 1):
+        return None
+    return dims
+
+
+def _broadcast_launch(m: Any, cache: _DeviceCache, op: str, dtype: CudaDataType, dev: int,
+                      res: CudaTensor, a: CudaTensor, b: CudaTensor,
+                      dims: List[Tuple[int, int, int]]) -> CudaTensor:
+    """Launch the broadcast kernel over the inner 6 collapsed dims, once per index of any
+    further outer dims (pointer offsets computed here)."""
+    name = _kernel_name(m, cache, dev, "broadcast", op, dtype)
+    inner = dims[-MAX_BCAST_DIMS:][::-1]          # innermost first
+    outer = dims[:-MAX_BCAST_DIMS]
+    ndim = len(inner)
+    pad = MAX_BCAST_DIMS - ndim
+    sizes = [d[0] for d in inner] + [1] * pad
+    sa = [d[1] for d in inner] + [0] * pad
+    sb = [d[2] for d in inner] + [0] * pad
+    n = 1
+    for s in sizes:
+        n *= s
+    vec = 16 // dtype.itemsize
+    isz = dtype.itemsize
+    base_vec_ok = sizes[0] % vec == 0 and \
+        all(x % vec == 0 for x in sa[1:]) and all(x % vec == 0 for x in sb[1:])
+    outer_index = [0] * len(outer)
+    for chunk in range(_prod(d[0] for d in outer)):
+        oa = sum(i * d[1] for i, d in zip(outer_index, outer))
+        ob = sum(i * d[2] for i, d in zip(outer_index, outer))
+        po, pa, pb = res.ptr + chunk * n * isz, a.ptr + oa * isz, b.ptr + ob * isz
+        vectorize = base_vec_ok and not (po & 15) and \
+            (sa[0] == 0 or not (pa & 15)) and (sb[0] == 0 or not (pb & 15))
+        grid = _grid(n // vec if vectorize else n, cache.sm_count)
+        m.backend.launch_kernel(name, grid, po, pa, pb, n, ndim, int(vectorize),
+                                *sizes, *sa, *sb, block_size=_BLOCK_DIMS, device_id=dev)
+        for d in range(len(outer) - 1, -1, -1):   # odometer over the outer dims
+            outer_index[d] += 1
+            if outer_index[d] < outer[d][0]:
+                break
+            outer_index[d] = 0
+    return res
+
+
+def _prod(xs: Any) -> int:
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+# -- unary ----------------------------------------------------------------------------------
+def unary(m: Any, op: str, x: CudaTensor, out: Optional[CudaTensor] = None,
+          **params: Any) -> CudaTensor:
+    """op(x) elementwise. Ops with a parameter (leaky_relu, elu: alpha) take it by keyword,
+    with PyTorch's default when omitted. `out` as for binary()."""
+    spec = UNARY_OPS.get(op)
+    if spec is None:
+        raise InvalidArgumentError(
+            f"unknown unary op {op!r}; expected one of {', '.join(UNARY_OPS)}")
+    dtypes, defaults = spec
+    common.check_tensor(x, "x")
+    unknown = set(params) - set(defaults)
+    if unknown:
+        raise InvalidArgumentError(
+            f"{op} got unexpected parameter(s) {', '.join(sorted(unknown))}; it takes "
+            f"{', '.join(defaults) or 'none'}")
+    if x.dtype not in dtypes:
+        common.require_dtype(x, dtypes, op)
+    alpha: Any = 0.0 if x.dtype.is_floating else 0
+    for key, default in defaults.items():
+        alpha = _scalar(x.dtype, params.get(key, default), key)
+    res = _output(m, out, x.shape, x.dtype, x.device_id)
+    n = res.size
+    if n == 0:
+        return res
+    if not m.gpu:
+        with np.errstate(all="ignore"):
+            values = _np_unary(op, _host(m, x), alpha)
+        return _store_host(m, values, res)
+    dev = x.device_id
+    cache = _cache(m, dev)
+    name = _kernel_name(m, cache, dev, "unary", op, x.dtype)
+    aligned = not ((res._ptr | x._ptr) & 15)
+    grid = _grid(n // (16 // x.dtype.itemsize) if aligned else n, cache.sm_count)
+    m.backend.launch_kernel(name, grid, res, x, n, alpha, block_size=_BLOCK_DIMS,
+                            device_id=dev)
+    return res
+
+
+# -- fill and copy --------------------------------------------------------------------------
+def fill(m: Any, tensor: CudaTensor, value: Any) -> CudaTensor:
+    """Set every element of tensor to value, in place (fill.cu.j2); returns the tensor.
+    The value takes the tensor's dtype (an int tensor refuses a non-integral value)."""
+    common.check_tensor(tensor, "tensor")
+    dtype = tensor.dtype
+    if dtype is DT.BOOL:
+        v = _scalar(DT.INT64, value, "value")
+        v = int(bool(v))
+        dtype = DT.UINT8            # same storage: one byte, 0 or 1
+    else:
+        v = _scalar(dtype, value, "value")
+    n = tensor.size
+    if n == 0:
+        return tensor
+    if not m.gpu:
+        return _store_host(m, np.full(tensor.shape, v, dtype=_compute_type(dtype)), tensor)
+    dev = tensor.device_id
+    cache = _cache(m, dev)
+    key = ("fill", "", dtype)
+    name = cache.kernels.get(key)
+    if name is None:
+        name = m.kernel("fill.cu.j2", dev, **dtype_params(dtype), block_size=BLOCK).name
+        cache.kernels[key] = name
+    grid = common.grid_1d(n, BLOCK, cache.sm_count)
+    m.backend.launch_kernel(name, grid, tensor, v, n, block_size=_BLOCK_DIMS, device_id=dev)
+    return tensor
+
+
+def copy(m: Any, x: CudaTensor) -> CudaTensor:
+    """A new tensor with x's contents (a device-to-device copy on x's device)."""
+    common.check_tensor(x, "tensor")
+    res = m.backend.empty(x.shape, x.dtype, x.device_id)
+    if x.nbytes:
+        m.backend.copy_device_to_device(res, x, x.nbytes)
+    return res

@@ -1,0 +1,433 @@
+"""Matrix multiply: `matmul(m, a, b, precision, out)` for CudaMath.matrix_multiply.
+
+Two kernel families, both templated:
+- `matmul_simt.cu.j2`: true FP32 (the float32 default) and FP64 on CUDA cores; register-tiled
+  GEMM with a split-K mode (partial products in a workspace, then `splitk_reduce`) so that
+  skinny and small outputs still fill every SM.
+- `matmul_mma.cu.j2`: tensor cores through mma.sync with float32 accumulators: TF32 for
+  float32 with precision="tf32", float16 / bfloat16 (output in the input dtype).
+
+Each family has a short list of tile configs per shape class; the Autotuner times them once
+per (device, class) and keeps the fastest. `vec` (16-byte loads) is chosen per call from the
+operands' alignment and is part of the class, never tuned. Shapes: (M,K)@(K,N), batched
+(...,M,K)@(...,K,N) where each operand's batch is either the full broadcast batch or all
+ones (stride 0), and NumPy's 1-D rules (a 1-D operand gains and then loses a unit dimension).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..dtypes import CudaDataType, to_bfloat16_bits
+from ..errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
+from ..kernels import dtype_params
+from ..tensor import CudaTensor
+from . import common
+
+DT = CudaDataType
+SIMT_TEMPLATE = "matmul_simt.cu.j2"
+MMA_TEMPLATE = "matmul_mma.cu.j2"
+FILL_TEMPLATE = "fill.cu.j2"
+REDUCE_BLOCK = 256
+
+_PRECISIONS = {None: None, "fp32": "fp32", "highest": "fp32", "ieee": "fp32", "tf32": "tf32"}
+
+
+def _simt(bm: int, bn: int, bk: int, tm: int, tn: int, wtm: int, min_blocks: int) -> Dict[str, int]:
+    return {"bm": bm, "bn": bn, "bk": bk, "tm": tm, "tn": tn, "wtm": wtm,
+            "min_blocks": min_blocks}
+
+
+def _mma(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int,
+         min_blocks: int) -> Dict[str, int]:
+    return {"bm": bm, "bn": bn, "bk": bk, "wm": wm, "wn": wn, "stages": stages,
+            "min_blocks": min_blocks}
+
+
+# -- tile configs ------------------------------------------------------------------------
+# SIMT, float32. Threads = (bm / tm) * (bn / tn); warp tile = (wtm * tm) x ((32 / wtm) * tn).
+S_128x128x8 = _simt(128, 128, 8, 8, 8, 8, 1)     # 256 threads, 8x8 per thread
+S_128x128x16 = _simt(128, 128, 16, 8, 8, 8, 1)   # 256 threads, deeper k-tile
+S_128x64x8 = _simt(128, 64, 8, 8, 8, 8, 2)       # 128 threads
+S_64x64x8 = _simt(64, 64, 8, 8, 4, 4, 4)         # 128 threads, 8x4 per thread
+S_64x64x16 = _simt(64, 64, 16, 4, 4, 4, 2)       # 256 threads, 4x4 per thread
+S_32x64x16 = _simt(32, 64, 16, 4, 4, 4, 4)       # 128 threads (small / skinny)
+SIMT_F32 = {
+    "large": [S_128x128x8, S_128x128x16, S_128x64x8],
+    "medium": [S_128x64x8, S_64x64x8, S_64x64x16, S_128x128x8],
+    "skinny": [S_64x64x8, S_64x64x16, S_32x64x16],
+    "small": [S_32x64x16],
+}
+# SIMT, float64 (8-byte elements: half the tile depth keeps static shared memory < 48 KB).
+D_128x64x8 = _simt(128, 64, 8, 8, 4, 8, 1)       # 256 threads
+D_64x64x8 = _simt(64, 64, 8, 8, 4, 4, 2)         # 128 threads
+D_32x64x8 = _simt(32, 64, 8, 4, 4, 4, 4)         # 128 threads
+SIMT_F64 = {
+    "large": [D_128x64x8, D_64x64x8],
+    "medium": [D_64x64x8, D_128x64x8],
+    "skinny": [D_64x64x8, D_32x64x8],
+    "small": [D_32x64x8],
+}
+# mma.sync, 16-bit inputs: threads = (bm / wm) * (bn / wn) * 32.
+H_128x128x32 = _mma(128, 128, 32, 64, 64, 4, 2)  # 128 threads, 64 KB
+H_128x256x32 = _mma(128, 256, 32, 64, 64, 3, 1)  # 256 threads, 72 KB
+H_128x128x32_w8 = _mma(128, 128, 32, 64, 32, 4, 1)  # 256 threads, 64 KB
+H_128x128x64 = _mma(128, 128, 64, 64, 64, 3, 2)  # 128 threads, 96 KB
+H_64x64x32 = _mma(64, 64, 32, 32, 32, 4, 4)      # 128 threads, 32 KB
+MMA_F16 = {
+    "large": [H_128x128x32, H_128x256x32, H_128x128x32_w8, H_128x128x64],
+    "medium": [H_128x128x32, H_64x64x32],
+    "skinny": [H_64x64x32, H_128x128x32],
+    "small": [H_64x64x32],
+}
+# mma.sync, TF32 (4-byte elements: bk 16 gives 64-byte shared rows).
+T_128x128x16 = _mma(128, 128, 16, 64, 64, 4, 2)  # 128 threads, 64 KB
+T_128x128x16_w8 = _mma(128, 128, 16, 64, 32, 4, 1)  # 256 threads, 64 KB
+T_128x256x16 = _mma(128, 256, 16, 64, 64, 3, 1)  # 256 threads, 72 KB
+T_64x64x16 = _mma(64, 64, 16, 32, 32, 4, 4)      # 128 threads, 32 KB
+MMA_TF32 = {
+    "large": [T_128x128x16, T_128x128x16_w8, T_128x256x16],
+    "medium": [T_128x128x16, T_64x64x16],
+    "skinny": [T_64x64x16, T_128x128x16],
+    "small": [T_64x64x16],
+}
+# Without 16-byte alignment the mma kernels load element by element: only these two.
+MMA_SCALAR_OK = (H_128x128x32, H_64x64x32, T_128x128x16, T_64x64x16)
+
+
+def _family(dtype: CudaDataType, precision: Optional[str]) -> Tuple[str, Dict[str, list]]:
+    """(template, candidate lists by class) for a dtype and precision."""
+    if dtype is DT.FLOAT64:
+        return SIMT_TEMPLATE, SIMT_F64
+    if dtype is DT.FLOAT32:
+        return (MMA_TEMPLATE, MMA_TF32) if precision == "tf32" else (SIMT_TEMPLATE, SIMT_F32)
+    return MMA_TEMPLATE, MMA_F16
+
+
+def candidates(dtype: CudaDataType, precision: Optional[str], shape_class: str,
+               vec: bool) -> List[Dict[str, int]]:
+    """The tile configs the autotuner chooses from for this dtype, precision and class."""
+    template, table = _family(dtype, precision)
+    cands = list(table[shape_class])
+    if template == MMA_TEMPLATE and not vec:
+        cands = [c for c in cands if c in MMA_SCALAR_OK] or [table["small"][0]]
+    return cands
+
+
+def all_configs(dtype: CudaDataType, precision: Optional[str]) -> List[Dict[str, int]]:
+    """Every distinct config of a family (used by tests and the config sweep)."""
+    _, table = _family(dtype, precision)
+    out: List[Dict[str, int]] = []
+    for cands in table.values():
+        for c in cands:
+            if c not in out:
+                out.append(c)
+    return out
+
+
+def template_variants() -> Dict[str, List[Dict[str, Any]]]:
+    """Every parameter set this module renders (CI renders and compiles each)."""
+    simt: List[Dict[str, Any]] = []
+    for dt in (DT.FLOAT32, DT.FLOAT64):
+        for cfg in all_configs(dt, None):
+            for vec in (True, False):
+                simt.append({**dtype_params(dt), "kind": "gemm", **cfg, "vec": vec})
+        simt.append({**dtype_params(dt), "kind": "splitk_reduce", "block_size": REDUCE_BLOCK})
+    mma: List[Dict[str, Any]] = []
+    for dt, prec in ((DT.FLOAT32, "tf32"), (DT.FLOAT16, None), (DT.BFLOAT16, None)):
+        for cfg in all_configs(dt, prec):
+            for vec in (True, False):
+                if vec or cfg in MMA_SCALAR_OK:
+                    mma.append({**dtype_params(dt), **cfg, "vec": vec})
+    return {SIMT_TEMPLATE: simt, MMA_TEMPLATE: mma}
+
+
+# -- shapes -------------------------------------------------------------------------------
+class Plan:
+    """Validated geometry of one matmul: (batch, M, N, K), batch strides, output shape."""
+
+    __slots__ = ("batch", "M", "N", "K", "stride_a", "stride_b", "out_shape")
+
+    def __init__(self, batch: int, M: int, N: int, K: int, stride_a: int, stride_b: int,
+                 out_shape: Tuple[int, ...]) -> None:
+        self.batch, self.M, self.N, self.K = batch, M, N, K
+        self.stride_a, self.stride_b = stride_a, stride_b
+        self.out_shape = out_shape
+
+
+def plan_shapes(a_shape: Sequence[int], b_shape: Sequence[int]) -> Plan:
+    """NumPy matmul shape rules, restricted to batches that are full or broadcast (all 1)."""
+    a_shape, b_shape = tuple(a_shape), tuple(b_shape)
+    if len(a_shape) == 0 or len(b_shape) == 0:
+        raise InvalidArgumentError(
+            f"matmul needs operands with at least 1 dimension, got shapes {a_shape} and "
+            f"{b_shape} (use multiply for scalars)")
+    a2 = (1,) + a_shape if len(a_shape) == 1 else a_shape
+    b2 = b_shape + (1,) if len(b_shape) == 1 else b_shape
+    if a2[-1] != b2[-2]:
+        raise ShapeMismatchError(
+            f"matmul: inner dimensions differ: a has shape {a_shape} (K={a2[-1]}) and b has "
+            f"shape {b_shape} (K={b2[-2]}); a's last dimension must equal b's "
+            f"{'only' if len(b_shape) == 1 else 'second-to-last'} dimension")
+    M, K, N = a2[-2], a2[-1], b2[-1]
+    a_batch, b_batch = a2[:-2], b2[:-2]
+    try:
+        batch_shape = common.broadcast_shapes(a_batch, b_batch)
+    except ShapeMismatchError as exc:
+        raise ShapeMismatchError(
+            f"matmul: batch dimensions of a {a_shape} and b {b_shape} do not broadcast: "
+            f"{exc}") from None
+    batch = int(np.prod(batch_shape, dtype=np.int64)) if batch_shape else 1
+    strides = []
+    for name, shp, mat in (("a", a_shape, M * K), ("b", b_shape, K * N)):
+        own = (shp[:-2] if len(shp) > 2 else ())
+        padded = (1,) * (len(batch_shape) - len(own)) + own
+        if all(d == 1 for d in padded):
+            strides.append(0)
+        elif padded == batch_shape:
+            strides.append(mat)
+        else:
+            raise InvalidArgumentError(
+                f"matmul: batch dimensions of shapes {a_shape} and {b_shape} broadcast to "
+                f"{batch_shape}, but {name}'s batch {own} is neither all of it nor all ones "
+                f"(partial batch broadcasting is not supported; expand {name} first)")
+    out_shape = batch_shape + ((M,) if len(a_shape) > 1 else ()) + \
+        ((N,) if len(b_shape) > 1 else ())
+    return Plan(batch, M, N, K, strides[0], strides[1], out_shape)
+
+
+def normalize_precision(precision: Any, dtype: CudaDataType) -> Optional[str]:
+    """None / 'fp32' / 'highest' -> exact arithmetic of the dtype; 'tf32' -> TF32 (float32 only)."""
+    key = precision.lower() if isinstance(precision, str) else precision
+    if not (key is None or isinstance(key, str)) or key not in _PRECISIONS:
+        raise InvalidArgumentError(
+            f"precision must be None, 'fp32' (alias 'highest') or 'tf32', got {precision!r}")
+    prec = _PRECISIONS[key]
+    if prec == "tf32" and dtype is not DT.FLOAT32:
+        raise InvalidArgumentError(
+            f"precision='tf32' applies to float32 operands only, got {dtype.name_str}")
+    return prec
+
+
+def shape_class(p: Plan, sm_count: int) -> str:
+    """'small' (tiny work), 'skinny' (M or N < 64), 'large' (>= 2 waves of 128x128 tiles),
+    else 'medium'."""
+    work = p.batch * p.M * p.N * p.K
+    if work <= 256 * 256 * 256:
+        return "small"
+    if min(p.M, p.N) < 64:
+        return "skinny"
+    tiles = p.batch * -(-p.M // 128) * -(-p.N // 128)
+    return "large" if tiles >= 2 * sm_count else "medium"
+
+
+def _bucket(x: int) -> int:
+    return max(0, int(x) - 1).bit_length()
+
+
+# -- entry point ----------------------------------------------------------------------------
+def matmul(m: Any, a: CudaTensor, b: CudaTensor, precision: Optional[str] = None,
+           out: Optional[CudaTensor] = None) -> CudaTensor:
+    """a @ b with NumPy's matmul shape rules (batch: full or broadcast). float32 is true FP32
+    on CUDA cores unless precision='tf32'; float16/bfloat16 use tensor cores with float32
+    accumulation; float64 runs on CUDA cores. out= (optional) receives the result."""
+    common.check_tensor(a, "a")
+    common.check_tensor(b, "b")
+    dtype = common.same_dtype(a, b)
+    common.require_dtype(a, common.FLOATS, "matmul")
+    prec = normalize_precision(precision, dtype)
+    dev = common.same_device(a, b)
+    p = plan_shapes(a.shape, b.shape)
+    if out is not None:
+        _check_out(out, a, b, dtype, dev, p)
+    else:
+        out = m.backend.empty(p.out_shape, dtype, dev)
+    if out.size == 0:
+        return out
+    if not m.gpu:
+        _fallback(m, a, b, out, p, prec)
+        return out
+    if p.K == 0:
+        _fill_zero(m, out, dev)
+        return out
+    _launch(m, a, b, out, p, dtype, prec, dev)
+    return out
+
+
+def _check_out(out: Any, a: CudaTensor, b: CudaTensor, dtype: CudaDataType, dev: int,
+               p: Plan) -> None:
+    common.check_tensor(out, "out")
+    if out.dtype is not dtype:
+        raise DTypeMismatchError(
+            f"out has dtype {out.dtype.name_str}, expected {dtype.name_str} (the operands')")
+    if tuple(out.shape) != p.out_shape:
+        raise ShapeMismatchError(
+            f"out has shape {out.shape}, expected {p.out_shape} for {a.shape} @ {b.shape}")
+    common.same_device(a, out)
+    if out.nbytes:
+        lo, hi = out.ptr, out.ptr + out.nbytes
+        for name, t in (("a", a), ("b", b)):
+            if t.nbytes and t.ptr < hi and lo < t.ptr + t.nbytes:
+                raise InvalidArgumentError(f"out overlaps operand {name}; use a separate tensor")
+
+
+# -- fallback (NumPy) ------------------------------------------------------------------------
+def _round_tf32(x: np.ndarray) -> np.ndarray:
+    """float32 -> nearest TF32 value, ties away from zero (what cvt.rna.tf32.f32 does)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    finite = np.isfinite(x)
+    rounded = ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+    return np.where(finite, rounded, x).astype(np.float32)
+
+
+def _fallback(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
+              prec: Optional[str]) -> None:
+    work = np.float64 if out.dtype is DT.FLOAT64 else np.float32
+    ah = common.host_array(m, a).astype(work, copy=False)
+    bh = common.host_array(m, b).astype(work, copy=False)
+    if prec == "tf32":
+        ah, bh = _round_tf32(ah), _round_tf32(bh)
+    if p.K == 0:
+        res = np.zeros(p.out_shape, work)
+    else:
+        res = np.matmul(ah, bh).reshape(p.out_shape)
+    if out.dtype is DT.BFLOAT16:
+        host = to_bfloat16_bits(res.astype(np.float32)).reshape(p.out_shape)
+    else:
+        host = np.ascontiguousarray(res, dtype=out.dtype.numpy_dtype)
+    m.backend.copy_to_device(host, out)
+
+
+# -- GPU ------------------------------------------------------------------------------------
+def _fill_zero(m: Any, out: CudaTensor, dev: int) -> None:
+    """out[:] = 0 with the seed's fill kernel (K == 0: an empty sum)."""
+    kernel = m.kernel(FILL_TEMPLATE, dev, **dtype_params(out.dtype), block_size=256)
+    sms = m.backend.get_device_info(dev).multiprocessor_count
+    grid = common.grid_1d(out.size, 256, sms)
+    m.backend.launch_kernel(kernel.name, (grid, 1, 1), out, 0.0, out.size,
+                            block_size=(256, 1, 1), device_id=dev)
+
+
+def is_vec_ok(a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan) -> bool:
+    """16-byte loads/stores are legal: K and N whole vectors, every pointer 16-byte aligned."""
+    vw = 16 // out.dtype.itemsize
+    return (p.K % vw == 0 and p.N % vw == 0
+            and a.ptr % 16 == 0 and b.ptr % 16 == 0 and out.ptr % 16 == 0)
+
+
+def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
+            dtype: CudaDataType, prec: Optional[str], dev: int) -> None:
+    info = m.backend.get_device_info(dev)
+    sms = info.multiprocessor_count
+    vec = is_vec_ok(a, b, out, p)
+    cls = shape_class(p, sms)
+    template, _ = _family(dtype, prec)
+    cands = candidates(dtype, prec, cls, vec)
+    op = f"matmul_{'simt' if template == SIMT_TEMPLATE else 'mma'}_{dtype.name_str}" \
+         f"{'_tf32' if prec == 'tf32' else ''}"
+    key = [cls, vec, _bucket(p.M), _bucket(p.N), _bucket(p.K), p.batch > 1]
+
+    def run(cfg: Dict[str, int]) -> None:
+        run_config(m, template, cfg, a, b, out, p, dtype, vec, dev)
+
+    cfg = m.autotuner.pick(op, key, cands, run, device_id=dev) if len(cands) > 1 else cands[0]
+    run(cfg)
+
+
+def split_count(cfg: Dict[str, int], p: Plan, sm_count: int, max_z: int = 65535) -> int:
+    """Split-K factor for the SIMT kernel: enough blocks for ~2 per SM, >= 256 of K each."""
+    blocks = p.batch * -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"])
+    target = 2 * sm_count
+    if blocks >= target or p.K < 512:
+        return 1
+    splits = min(-(-target // blocks), p.K // 256, 16, max(1, max_z // p.batch))
+    if splits <= 1:
+        return 1
+    chunk = -(-p.K // splits)
+    chunk = -(-chunk // cfg["bk"]) * cfg["bk"]
+    return -(-p.K // chunk)
+
+
+def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: CudaTensor,
+               out: CudaTensor, p: Plan, dtype: CudaDataType, vec: bool, dev: int,
+               splits: Optional[int] = None) -> None:
+    """Launch one config over the whole problem (split-K and batch chunking included)."""
+    backend = m.backend
+    info = backend.get_device_info(dev)
+    max_z = info.max_grid_dims[2]
+    tiles = -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"])
+    if tiles > info.max_grid_dims[0]:
+        raise InvalidArgumentError(f"matmul output {p.M}x{p.N} needs too many tiles ({tiles})")
+    params = {**dtype_params(dtype), **cfg, "vec": vec}
+    esize = dtype.itemsize
+    if template == SIMT_TEMPLATE:
+        kernel = m.kernel(SIMT_TEMPLATE, dev, kind="gemm", **params)
+        threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"])
+        if splits is None:
+            splits = split_count(cfg, p, info.multiprocessor_count, max_z)
+        if splits > 1:
+            chunk = -(-p.K // splits)
+            chunk = -(-chunk // cfg["bk"]) * cfg["bk"]
+            splits = -(-p.K // chunk)
+            work = backend.empty((splits * p.batch * p.M * p.N,), dtype, dev)
+            try:
+                backend.launch_kernel(kernel.name, (tiles, 1, p.batch * splits), a, b, work,
+                                      p.M, p.N, p.K, p.stride_a, p.stride_b, p.batch, chunk,
+                                      block_size=(threads, 1, 1), device_id=dev)
+                red = m.kernel(SIMT_TEMPLATE, dev, kind="splitk_reduce",
+                               block_size=REDUCE_BLOCK, **dtype_params(dtype))
+                n = p.batch * p.M * p.N
+                grid = common.grid_1d(n, REDUCE_BLOCK, info.multiprocessor_count, waves=4)
+                backend.launch_kernel(red.name, (grid, 1, 1), work, out, n, splits,
+                                      block_size=(REDUCE_BLOCK, 1, 1), device_id=dev)
+            finally:
+                work.free()  # back to the pool; later work on this stream is ordered after
+            return
+        for b0 in range(0, p.batch, max_z):
+            nb = min(max_z, p.batch - b0)
+            pa, pb, pc = _offsets(a, b, out, p, b0, esize)
+            backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, p.M, p.N, p.K,
+                                  p.stride_a, p.stride_b, nb, p.K,
+                                  block_size=(threads, 1, 1), device_id=dev)
+        return
+    kernel = m.kernel(MMA_TEMPLATE, dev, **params)
+    threads = (cfg["bm"] // cfg["wm"]) * (cfg["bn"] // cfg["wn"]) * 32
+    smem = cfg["stages"] * (cfg["bm"] * cfg["bk"] + cfg["bk"] * cfg["bn"]) * esize
+    for b0 in range(0, p.batch, max_z):
+        nb = min(max_z, p.batch - b0)
+        pa, pb, pc = _offsets(a, b, out, p, b0, esize)
+        backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, p.M, p.N, p.K,
+                              p.stride_a, p.stride_b, block_size=(threads, 1, 1),
+                              shared_mem=smem, device_id=dev)
+
+
+def _offsets(a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan, b0: int,
+             esize: int) -> Tuple[Any, Any, Any]:
+    """Operands for batch chunk starting at b0 (the tensors themselves for the first)."""
+    if b0 == 0:
+        return a, b, out
+    return (a.ptr + b0 * p.stride_a * esize, b.ptr + b0 * p.stride_b * esize,
+            out.ptr + b0 * p.M * p.N * esize)
+
+
+def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8,
+            dtypes: Sequence[CudaDataType] = tuple(common.FLOATS)) -> int:
+    """Compile every matmul variant for the dtypes in parallel threads (nvcc runs in
+    subprocesses); returns how many were compiled. Later calls find them memoized."""
+    if not m.gpu:
+        return 0
+    dev = m.backend.current_device if device_id is None else device_id
+    names = {d.name_str for d in dtypes}
+    jobs = [(t, params) for t, sets in template_variants().items() for params in sets
+            if params["dtype"] in names]
+
+    def compile_one(job: Tuple[str, Dict[str, Any]]) -> None:
+        with m.backend.device(dev):
+            m.kernel(job[0], dev, **job[1])
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        list(pool.map(compile_one, jobs))
+    return len(jobs)

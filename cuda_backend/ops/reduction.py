@@ -1,0 +1,380 @@
+"""Reductions: sum, mean, max, min over any axes, and argmax.
+
+Result dtypes follow NumPy where the backend can represent them: float inputs keep their
+dtype (float16/bfloat16/float32 accumulate in float32, float64 in double); int32 and int64
+sums return int64 (NumPy's int32 sum is int64); int means return float64; int max/min keep
+the input dtype; argmax returns int64. max/min/argmax propagate NaN like NumPy (argmax
+returns the first NaN). Empty reductions: sum gives 0, mean gives NaN (without NumPy's
+warning), max/min/argmax raise InvalidArgumentError.
+
+Kernels (all deterministic: a fixed summation order for a given shape and device):
+- `reduce.cu.j2`, contiguous rows ([rows][R], the reduced axes innermost; a full reduction
+  is one row): a group of 1-32 lanes per short row, or one block per row with 16-byte loads,
+  several loads in flight per thread and, when there are few rows, several blocks per row
+  whose partials the last block to finish folds (atomic ticket), all in one launch.
+- `reduce_axis.cu.j2`, a middle axis ([outer][R][inner]): threads map to inner columns for
+  coalesced (16-byte where aligned) loads and walk R; few columns split R over blocks the
+  same way.
+Reductions over several non-adjacent axes run as successive single-axis passes, innermost
+reduced axis first; the intermediates have the pass's result dtype (float16/bfloat16
+intermediates are rounded to the input dtype).
+"""
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..dtypes import CudaDataType, to_bfloat16_bits
+from ..errors import InvalidArgumentError, ShapeMismatchError, DTypeMismatchError
+from ..kernels import accumulator_type
+from ..tensor import CudaTensor
+from . import common
+
+OPS = ("sum", "mean", "max", "min")
+SUPPORTED = common.FLOATS + (CudaDataType.INT32, CudaDataType.INT64)
+BLOCK = 256            # threads per block of both kernels
+UNROLL = 4             # 16-byte loads in flight per thread
+MAX_SPLIT_GROUPS = 4096  # ticket counters kept per device (rows or tile groups of a split launch)
+ROWS_TEMPLATE = "reduce.cu.j2"
+AXIS_TEMPLATE = "reduce_axis.cu.j2"
+
+_INT_ACC = {CudaDataType.INT32: "int", CudaDataType.INT64: "long long"}
+
+
+# -- dtypes and template parameters --------------------------------------------------------
+def kernel_config(dtype: CudaDataType, op: str) -> Tuple[str, str, CudaDataType]:
+    """(kernel op, accumulator C type, result dtype) of `op` ("sum", "mean", "max", "min",
+    "argmax") on `dtype`."""
+    if op == "argmax":
+        acc = _INT_ACC.get(dtype) or accumulator_type(dtype)
+        return "argmax", acc, CudaDataType.INT64
+    if dtype.is_floating:
+        return ("sum" if op == "mean" else op), accumulator_type(dtype), dtype
+    if op == "sum":
+        return "sum", "long long", CudaDataType.INT64
+    if op == "mean":
+        return "sum", "double", CudaDataType.FLOAT64
+    return op, _INT_ACC[dtype], dtype
+
+
+def kernel_params(dtype: CudaDataType, op: str) -> Dict[str, Any]:
+    """Template parameters (both templates take the same) for `op` on `dtype`."""
+    kop, acc, out_dtype = kernel_config(dtype, op)
+    return {"dtype": dtype.name_str, "ctype": dtype.c_type, "acc": acc,
+            "out_ctype": out_dtype.c_type, "op": kop, "block_size": BLOCK, "unroll": UNROLL}
+
+
+def template_variants() -> Dict[str, List[Dict[str, Any]]]:
+    """Every parameter set this module renders: each supported dtype x kernel op, per template."""
+    sets: List[Dict[str, Any]] = []
+    for dt in SUPPORTED:
+        for op in ("sum", "mean", "max", "min", "argmax"):
+            params = kernel_params(dt, op)
+            if params not in sets:
+                sets.append(params)
+    return {ROWS_TEMPLATE: [dict(p) for p in sets], AXIS_TEMPLATE: [dict(p) for p in sets]}
+
+
+def result_dtype(dtype: CudaDataType, op: str) -> CudaDataType:
+    return kernel_config(dtype, op)[2]
+
+
+# -- shapes --------------------------------------------------------------------------------
+def reduced_shape(shape: Sequence[int], axes: Sequence[int], keepdims: bool) -> Tuple[int, ...]:
+    if keepdims:
+        return tuple(1 if i in axes else s for i, s in enumerate(shape))
+    return tuple(s for i, s in enumerate(shape) if i not in axes)
+
+
+def collapse(shape: Sequence[int], axes: Sequence[int]) -> List[List[Any]]:
+    """[[size, reduced], ...]: the shape with size-1 dims dropped and neighbours of the same
+    kind merged, so the reduced axes form as few contiguous runs as the layout allows."""
+    segs: List[List[Any]] = []
+    for i, s in enumerate(shape):
+        if s == 1:
+            continue
+        red = i in axes
+        if segs and segs[-1][1] == red:
+            segs[-1][0] *= s
+        else:
+            segs.append([s, red])
+    return segs
+
+
+def plan_passes(shape: Sequence[int], axes: Sequence[int]) -> List[Tuple[int, int, int]]:
+    """[(outer, R, inner), ...]: single-axis passes, innermost reduced run first. A
+    reduction of nothing (no axes, or only size-1 axes) is one pass with R == 1."""
+    segs = collapse(shape, axes)
+    passes = []
+    while True:
+        red = [i for i, (_, r) in enumerate(segs) if r]
+        if not red:
+            break
+        k = red[-1]
+        outer = math.prod(s for s, _ in segs[:k])
+        inner = math.prod(s for s, _ in segs[k + 1:])
+        passes.append((outer, segs[k][0], inner))
+        rest = segs[:k] + segs[k + 1:]
+        segs = []
+        for s, r in rest:
+            if segs and segs[-1][1] == r:
+                segs[-1][0] *= s
+            else:
+                segs.append([s, r])
+    if not passes:
+        passes.append((math.prod(shape), 1, 1))
+    return passes
+
+
+# -- launch sizing -------------------------------------------------------------------------
+def _pow2ceil(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def resident_blocks(kernel: Any, info: Any, threads: int, dynamic_smem: int = 0) -> int:
+    """Blocks of `threads` threads one SM holds at once (registers, threads, shared memory)."""
+    regs = max(int(getattr(kernel, "num_regs", 32) or 32), 1)
+    warps = (threads + 31) // 32
+    regs_per_warp = ((regs * 32 + 255) // 256) * 256
+    by_regs = int(getattr(info, "registers_per_block", 65536) or 65536) // (regs_per_warp * warps)
+    by_threads = int(info.max_threads_per_multiprocessor) // threads
+    smem = int(getattr(kernel, "static_shared_bytes", 0) or 0) + int(dynamic_smem)
+    sm_total = int(info.shared_memory_per_multiprocessor or 228 * 1024)
+    by_smem = sm_total // (smem + 1024) if smem else 32
+    return max(1, min(by_regs, by_threads, by_smem, 32))
+
+
+def rows_config(rows: int, R: int, itemsize: int, wave: int) -> Tuple[int, int, int]:
+    """(group, splits, grid) for reduce.cu.j2: `wave` is the number of blocks the GPU holds at
+    once. Short rows get 1-32 lanes each; long rows a block, split over several blocks when
+    there are too few rows to fill the GPU."""
+    vec = 16 // itemsize
+    if R <= 32 * vec * 8:
+        group = min(32, _pow2ceil(-(-R // (2 * vec))))
+        return group, 1, -(-rows // (BLOCK // group))
+    splits = 1
+    if rows <= min(wave // 2, MAX_SPLIT_GROUPS):
+        nvec = R // vec
+        splits = max(1, min(-(-wave // rows), nvec // (BLOCK * UNROLL)))
+    return BLOCK, splits, rows * splits
+
+
+def axis_config(outer: int, R: int, inner: int, itemsize: int, aligned: bool,
+                wave: int) -> Dict[str, int]:
+    """Launch sizing for reduce_axis.cu.j2: block (bx, by), tiles, splits, rows per split,
+    vec_on; threads in x take 16-byte column vectors when inner allows."""
+    vec = 16 // itemsize
+    vec_on = int(aligned and inner % vec == 0)
+    w = vec if vec_on else 1
+    ncols = -(-inner // w)
+    bx = min(32, _pow2ceil(ncols))
+    by = max(1, min(BLOCK // bx, _pow2ceil(R)))
+    tiles = -(-ncols // bx)
+    groups = outer * tiles
+    splits = 1
+    if groups <= min(wave // 2, MAX_SPLIT_GROUPS):
+        splits = max(1, min(-(-wave // groups), R // (by * 8), 65535))
+    rows_per_split = max(1, -(-R // splits))
+    splits = max(1, -(-R // rows_per_split))
+    return {"bx": bx, "by": by, "tiles": tiles, "groups": groups, "splits": splits,
+            "rows_per_split": rows_per_split, "vec_on": vec_on, "width": bx * w}
+
+
+# -- per-device ticket counters --------------------------------------------------------------
+_counters: "weakref.WeakKeyDictionary[Any, Dict[int, CudaTensor]]" = weakref.WeakKeyDictionary()
+_counters_lock = threading.Lock()
+
+
+def _ticket_counters(m: Any, dev: int) -> CudaTensor:
+    """MAX_SPLIT_GROUPS zeroed uint32 counters, made once per device and kept: every split
+    launch leaves the counters it used at 0 again, so they never need clearing."""
+    with _counters_lock:
+        per = _counters.setdefault(m.backend, {})
+        t = per.get(dev)
+        if t is None or t.is_freed:
+            t = m.backend.empty((MAX_SPLIT_GROUPS,), CudaDataType.INT32, dev)
+            m.backend.copy_to_device(np.zeros(MAX_SPLIT_GROUPS, np.int32), t)
+            per[dev] = t
+        return t
+
+
+# -- public API ----------------------------------------------------------------------------
+def reduce(m: Any, op: str, x: CudaTensor, axis: Any = None, keepdims: bool = False,
+           out: Optional[CudaTensor] = None) -> CudaTensor:
+    """op ("sum", "mean", "max", "min") over `axis` (None: all, an int or a tuple), like
+    NumPy's; `out` (optional) must have the result's shape, dtype and device."""
+    if op not in OPS:
+        raise InvalidArgumentError(f"unknown reduction '{op}'; expected one of {', '.join(OPS)}")
+    x = common.check_tensor(x, "tensor")
+    common.require_dtype(x, SUPPORTED, f"reduce_{op}")
+    axes = common.normalize_axes(axis, x.ndim)
+    count = math.prod(x.shape[a] for a in axes)
+    if count == 0 and op in ("max", "min"):
+        raise InvalidArgumentError(
+            f"zero-size reduction: reduce_{op} over axes {axes} of a tensor of shape {x.shape} "
+            f"has no identity")
+    dtype = result_dtype(x.dtype, op)
+    shape = reduced_shape(x.shape, axes, bool(keepdims))
+    _check_out(out, shape, dtype, x, f"reduce_{op}")
+    if not m.gpu or count == 0 or x.size == 0:
+        values = _host_reduce(m, op, x, axes, bool(keepdims)) if x.size else \
+            np.full(shape, 0 if op == "sum" else np.nan, dtype=_host_dtype(dtype))
+        return _host_result(m, values, dtype, x.device_id, out)
+    return _gpu_reduce(m, op, x, axes, shape, dtype, count, out)
+
+
+def argmax(m: Any, x: CudaTensor, axis: Optional[int] = None, keepdims: bool = False,
+           out: Optional[CudaTensor] = None) -> CudaTensor:
+    """Index (int64) of the first maximum over the flattened tensor (axis None) or one axis;
+    NaN counts as the maximum, like NumPy."""
+    x = common.check_tensor(x, "tensor")
+    common.require_dtype(x, SUPPORTED, "argmax")
+    if axis is not None and not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise InvalidArgumentError(f"argmax takes one axis (an int) or None, got {axis!r}")
+    axes = common.normalize_axes(axis, x.ndim)
+    count = math.prod(x.shape[a] for a in axes)
+    if count == 0:
+        raise InvalidArgumentError(
+            f"zero-size reduction: argmax over axes {axes} of a tensor of shape {x.shape} "
+            f"has no identity (attempt to get argmax of an empty sequence)")
+    if axis is None:
+        shape = (1,) * x.ndim if keepdims else ()
+    else:
+        shape = reduced_shape(x.shape, axes, bool(keepdims))
+    _check_out(out, shape, CudaDataType.INT64, x, "argmax")
+    if not m.gpu or x.size == 0:
+        if x.size:
+            a = common.host_array(m, x)
+            values = np.argmax(a, axis=None if axis is None else int(axis),
+                               keepdims=bool(keepdims))
+        else:
+            values = np.zeros(shape, np.int64)
+        return _host_result(m, np.asarray(values).reshape(shape), CudaDataType.INT64,
+                            x.device_id, out)
+    return _gpu_reduce(m, "argmax", x, axes, shape, CudaDataType.INT64, count, out)
+
+
+# -- GPU path ------------------------------------------------------------------------------
+def _gpu_reduce(m: Any, op: str, x: CudaTensor, axes: Tuple[int, ...], shape: Tuple[int, ...],
+                dtype: CudaDataType, count: int, out: Optional[CudaTensor]) -> CudaTensor:
+    dev = x.device_id
+    passes = plan_passes(x.shape, axes)
+    if out is None:
+        out = m.backend.empty(shape, dtype, dev)
+    cur = x
+    for n, (outer, R, inner) in enumerate(passes):
+        last = n == len(passes) - 1
+        # Earlier passes of a mean are sums; only the last one divides by the full count.
+        pop = op if last or op != "mean" else "sum"
+        pdtype = result_dtype(cur.dtype, pop)
+        target = out if last else m.backend.empty((outer * inner,), pdtype, dev)
+        divisor = float(count) if (last and op == "mean") else 1.0
+        try:
+            _launch_pass(m, dev, pop, cur, target, outer, R, inner, divisor)
+        except BaseException:
+            if not last:
+                target.free()
+            raise
+        finally:
+            if cur is not x:
+                cur.free()
+        cur = target
+    return out
+
+
+def _launch_pass(m: Any, dev: int, op: str, x: CudaTensor, out: CudaTensor, outer: int, R: int,
+                 inner: int, divisor: float) -> None:
+    """One single-axis pass: out[outer][inner] = op over R of x[outer][R][inner]."""
+    params = kernel_params(x.dtype, op)
+    acc_bytes = 16 if op == "argmax" else (8 if params["acc"] in ("double", "long long") else 4)
+    info = m.backend.get_device_info(dev)
+    itemsize = x.dtype.itemsize
+    if inner == 1:
+        kernel = m.kernel(ROWS_TEMPLATE, dev, **params)
+        wave = info.multiprocessor_count * resident_blocks(kernel, info, BLOCK)
+        group, splits, grid = rows_config(outer, R, itemsize, wave)
+        part = _partials(m, dev, outer * splits * acc_bytes) if splits > 1 else None
+        try:
+            m.backend.launch_kernel(
+                kernel.name, (grid, 1, 1), x, out, part if part is not None else 0,
+                _ticket_counters(m, dev) if part is not None else 0, outer, R, group, splits,
+                divisor, block_size=(BLOCK, 1, 1), device_id=dev)
+        finally:
+            if part is not None:
+                part.free()  # stream-ordered: the next user of the block runs after this kernel
+        return
+    kernel = m.kernel(AXIS_TEMPLATE, dev, **params)
+    aligned = x.ptr % 16 == 0
+    cfg = axis_config(outer, R, inner, itemsize, aligned, 0)
+    threads = cfg["bx"] * cfg["by"]
+    wave = info.multiprocessor_count * resident_blocks(kernel, info, threads)
+    cfg = axis_config(outer, R, inner, itemsize, aligned, wave)
+    splits = cfg["splits"]
+    part = None
+    if splits > 1:
+        part = _partials(m, dev, cfg["groups"] * splits * cfg["width"] * acc_bytes)
+    try:
+        m.backend.launch_kernel(
+            kernel.name, (cfg["groups"], splits, 1), x, out, part if part is not None else 0,
+            _ticket_counters(m, dev) if part is not None else 0, outer, R, inner, cfg["tiles"],
+            splits, cfg["rows_per_split"], cfg["vec_on"], divisor,
+            block_size=(cfg["bx"], cfg["by"], 1), device_id=dev)
+    finally:
+        if part is not None:
+            part.free()
+
+
+def _partials(m: Any, dev: int, nbytes: int) -> CudaTensor:
+    return m.backend.empty((max(nbytes, 16),), CudaDataType.UINT8, dev)
+
+
+# -- checks and host side ------------------------------------------------------------------
+def _check_out(out: Optional[CudaTensor], shape: Tuple[int, ...], dtype: CudaDataType,
+               x: CudaTensor, what: str) -> None:
+    if out is None:
+        return
+    common.check_tensor(out, "out")
+    common.same_device(x, out)
+    if out.dtype is not dtype:
+        raise DTypeMismatchError(
+            f"{what}: out has dtype {out.dtype.name_str}, but the result of {x.dtype.name_str} "
+            f"input is {dtype.name_str}")
+    if out.shape != shape:
+        raise ShapeMismatchError(f"{what}: out has shape {out.shape}, the result has shape {shape}")
+
+
+def _host_dtype(dtype: CudaDataType) -> np.dtype:
+    return np.dtype(np.float32) if dtype is CudaDataType.BFLOAT16 else dtype.numpy_dtype
+
+
+def _host_reduce(m: Any, op: str, x: CudaTensor, axes: Tuple[int, ...],
+                 keepdims: bool) -> np.ndarray:
+    """Fallback: the same reduction in NumPy (halves accumulate in float32, like the kernels)."""
+    a = common.host_array(m, x)
+    if x.dtype is CudaDataType.FLOAT16:
+        a = a.astype(np.float32)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        fn = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}[op]
+        r = fn(a, axis=axes, keepdims=keepdims)
+    return np.asarray(r).astype(_host_dtype(result_dtype(x.dtype, op)))
+
+
+def _host_result(m: Any, values: np.ndarray, dtype: CudaDataType, dev: int,
+                 out: Optional[CudaTensor]) -> CudaTensor:
+    """values (host) as a new tensor, or written into out."""
+    values = np.asarray(values)
+    if out is None:
+        return common.from_host(m, values, dtype, dev)
+    if out.size:
+        if dtype is CudaDataType.BFLOAT16:
+            host = to_bfloat16_bits(values.astype(np.float32)).reshape(out.shape)
+        else:
+            host = np.ascontiguousarray(values, dtype=dtype.numpy_dtype).reshape(out.shape)
+        m.backend.copy_to_device(host, out)
+    return out

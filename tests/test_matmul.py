@@ -1,0 +1,416 @@
+"""Matrix multiply (cuda_backend/ops/matmul.py): shapes, dtypes, precisions, errors.
+
+GPU tests (marked `gpu`) compare against float64 NumPy on fresh random inputs with the
+output poisoned (NaN) first, and check every tile config the autotuner may pick. The rest
+run anywhere: shape/precision rules, config lists, and fallback mode where this process has
+no GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cuda_backend import (CudaDataType as DT, CudaTensor, DTypeMismatchError,
+                          InvalidArgumentError, ShapeMismatchError, TensorFreedError)
+from cuda_backend.dtypes import to_bfloat16_bits
+from cuda_backend.ops import matmul as mm
+
+gpu = pytest.mark.gpu
+
+# (dtype, precision) families and bounds on ||out - ref|| / || |A| @ |B| || (the GEMM error
+# bound's own scale, so single outputs that cancel to ~0 cannot fail by chance). With
+# random normal data FP32 lands near 1e-7 at any K and TF32 near 4e-4 / sqrt(K); the
+# norm-wise ||out - ref|| / ||ref|| checks below separate the two at large K.
+FAMILIES = {
+    "fp32": (DT.FLOAT32, None, 2e-6),
+    "tf32": (DT.FLOAT32, "tf32", 1.5e-3),
+    "fp64": (DT.FLOAT64, None, 1e-14),
+    "fp16": (DT.FLOAT16, None, 1e-2),
+    "bf16": (DT.BFLOAT16, None, 1e-2),
+}
+SHAPES = [(1, 1, 1), (1, 300, 1), (7, 13, 5), (67, 131, 45), (128, 128, 128),
+          (129, 127, 131), (64, 8, 200), (200, 24, 64), (3000, 1000, 40), (40, 1000, 3000),
+          (1, 2048, 700), (700, 2048, 1)]
+
+
+def _math(backend):
+    from cuda_backend.autotune import Autotuner
+    from cuda_backend.cuda_math import CudaMath
+    m = CudaMath(backend)
+    return m, Autotuner
+
+
+@pytest.fixture(scope="module")
+def m(backend, tmp_path_factory):
+    """A CudaMath whose autotuner writes to a temporary file; kernels compiled up front."""
+    cm, Autotuner = _math(backend)
+    cm._autotuner = Autotuner(backend, path=str(tmp_path_factory.mktemp("tune") / "t.json"))
+    if cm.gpu:
+        mm.warm_up(cm, workers=16)
+    return cm
+
+
+def rand(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(np.float64 if dtype is DT.FLOAT64 else np.float32)
+
+
+def to_dev(m, values, dtype):
+    return m.from_numpy(values, dtype=dtype)
+
+
+def poisoned(m, shape, dtype):
+    out = m.create_tensor(shape, dtype)
+    if out.size:
+        if dtype is DT.BFLOAT16:
+            host = np.full(shape, 0x7FC0, np.uint16)
+        else:
+            host = np.full(shape, np.nan, dtype.numpy_dtype)
+        m.backend.copy_to_device(host, out)
+    return out
+
+
+def rel_err(out, ref, scale=None):
+    """||out - ref|| / ||scale|| (scale defaults to ref: the norm-wise relative error)."""
+    ref = np.asarray(ref, np.float64)
+    out = np.asarray(out, np.float64)
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all(), "non-finite output (unwritten or NaN elements)"
+    denom = np.linalg.norm(ref if scale is None else scale)
+    return np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0)
+
+
+def reference(m, a, b):
+    """(A @ B, |A| @ |B|) in float64 from the device's (rounded) inputs."""
+    a64 = m.to_numpy(a).astype(np.float64)
+    b64 = m.to_numpy(b).astype(np.float64)
+    return np.matmul(a64, b64), np.matmul(np.abs(a64), np.abs(b64))
+
+
+def check(m, fam, a_shape, b_shape, rng, out_poison=True):
+    """a @ b on the device against float64 NumPy of the (rounded) device inputs."""
+    dtype, prec, bound = FAMILIES[fam]
+    a = to_dev(m, rand(rng, a_shape, dtype), dtype)
+    b = to_dev(m, rand(rng, b_shape, dtype), dtype)
+    ref, scale = reference(m, a, b)
+    out = poisoned(m, ref.shape, dtype) if out_poison else None
+    res = mm.matmul(m, a, b, prec, out=out)
+    assert res.shape == ref.shape and res.dtype is dtype
+    if out is not None:
+        assert res is out
+    err = rel_err(m.to_numpy(res), ref, scale)
+    assert err <= bound, f"{fam} {a_shape}@{b_shape}: relative error {err:.3g} > {bound:.3g}"
+    return err
+
+
+# -- anywhere: shape rules, precision, config lists ---------------------------------------
+def test_plan_shapes_2d_batched_broadcast_and_1d():
+    p = mm.plan_shapes((5, 7), (7, 3))
+    assert (p.batch, p.M, p.N, p.K, p.out_shape) == (1, 5, 3, 7, (5, 3))
+    p = mm.plan_shapes((4, 5, 7), (4, 7, 3))
+    assert (p.batch, p.stride_a, p.stride_b, p.out_shape) == (4, 35, 21, (4, 5, 3))
+    p = mm.plan_shapes((4, 5, 7), (7, 3))
+    assert (p.stride_a, p.stride_b, p.out_shape) == (35, 0, (4, 5, 3))
+    p = mm.plan_shapes((1, 5, 7), (4, 7, 3))
+    assert (p.stride_a, p.stride_b, p.out_shape) == (0, 21, (4, 5, 3))
+    p = mm.plan_shapes((5, 7), (4, 7, 3))
+    assert (p.stride_a, p.stride_b, p.out_shape) == (0, 21, (4, 5, 3))
+    assert mm.plan_shapes((7,), (7, 3)).out_shape == (3,)
+    assert mm.plan_shapes((5, 7), (7,)).out_shape == (5,)
+    assert mm.plan_shapes((7,), (7,)).out_shape == ()
+    assert mm.plan_shapes((2, 3, 5, 7), (7, 4)).out_shape == (2, 3, 5, 4)
+    assert mm.plan_shapes((0, 7), (7, 3)).out_shape == (0, 3)
+    assert mm.plan_shapes((5, 0), (0, 3)).K == 0
+
+
+def test_plan_shapes_errors_name_both_shapes():
+    with pytest.raises(ShapeMismatchError, match=r"\(5, 7\).*\(6, 3\)"):
+        mm.plan_shapes((5, 7), (6, 3))
+    with pytest.raises(ShapeMismatchError, match=r"\(2, 5, 7\).*\(2, 8, 3\)"):
+        mm.plan_shapes((2, 5, 7), (2, 8, 3))
+    with pytest.raises(ShapeMismatchError, match=r"\(2, 5, 7\).*\(3, 7, 3\)"):
+        mm.plan_shapes((2, 5, 7), (3, 7, 3))
+    with pytest.raises(InvalidArgumentError, match="at least 1 dimension"):
+        mm.plan_shapes((), (3, 3))
+    with pytest.raises(InvalidArgumentError, match="partial batch"):
+        mm.plan_shapes((2, 1, 5, 7), (1, 3, 7, 4))
+
+
+@pytest.mark.parametrize("prec, want", [(None, None), ("fp32", "fp32"), ("highest", "fp32"),
+                                        ("TF32", "tf32"), ("tf32", "tf32")])
+def test_precision_names(prec, want):
+    assert mm.normalize_precision(prec, DT.FLOAT32) == want
+
+
+@pytest.mark.parametrize("prec", ["fp16", "medium", "", 3, True])
+def test_bad_precision_raises(prec):
+    with pytest.raises(InvalidArgumentError, match="precision must be"):
+        mm.normalize_precision(prec, DT.FLOAT32)
+
+
+def test_tf32_only_for_float32():
+    with pytest.raises(InvalidArgumentError, match="float32 operands only"):
+        mm.normalize_precision("tf32", DT.FLOAT64)
+
+
+def test_template_variants_cover_every_candidate():
+    variants = mm.template_variants()
+    keys = {t: [tuple(sorted(p.items())) for p in sets] for t, sets in variants.items()}
+    assert 20 <= sum(len(v) for v in keys.values()) <= 80
+    from cuda_backend.kernels import dtype_params
+    for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT64, None), (DT.FLOAT32, "tf32"),
+                     (DT.FLOAT16, None), (DT.BFLOAT16, None)):
+        template, table = mm._family(dt, prec)
+        for cls in table:
+            for vec in (True, False):
+                for cfg in mm.candidates(dt, prec, cls, vec):
+                    params = {**dtype_params(dt), **cfg, "vec": vec}
+                    if template == mm.SIMT_TEMPLATE:
+                        params["kind"] = "gemm"
+                    assert tuple(sorted(params.items())) in keys[template], params
+
+
+def test_configs_are_consistent():
+    for cfg in mm.all_configs(DT.FLOAT32, None) + mm.all_configs(DT.FLOAT64, None):
+        threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"])
+        assert threads % 32 == 0 and threads <= 1024
+        warp_m, warp_n = cfg["wtm"] * cfg["tm"], (32 // cfg["wtm"]) * cfg["tn"]
+        assert cfg["bm"] % warp_m == 0 and cfg["bn"] % warp_n == 0
+    for dt, prec in ((DT.FLOAT32, "tf32"), (DT.FLOAT16, None)):
+        for cfg in mm.all_configs(dt, prec):
+            smem = cfg["stages"] * (cfg["bm"] + cfg["bn"]) * cfg["bk"] * dt.itemsize
+            assert smem <= 227 * 1024
+            assert cfg["bm"] % cfg["wm"] == 0 and cfg["bn"] % cfg["wn"] == 0
+
+
+def test_shape_class_and_split_count():
+    p = mm.plan_shapes((4096, 4096), (4096, 4096))
+    assert mm.shape_class(p, 132) == "large"
+    assert mm.split_count(mm.S_128x128x8, p, 132) == 1
+    p = mm.plan_shapes((8192, 8192), (8192, 64))
+    assert mm.shape_class(p, 132) == "skinny"
+    s = mm.split_count(mm.S_64x64x8, p, 132)
+    assert 2 <= s <= 16
+    assert mm.shape_class(mm.plan_shapes((1000, 1000), (1000, 1000)), 132) == "medium"
+    assert mm.shape_class(mm.plan_shapes((7, 13), (13, 5)), 132) == "small"
+
+
+def test_round_tf32_matches_rna():
+    x = np.array([1.0, 1.0 + 2**-11, 1.0 + 2**-10 + 2**-11, -1.0 - 2**-11, np.inf, 3e38],
+                 np.float32)
+    r = mm._round_tf32(x)
+    assert r[0] == 1.0 and r[1] == 1.0 + 2**-10 and r[2] == 1.0 + 2**-9
+    assert r[3] == -1.0 - 2**-10 and np.isinf(r[4]) and np.isfinite(r[5])
+    assert (r.view(np.uint32)[np.isfinite(r)] & 0x1FFF == 0).all()
+
+
+# -- fallback mode (this process has no GPU) -----------------------------------------------
+@pytest.fixture
+def fm(backend):
+    if backend.is_available:
+        pytest.skip("fallback-mode tests run where this process has no GPU")
+    cm, _ = _math(backend)
+    return cm
+
+
+@pytest.mark.parametrize("fam", list(FAMILIES))
+@pytest.mark.parametrize("a_shape, b_shape", [((7, 13), (13, 5)), ((3, 4, 6), (6, 2)),
+                                              ((1, 4, 6), (3, 6, 2)), ((6,), (6, 2)),
+                                              ((4, 6), (6,))])
+def test_fallback_matches_numpy(fm, fam, a_shape, b_shape):
+    check(fm, fam, a_shape, b_shape, np.random.default_rng())
+
+
+def test_fallback_tf32_rounds_inputs(fm):
+    rng = np.random.default_rng()
+    av, bv = rand(rng, (16, 64), DT.FLOAT32), rand(rng, (64, 8), DT.FLOAT32)
+    a, b = fm.from_numpy(av), fm.from_numpy(bv)
+    ref = mm._round_tf32(av).astype(np.float64) @ mm._round_tf32(bv).astype(np.float64)
+    got = fm.to_numpy(mm.matmul(fm, a, b, "tf32"))
+    assert rel_err(got, ref) < 1e-5
+    assert rel_err(fm.to_numpy(mm.matmul(fm, a, b)), av.astype(np.float64) @ bv) < 1e-5
+
+
+def test_fallback_errors_and_zero_sizes(fm):
+    a = fm.from_numpy(np.ones((3, 4), np.float32))
+    with pytest.raises(ShapeMismatchError, match=r"\(3, 4\).*\(3, 4\)"):
+        mm.matmul(fm, a, a)
+    with pytest.raises(DTypeMismatchError, match="float32 and float64"):
+        mm.matmul(fm, a, fm.from_numpy(np.ones((4, 2))))
+    with pytest.raises(InvalidArgumentError, match="precision"):
+        mm.matmul(fm, a, fm.from_numpy(np.ones((4, 2), np.float32)), precision="bf16")
+    z = mm.matmul(fm, fm.from_numpy(np.ones((3, 0), np.float32)),
+                  fm.from_numpy(np.ones((0, 5), np.float32)))
+    assert z.shape == (3, 5) and (fm.to_numpy(z) == 0).all()
+    assert mm.matmul(fm, fm.from_numpy(np.ones((0, 4), np.float32)),
+                     fm.from_numpy(np.ones((4, 5), np.float32))).shape == (0, 5)
+
+
+# -- GPU -------------------------------------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("fam", list(FAMILIES))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_shapes(m, fam, shape):
+    M, K, N = shape
+    check(m, fam, (M, K), (K, N), np.random.default_rng())
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMILIES))
+def test_gpu_1000_cubed(m, fam):
+    check(m, fam, (1000, 1000), (1000, 1000), np.random.default_rng())
+
+
+@gpu
+def test_gpu_fp32_4096_is_true_fp32(m):
+    """4096^3 float32 default path, checked on sampled rows: error far below TF32's."""
+    rng = np.random.default_rng()
+    av = rand(rng, (4096, 4096), DT.FLOAT32)
+    bv = rand(rng, (4096, 4096), DT.FLOAT32)
+    a, b = m.from_numpy(av), m.from_numpy(bv)
+    out = poisoned(m, (4096, 4096), DT.FLOAT32)
+    mm.matmul(m, a, b, out=out)
+    got = m.to_numpy(out)
+    assert np.isfinite(got).all()
+    rows = rng.choice(4096, 96, replace=False)
+    ref = av[rows].astype(np.float64) @ bv.astype(np.float64)
+    err = rel_err(got[rows], ref)
+    assert err < 2e-5, err   # expected ~1.5e-6; TF32 would give ~3e-4
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMILIES))
+@pytest.mark.parametrize("a_shape, b_shape", [
+    ((3, 67, 45), (3, 45, 29)), ((3, 67, 45), (45, 29)), ((1, 67, 45), (3, 45, 29)),
+    ((67, 45), (3, 45, 29)), ((2, 3, 33, 17), (17, 40)), ((45,), (45, 29)),
+    ((67, 45), (45,)), ((45,), (45,)), ((5, 130, 260), (5, 260, 136))])
+def test_gpu_batched_and_broadcast(m, fam, a_shape, b_shape):
+    check(m, fam, a_shape, b_shape, np.random.default_rng())
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMILIES))
+def test_gpu_misaligned_pointers(m, fam):
+    """Operands and output starting one element past a 16-byte boundary take the scalar path."""
+    dtype, prec, bound = FAMILIES[fam]
+    rng = np.random.default_rng()
+    M, K, N = 70, 136, 72   # vector-friendly sizes, so only the pointers are misaligned
+
+    def shifted(shape, values=None):
+        size = int(np.prod(shape))
+        base = m.create_tensor((size + 8,), dtype)
+        t = CudaTensor(shape, dtype, base.device_id, base.ptr + dtype.itemsize, owner=base)
+        if values is not None:
+            host = to_bfloat16_bits(values) if dtype is DT.BFLOAT16 else \
+                values.astype(dtype.numpy_dtype)
+            m.backend.copy_to_device(np.ascontiguousarray(host).reshape(shape), t)
+        return t
+    av, bv = rand(rng, (M, K), dtype), rand(rng, (K, N), dtype)
+    a, b = shifted((M, K), av), shifted((K, N), bv)
+    assert not mm.is_vec_ok(a, b, a, mm.plan_shapes(a.shape, b.shape))
+    out = shifted((M, N))
+    poison = np.full((M, N), 0x7FC0, np.uint16) if dtype is DT.BFLOAT16 else \
+        np.full((M, N), np.nan, dtype.numpy_dtype)
+    m.backend.copy_to_device(poison, out)
+    mm.matmul(m, a, b, prec, out=out)
+    ref, scale = reference(m, a, b)
+    assert rel_err(m.to_numpy(out), ref, scale) <= bound
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMILIES))
+def test_gpu_every_candidate_config_is_correct(m, fam):
+    """Every tile config the autotuner can pick, aligned (vec) and not, with split-K forced
+    for the SIMT kernels, on odd shapes: a fast-but-wrong config can never win."""
+    dtype, prec, bound = FAMILIES[fam]
+    template, _ = mm._family(dtype, prec)
+    rng = np.random.default_rng()
+    dev = m.backend.current_device
+    for vec, (M, K, N) in ((True, (131, 264, 136)), (False, (131, 197, 133))):
+        av, bv = rand(rng, (3, M, K), dtype), rand(rng, (K, N), dtype)
+        a, b = to_dev(m, av, dtype), to_dev(m, bv, dtype)
+        ref, scale = reference(m, a, b)
+        p = mm.plan_shapes(a.shape, b.shape)
+        cfgs = [c for c in mm.all_configs(dtype, prec)
+                if vec or template == mm.SIMT_TEMPLATE or c in mm.MMA_SCALAR_OK]
+        for cfg in cfgs:
+            for splits in ((1, 3) if template == mm.SIMT_TEMPLATE else (None,)):
+                out = poisoned(m, ref.shape, dtype)
+                assert mm.is_vec_ok(a, b, out, p) is vec
+                mm.run_config(m, template, cfg, a, b, out, p, dtype, vec, dev, splits=splits)
+                err = rel_err(m.to_numpy(out), ref, scale)
+                assert err <= bound, (cfg, vec, splits, err)
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMILIES))
+def test_gpu_zero_sizes(m, fam):
+    dtype, prec, _ = FAMILIES[fam]
+    rng = np.random.default_rng()
+    a = to_dev(m, rand(rng, (5, 0), dtype), dtype)
+    b = to_dev(m, rand(rng, (0, 7), dtype), dtype)
+    out = poisoned(m, (5, 7), dtype)
+    assert mm.matmul(m, a, b, prec, out=out) is out
+    assert (m.to_numpy(out) == 0).all()
+    z = mm.matmul(m, to_dev(m, rand(rng, (0, 4), dtype), dtype),
+                  to_dev(m, rand(rng, (4, 6), dtype), dtype), prec)
+    assert z.shape == (0, 6) and m.to_numpy(z).shape == (0, 6)
+    z = mm.matmul(m, to_dev(m, rand(rng, (3, 4), dtype), dtype),
+                  to_dev(m, rand(rng, (0, 4, 6), dtype), dtype), prec)
+    assert z.shape == (0, 3, 6)
+
+
+@gpu
+def test_gpu_errors(m):
+    rng = np.random.default_rng()
+    a = to_dev(m, rand(rng, (5, 7), DT.FLOAT32), DT.FLOAT32)
+    b = to_dev(m, rand(rng, (6, 3), DT.FLOAT32), DT.FLOAT32)
+    with pytest.raises(ShapeMismatchError, match=r"\(5, 7\).*\(6, 3\)"):
+        m.matrix_multiply(a, b)
+    c = to_dev(m, rand(rng, (7, 3), DT.FLOAT64), DT.FLOAT64)
+    with pytest.raises(DTypeMismatchError, match="float32 and float64"):
+        m.matrix_multiply(a, c)
+    b2 = to_dev(m, rand(rng, (7, 3), DT.FLOAT32), DT.FLOAT32)
+    for bad in ("fp16", "medium", 1):
+        with pytest.raises(InvalidArgumentError, match="precision must be"):
+            m.matrix_multiply(a, b2, precision=bad)
+    with pytest.raises(InvalidArgumentError, match="float32 operands only"):
+        mm.matmul(m, c, to_dev(m, rand(rng, (3, 4), DT.FLOAT64), DT.FLOAT64), "tf32")
+    ints = m.from_numpy(np.ones((7, 3), np.int32))
+    with pytest.raises(DTypeMismatchError):
+        m.matrix_multiply(m.from_numpy(np.ones((5, 7), np.int32)), ints)
+    with pytest.raises(InvalidArgumentError, match="CudaTensor"):
+        m.matrix_multiply(np.ones((5, 7), np.float32), b2)
+    with pytest.raises(ShapeMismatchError, match="out has shape"):
+        mm.matmul(m, a, b2, out=m.create_tensor((5, 4)))
+    with pytest.raises(InvalidArgumentError, match="overlaps"):
+        sq = to_dev(m, rand(rng, (7, 7), DT.FLOAT32), DT.FLOAT32)
+        mm.matmul(m, sq, sq, out=sq)
+    dead = to_dev(m, rand(rng, (7, 3), DT.FLOAT32), DT.FLOAT32)
+    dead.free()
+    with pytest.raises(TensorFreedError):
+        m.matrix_multiply(a, dead)
+    with pytest.raises(InvalidArgumentError, match="at least 1 dimension"):
+        m.matrix_multiply(to_dev(m, np.float32(2.0).reshape(()), DT.FLOAT32), b2)
+
+
+@gpu
+def test_gpu_fp32_default_differs_from_tf32(m):
+    """The default float32 path is exact FP32; precision='tf32' really uses TF32."""
+    rng = np.random.default_rng()
+    av, bv = rand(rng, (256, 1024), DT.FLOAT32), rand(rng, (1024, 256), DT.FLOAT32)
+    a, b = m.from_numpy(av), m.from_numpy(bv)
+    ref = av.astype(np.float64) @ bv.astype(np.float64)
+    e32 = rel_err(m.to_numpy(m.matrix_multiply(a, b)), ref)
+    etf = rel_err(m.to_numpy(m.matrix_multiply(a, b, precision="tf32")), ref)
+    assert e32 < 1e-5 and 5e-5 < etf < 1e-3, (e32, etf)
+
+
+@gpu
+@settings(max_examples=30, deadline=None)
+@given(M=st.integers(1, 300), K=st.integers(1, 300), N=st.integers(1, 300),
+       fam=st.sampled_from(list(FAMILIES)), batch=st.sampled_from([0, 1, 3]))
+def test_gpu_property_random_shapes(m, M, K, N, fam, batch):
+    a_shape = (batch, M, K) if batch else (M, K)
+    check(m, fam, a_shape, (K, N), np.random.default_rng())
