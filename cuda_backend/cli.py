@@ -23,13 +23,61 @@ def cmd_info(_: argparse.Namespace) -> int:
     return 0
 
 
+def add_report_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `report` options (shared with perf/report.py)."""
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes and few iterations (seconds; under a minute "
+                             "without a GPU)")
+    parser.add_argument("--ops", nargs="+", metavar="NAME",
+                        help="only these operations or families (e.g. add matrix_multiply "
+                             "transfers)")
+    parser.add_argument("--out", default="reports", metavar="DIR",
+                        help="output folder; the report goes to DIR/<device-slug>/ "
+                             "(default: reports)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write the backend's stats (profile_stats.json) and a "
+                             "Chrome trace (trace.json) of every launch and copy")
+    parser.add_argument("--no-peers", action="store_true",
+                        help="skip CuPy and PyTorch (the CPU NumPy baseline is still timed)")
+    return parser
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Run the benchmarks, print the summary, write the report. Exit status: 0 all passed,
+    1 some case failed, 2 bad options, 130 interrupted (the partial report is written)."""
+    from .performance import CudaPerformanceTester, TestConfiguration
+    peers = ("numpy",) if args.no_peers else ("numpy", "cupy", "torch")
+    try:
+        config = TestConfiguration(quick=args.quick, operations=args.ops, output_dir=args.out,
+                                   profile=args.profile, peers=peers)
+        tester = CudaPerformanceTester(config)
+        summary = tester.run_comprehensive_benchmark()
+    except ValueError as exc:
+        print(f"cuda-backend report: {exc}", file=sys.stderr)
+        return 2
+    tester.print_summary_report(summary)
+    if summary["interrupted"]:
+        print("interrupted: the report holds the cases measured so far", file=sys.stderr)
+        return 130
+    failed = summary["counts"]["failed"]
+    if failed:
+        print(f"{failed} case(s) failed: see the FAILURES table", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="cuda-backend", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="print the devices table and the fallback status")
+    add_report_options(sub.add_parser(
+        "report", help="benchmark the backend and write results.json, charts, summary.md "
+                       "and index.html"))
     args = parser.parse_args(argv)
     if args.command == "info":
         return cmd_info(args)
+    if args.command == "report":
+        return cmd_report(args)
     return 2
 
 

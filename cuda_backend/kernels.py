@@ -61,7 +61,8 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     return variants
 
 
-OP_MODULES = ("elementwise", "reduction", "softmax", "transpose", "matmul")
+OP_MODULES = ("elementwise", "reduction", "softmax", "transpose", "matmul", "pooling",
+              "normalization", "dropout", "optimizers", "conv2d", "attention", "linear")
 
 
 def templates_path() -> Any:

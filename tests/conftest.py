@@ -2,9 +2,19 @@
 
 The markers themselves are declared in pyproject.toml.
 """
+import os
+
 import pytest
+from hypothesis import settings
 
 from cuda_backend.driver import load_driver
+
+# HYPOTHESIS_PROFILE=full runs 200+ examples per property test (the fuzzing run);
+# sanitize keeps runs under compute-sanitizer short. The default is each test's own setting.
+settings.register_profile("full", max_examples=200, deadline=None)
+settings.register_profile("sanitize", max_examples=3, deadline=None)
+if os.environ.get("HYPOTHESIS_PROFILE"):
+    settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
 
 
 def pytest_collection_modifyitems(config, items):

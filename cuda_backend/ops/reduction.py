@@ -40,6 +40,9 @@ SUPPORTED = common.FLOATS + (CudaDataType.INT32, CudaDataType.INT64)
 BLOCK = 256            # threads per block of both kernels
 UNROLL = 4             # 16-byte loads in flight per thread
 MAX_SPLIT_GROUPS = 4096  # ticket counters kept per device (rows or tile groups of a split launch)
+# Split launches use at most this many blocks per SM (fewer if fewer fit): a 2^28 float32 sum
+# on an H200 took 0.2604 / 0.2512 / 0.2543 / 0.2542 ms with 2 / 3 / 4 / 5 blocks per SM.
+SPLIT_BLOCKS_PER_SM = 3
 ROWS_TEMPLATE = "reduce.cu.j2"
 AXIS_TEMPLATE = "reduce_axis.cu.j2"
 
@@ -65,8 +68,11 @@ def kernel_config(dtype: CudaDataType, op: str) -> Tuple[str, str, CudaDataType]
 def kernel_params(dtype: CudaDataType, op: str) -> Dict[str, Any]:
     """Template parameters (both templates take the same) for `op` on `dtype`."""
     kop, acc, out_dtype = kernel_config(dtype, op)
+    # Register budgets that compile without spills (ptxas's own choice spilled the int32
+    # mean): 5 blocks of 256 per SM (<= 48 registers), argmax's (value, index) pairs 3.
     return {"dtype": dtype.name_str, "ctype": dtype.c_type, "acc": acc,
-            "out_ctype": out_dtype.c_type, "op": kop, "block_size": BLOCK, "unroll": UNROLL}
+            "out_ctype": out_dtype.c_type, "op": kop, "block_size": BLOCK,
+            "min_blocks": 3 if kop == "argmax" else 5, "unroll": UNROLL}
 
 
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
@@ -150,17 +156,19 @@ def resident_blocks(kernel: Any, info: Any, threads: int, dynamic_smem: int = 0)
 
 
 def rows_config(rows: int, R: int, itemsize: int, wave: int) -> Tuple[int, int, int]:
-    """(group, splits, grid) for reduce.cu.j2: `wave` is the number of blocks the GPU holds at
-    once. Short rows get 1-32 lanes each; long rows a block, split over several blocks when
-    there are too few rows to fill the GPU."""
+    """(group, splits, grid) for reduce.cu.j2: `wave` is how many blocks a split launch may
+    use (all at once on the GPU). Short rows get 1-32 lanes each; long rows a block, split
+    over several blocks when there are too few rows to fill the GPU."""
     vec = 16 // itemsize
     if R <= 32 * vec * 8:
-        group = min(32, _pow2ceil(-(-R // (2 * vec))))
+        # about UNROLL vectors per lane: that many 16-byte loads in flight per thread
+        group = min(32, _pow2ceil(-(-R // (vec * UNROLL))))
         return group, 1, -(-rows // (BLOCK // group))
     splits = 1
     if rows <= min(wave // 2, MAX_SPLIT_GROUPS):
+        # at most one wave of blocks: a second, partial wave would idle most SMs
         nvec = R // vec
-        splits = max(1, min(-(-wave // rows), nvec // (BLOCK * UNROLL)))
+        splits = max(1, min(wave // rows, nvec // (BLOCK * UNROLL)))
     return BLOCK, splits, rows * splits
 
 
@@ -178,7 +186,7 @@ def axis_config(outer: int, R: int, inner: int, itemsize: int, aligned: bool,
     groups = outer * tiles
     splits = 1
     if groups <= min(wave // 2, MAX_SPLIT_GROUPS):
-        splits = max(1, min(-(-wave // groups), R // (by * 8), 65535))
+        splits = max(1, min(wave // groups, R // (by * 8), 65535))
     rows_per_split = max(1, -(-R // splits))
     splits = max(1, -(-R // rows_per_split))
     return {"bx": bx, "by": by, "tiles": tiles, "groups": groups, "splits": splits,
@@ -212,6 +220,9 @@ def reduce(m: Any, op: str, x: CudaTensor, axis: Any = None, keepdims: bool = Fa
         raise InvalidArgumentError(f"unknown reduction '{op}'; expected one of {', '.join(OPS)}")
     x = common.check_tensor(x, "tensor")
     common.require_dtype(x, SUPPORTED, f"reduce_{op}")
+    if not (axis is None or isinstance(axis, (int, np.integer, tuple, list))):
+        # (normalize_axes would try to iterate it and raise a plain TypeError)
+        raise InvalidArgumentError(f"axis must be an int, a tuple of ints or None, got {axis!r}")
     axes = common.normalize_axes(axis, x.ndim)
     count = math.prod(x.shape[a] for a in axes)
     if count == 0 and op in ("max", "min"):
@@ -234,7 +245,7 @@ def argmax(m: Any, x: CudaTensor, axis: Optional[int] = None, keepdims: bool = F
     NaN counts as the maximum, like NumPy."""
     x = common.check_tensor(x, "tensor")
     common.require_dtype(x, SUPPORTED, "argmax")
-    if axis is not None and not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+    if (axis is not None and not isinstance(axis, (int, np.integer))) or isinstance(axis, bool):
         raise InvalidArgumentError(f"argmax takes one axis (an int) or None, got {axis!r}")
     axes = common.normalize_axes(axis, x.ndim)
     count = math.prod(x.shape[a] for a in axes)
@@ -287,46 +298,68 @@ def _gpu_reduce(m: Any, op: str, x: CudaTensor, axes: Tuple[int, ...], shape: Tu
     return out
 
 
+class _Pass:
+    """A planned launch: kernel, grid, block, the integer arguments and the partials size."""
+
+    __slots__ = ("name", "grid", "block", "args", "part_bytes")
+
+    def __init__(self, name: str, grid: Tuple[int, int, int], block: Tuple[int, int, int],
+                 args: Tuple[int, ...], part_bytes: int) -> None:
+        self.name, self.grid, self.block, self.args, self.part_bytes = \
+            name, grid, block, args, part_bytes
+
+
+_plans: "weakref.WeakKeyDictionary[Any, Dict[tuple, _Pass]]" = weakref.WeakKeyDictionary()
+_MAX_PLANS = 4096
+
+
 def _launch_pass(m: Any, dev: int, op: str, x: CudaTensor, out: CudaTensor, outer: int, R: int,
                  inner: int, divisor: float) -> None:
-    """One single-axis pass: out[outer][inner] = op over R of x[outer][R][inner]."""
-    params = kernel_params(x.dtype, op)
-    acc_bytes = 16 if op == "argmax" else (8 if params["acc"] in ("double", "long long") else 4)
-    info = m.backend.get_device_info(dev)
-    itemsize = x.dtype.itemsize
-    if inner == 1:
-        kernel = m.kernel(ROWS_TEMPLATE, dev, **params)
-        wave = info.multiprocessor_count * resident_blocks(kernel, info, BLOCK)
-        group, splits, grid = rows_config(outer, R, itemsize, wave)
-        part = _partials(m, dev, outer * splits * acc_bytes) if splits > 1 else None
-        try:
-            m.backend.launch_kernel(
-                kernel.name, (grid, 1, 1), x, out, part if part is not None else 0,
-                _ticket_counters(m, dev) if part is not None else 0, outer, R, group, splits,
-                divisor, block_size=(BLOCK, 1, 1), device_id=dev)
-        finally:
-            if part is not None:
-                part.free()  # stream-ordered: the next user of the block runs after this kernel
-        return
-    kernel = m.kernel(AXIS_TEMPLATE, dev, **params)
-    aligned = x.ptr % 16 == 0
-    cfg = axis_config(outer, R, inner, itemsize, aligned, 0)
-    threads = cfg["bx"] * cfg["by"]
-    wave = info.multiprocessor_count * resident_blocks(kernel, info, threads)
-    cfg = axis_config(outer, R, inner, itemsize, aligned, wave)
-    splits = cfg["splits"]
-    part = None
-    if splits > 1:
-        part = _partials(m, dev, cfg["groups"] * splits * cfg["width"] * acc_bytes)
+    """One single-axis pass: out[outer][inner] = op over R of x[outer][R][inner]. Plans are
+    kept per CudaMath and shape, so a repeated call costs a dict lookup and the launch."""
+    key = (dev, x.dtype, op, outer, R, inner, x.ptr % 16 == 0)
+    plans = _plans.get(m)
+    if plans is None:
+        plans = _plans.setdefault(m, {})
+    p = plans.get(key)
+    if p is None:
+        p = _plan_pass(m, dev, op, x.dtype, outer, R, inner, key[-1])
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        plans[key] = p
+    part = _partials(m, dev, p.part_bytes) if p.part_bytes else None
     try:
         m.backend.launch_kernel(
-            kernel.name, (cfg["groups"], splits, 1), x, out, part if part is not None else 0,
-            _ticket_counters(m, dev) if part is not None else 0, outer, R, inner, cfg["tiles"],
-            splits, cfg["rows_per_split"], cfg["vec_on"], divisor,
-            block_size=(cfg["bx"], cfg["by"], 1), device_id=dev)
+            p.name, p.grid, x, out, 0 if part is None else part,
+            0 if part is None else _ticket_counters(m, dev), *p.args, divisor,
+            block_size=p.block, device_id=dev)
     finally:
         if part is not None:
-            part.free()
+            part.free()  # stream-ordered: the next user of the block runs after this kernel
+
+
+def _plan_pass(m: Any, dev: int, op: str, dtype: CudaDataType, outer: int, R: int, inner: int,
+               aligned: bool) -> _Pass:
+    params = kernel_params(dtype, op)
+    acc_bytes = 16 if op == "argmax" else (8 if params["acc"] in ("double", "long long") else 4)
+    info = m.backend.get_device_info(dev)
+    itemsize = dtype.itemsize
+    if inner == 1:
+        kernel = m.kernel(ROWS_TEMPLATE, dev, **params)
+        wave = info.multiprocessor_count * min(SPLIT_BLOCKS_PER_SM,
+                                               resident_blocks(kernel, info, BLOCK))
+        group, splits, grid = rows_config(outer, R, itemsize, wave)
+        return _Pass(kernel.name, (grid, 1, 1), (BLOCK, 1, 1), (outer, R, group, splits),
+                     outer * splits * acc_bytes if splits > 1 else 0)
+    kernel = m.kernel(AXIS_TEMPLATE, dev, **params)
+    cfg = axis_config(outer, R, inner, itemsize, aligned, 0)
+    wave = info.multiprocessor_count * min(SPLIT_BLOCKS_PER_SM,
+                                           resident_blocks(kernel, info, cfg["bx"] * cfg["by"]))
+    cfg = axis_config(outer, R, inner, itemsize, aligned, wave)
+    splits = cfg["splits"]
+    return _Pass(kernel.name, (cfg["groups"], splits, 1), (cfg["bx"], cfg["by"], 1),
+                 (outer, R, inner, cfg["tiles"], splits, cfg["rows_per_split"], cfg["vec_on"]),
+                 cfg["groups"] * splits * cfg["width"] * acc_bytes if splits > 1 else 0)
 
 
 def _partials(m: Any, dev: int, nbytes: int) -> CudaTensor:

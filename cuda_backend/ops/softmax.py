@@ -15,7 +15,7 @@ One kernel launch, `softmax.cu.j2`, in one of three modes chosen from the row le
 """
 from __future__ import annotations
 
-import math
+import weakref
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -29,15 +29,33 @@ from .reduction import _host_result
 
 TEMPLATE = "softmax.cu.j2"
 WARP_BLOCK = 256        # threads per block in warp mode
-ROW_BLOCK = 1024        # most threads per block in smem / online mode
-WARP_NV = (1, 4, 8)     # register-cached vectors per lane that warp mode is compiled for
+SMEM_BLOCK = 1024       # most threads per block in smem mode
+ONLINE_BLOCK = 512      # threads per block in online mode (1024 would cap double at 64 regs)
+WARP_NV = (4, 8)        # register-cached vectors per lane that warp mode is compiled for
+# launch plans per CudaMath: (device, dtype, K) -> plan() + kernel name
+_plans: "weakref.WeakKeyDictionary[Any, Dict[tuple, Dict[str, Any]]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def kernel_params(dtype: CudaDataType, mode: str, nv: int = 0) -> Dict[str, Any]:
     """Template parameters for one mode ("warp" with nv vectors per lane, "smem", "online")."""
+    block = {"warp": WARP_BLOCK, "smem": SMEM_BLOCK, "online": ONLINE_BLOCK}[mode]
+    # Register budgets that compile without spills (ptxas's own choice spilled some):
+    # warp mode float32 4 blocks/SM (<= 64 registers), float64 and nv=4 halves 3 (<= 80),
+    # nv=8 halves 2; smem mode 2 blocks of 1024 (<= 32 registers: full occupancy).
+    min_blocks = 1
+    if mode == "warp":
+        if dtype is CudaDataType.FLOAT32:
+            min_blocks = 4
+        elif dtype is CudaDataType.FLOAT64 or nv <= 4:
+            min_blocks = 3
+        else:
+            min_blocks = 2
+    elif mode == "smem":
+        min_blocks = 2
     params = {"dtype": dtype.name_str, "ctype": dtype.c_type, "acc": accumulator_type(dtype),
-              "mode": mode, "vec": 16 // dtype.itemsize,
-              "block_size": WARP_BLOCK if mode == "warp" else ROW_BLOCK}
+              "mode": mode, "vec": 16 // dtype.itemsize, "block_size": block,
+              "min_blocks": min_blocks}
     if mode == "warp":
         params["nv"] = nv
     return params
@@ -61,10 +79,10 @@ def plan(K: int, itemsize: int, smem_limit: int) -> Dict[str, int]:
         group = min(32, 1 << max(0, -(-K // (vec * nv)) - 1).bit_length())
         return {"mode": "warp", "nv": nv, "group": group, "threads": WARP_BLOCK, "smem": 0}
     smem = (K + vec) * itemsize
-    threads = min(ROW_BLOCK, max(128, 1 << (-(-K // (vec * 4)) - 1).bit_length()))
+    threads = min(SMEM_BLOCK, max(128, 1 << (-(-K // (vec * 4)) - 1).bit_length()))
     if smem <= smem_limit:
         return {"mode": "smem", "nv": 0, "group": 0, "threads": threads, "smem": smem}
-    return {"mode": "online", "nv": 0, "group": 0, "threads": ROW_BLOCK, "smem": 0}
+    return {"mode": "online", "nv": 0, "group": 0, "threads": ONLINE_BLOCK, "smem": 0}
 
 
 def softmax(m: Any, x: CudaTensor, log: bool = False,
@@ -91,21 +109,27 @@ def softmax(m: Any, x: CudaTensor, log: bool = False,
     dev = x.device_id
     K = x.shape[-1] if x.ndim else 1
     rows = x.size // K
-    info = m.backend.get_device_info(dev)
-    smem_limit = int(info.shared_memory_per_block_optin) - 1024
-    p = plan(K, x.dtype.itemsize, smem_limit)
+    plans = _plans.get(m)
+    if plans is None:
+        plans = _plans.setdefault(m, {})
+    key = (dev, x.dtype, K)
+    p = plans.get(key)
+    if p is None:  # planned once per CudaMath, device, dtype and row length
+        info = m.backend.get_device_info(dev)
+        p = plan(K, x.dtype.itemsize, int(info.shared_memory_per_block_optin) - 1024)
+        p["kernel"] = m.kernel(TEMPLATE, dev, **kernel_params(x.dtype, p["mode"], p["nv"])).name
+        if len(plans) >= 4096:
+            plans.clear()
+        plans[key] = p
     if out is None:
         out = m.backend.empty(x.shape, x.dtype, dev)
-    vec = 16 // x.dtype.itemsize
-    congruent = (x.ptr - out.ptr) % 16 == 0
     if p["mode"] == "warp":
-        vec_ok = int(K % vec == 0 and x.ptr % 16 == 0 and out.ptr % 16 == 0)
+        vec_ok = int(K % (16 // x.dtype.itemsize) == 0 and x.ptr % 16 == 0 and out.ptr % 16 == 0)
         grid = -(-rows // (WARP_BLOCK // p["group"]))
-    else:
-        vec_ok = int(congruent and x.ptr % x.dtype.itemsize == 0)
+    else:  # rows are moved head / 16-byte body / tail, which needs x and y congruent
+        vec_ok = int((x.ptr - out.ptr) % 16 == 0 and x.ptr % x.dtype.itemsize == 0)
         grid = rows
-    kernel = m.kernel(TEMPLATE, dev, **kernel_params(x.dtype, p["mode"], p["nv"]))
-    m.backend.launch_kernel(kernel.name, (grid, 1, 1), x, out, rows, K, p["group"], vec_ok,
+    m.backend.launch_kernel(p["kernel"], (grid, 1, 1), x, out, rows, K, p["group"], vec_ok,
                             int(bool(log)), block_size=(p["threads"], 1, 1),
                             shared_mem=p["smem"], device_id=dev)
     return out

@@ -124,13 +124,17 @@ class Case:
 
 # -- host values -----------------------------------------------------------------------
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
-    """Float inputs rounded to dtype and returned as float64 (what the device will hold)."""
+    """Float inputs rounded to dtype, held compactly: float64 for float64 cases, else float32
+    (float16 and bfloat16 values are exact in float32). The reference upcasts to float64."""
     if x.dtype.kind != "f":
         return x
+    if dtype == "float64":
+        return x.astype(np.float64)
     if dtype == "bfloat16":
-        bits = to_bfloat16_bits(x.astype(np.float32))
-        return from_bfloat16_bits(bits).astype(np.float64).reshape(x.shape)
-    return x.astype(dtype).astype(np.float64)
+        return from_bfloat16_bits(to_bfloat16_bits(x.astype(np.float32))).reshape(x.shape)
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    return x.astype(np.float32, copy=False)
 
 
 def to_float64(a: Any) -> np.ndarray:
@@ -197,8 +201,8 @@ def build_opdef(opdef: OpDef, size: int, dtype: str) -> Callable[[Context], Prep
         prep.bytes_fn = opdef.bytes_fn
         if opdef.flops is not None:
             prep.flops = float(opdef.flops([h.shape for h in host]))
-        if dtype == "bfloat16" and opdef.cpu is not None:
-            prep.notes.append("NumPy has no bfloat16: the CPU time is for float32")
+        if dtype in ("bfloat16", "float16") and opdef.cpu is not None:
+            prep.notes.append(f"NumPy has no fast {dtype}: the CPU time is for float32")
         return prep
 
     return build
@@ -206,7 +210,7 @@ def build_opdef(opdef: OpDef, size: int, dtype: str) -> Callable[[Context], Prep
 
 def _reference(fn: Callable[..., Any], host: List[np.ndarray],
                result_inputs: Optional[Tuple[int, ...]]) -> np.ndarray:
-    arrays = [h.copy() for h in host]
+    arrays = [h.astype(np.float64) if h.dtype.kind == "f" else h.copy() for h in host]
     out = fn(np, *arrays)
     if result_inputs is not None:
         return np.concatenate([to_float64(arrays[i]).ravel() for i in result_inputs])

@@ -12,43 +12,58 @@ import numpy as np
 
 from .cases import OpDef
 
-# CudaMath methods that are tensor plumbing, not operations to benchmark.
+# CudaMath methods that are tensor plumbing, not operations to benchmark (to_device moves a
+# tensor between GPUs: perf/bench_multigpu.py measures that).
 NON_OPS = ("create_tensor", "from_numpy", "to_numpy", "free_tensor", "from_cuda_array",
-           "kernel", "benchmark_operations")
+           "kernel", "benchmark_operations", "to_device")
 EXTRA_DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
-# -- inputs ---------------------------------------------------------------------------
+# -- inputs (drawn in float32: fast at 2^26 elements, exact in every case dtype) ---------
+F32 = np.float32
+
+
 def normal(k: int = 1):
-    return lambda rng, n: [rng.standard_normal(n) for _ in range(k)]
+    return lambda rng, n: [rng.standard_normal(n, dtype=F32) for _ in range(k)]
 
 
 def uniform(lo: float, hi: float, k: int = 1):
-    return lambda rng, n: [rng.uniform(lo, hi, n) for _ in range(k)]
+    return lambda rng, n: [between(rng, lo, hi, n) for _ in range(k)]
+
+
+def between(rng: np.random.Generator, lo: float, hi: float, shape: Any) -> np.ndarray:
+    return (lo + (hi - lo) * rng.random(shape, dtype=F32)).astype(F32)
+
+
+def summable(rng: np.random.Generator, n: int) -> List[np.ndarray]:
+    """uniform [0, 1) scaled so the total stays <= 2^14: a float16/bfloat16 sum of 2^26
+    elements must not overflow (float16's largest value is 65504)."""
+    return [between(rng, 0.0, min(1.0, 2.0 ** 14 / max(n, 1)), n)]
 
 
 def divisor_pair(rng: np.random.Generator, n: int) -> List[np.ndarray]:
-    return [rng.standard_normal(n), rng.choice([-1.0, 1.0], n) * rng.uniform(0.5, 2.0, n)]
+    sign = np.where(rng.random(n, dtype=F32) < 0.5, F32(-1), F32(1))
+    return [rng.standard_normal(n, dtype=F32), sign * between(rng, 0.5, 2.0, n)]
 
 
 def power_pair(rng: np.random.Generator, n: int) -> List[np.ndarray]:
-    return [rng.uniform(0.5, 2.0, n), rng.uniform(-2.0, 2.0, n)]
+    return [between(rng, 0.5, 2.0, n), between(rng, -2.0, 2.0, n)]
 
 
 def square(k: int = 1, lo: float = None, hi: float = None):
     def make(rng: np.random.Generator, n: int) -> List[np.ndarray]:
         if lo is None:
-            return [rng.standard_normal((n, n)) for _ in range(k)]
-        return [rng.uniform(lo, hi, (n, n)) for _ in range(k)]
+            return [rng.standard_normal((n, n), dtype=F32) for _ in range(k)]
+        return [between(rng, lo, hi, (n, n)) for _ in range(k)]
     return make
 
 
 def row_broadcast(rng: np.random.Generator, n: int) -> List[np.ndarray]:
-    return [rng.standard_normal((n, n)), rng.standard_normal(n)]
+    return [rng.standard_normal((n, n), dtype=F32), rng.standard_normal(n, dtype=F32)]
 
 
 def batched(rng: np.random.Generator, n: int) -> List[np.ndarray]:
-    return [rng.standard_normal((4, n, n)), rng.standard_normal((4, n, n))]
+    return [rng.standard_normal((4, n, n), dtype=F32) for _ in range(2)]
 
 
 # -- counts and checks ----------------------------------------------------------------
@@ -123,7 +138,7 @@ def _unary(op: str, cpu, torch, inputs=normal(1), dtypes=T32, flops=1.0, tol=1.0
                  dtypes=dtypes, flops=per_element(flops), tol_scale=tol)
 
 
-def _reduce(op: str, np_name: str, torch_fn, family=V, axis=None, inputs=uniform(0.0, 1.0),
+def _reduce(op: str, np_name: str, torch_fn, family=V, axis=None, inputs=summable,
             dtypes=T32):
     variant = "" if axis is None else f"axis={axis}"
     kwargs = {} if axis is None else {"axis": axis}

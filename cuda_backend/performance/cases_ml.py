@@ -12,9 +12,10 @@ from typing import Any, List
 import numpy as np
 
 from .cases import OpDef
-from .cases_math import _sigmoid, _softmax, per_element
+from .cases_math import F32, _sigmoid, _softmax, between, per_element
 
-NON_OPS = ("math",)
+# CudaML methods that are not operations (sketched_linear_params draws random weights).
+NON_OPS = ("math", "backend", "sketched_linear_params")
 ML = "ml"
 TENSOR = ("float32", "float16", "bfloat16")
 SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
@@ -103,46 +104,52 @@ def dropout_check(out, ref, inputs):
     return err, rel, None
 
 
-# -- inputs -------------------------------------------------------------------------
+# -- inputs (float32 draws; see cases_math) -----------------------------------------
+def normal(rng: np.random.Generator, shape: Any, scale: float = 1.0) -> np.ndarray:
+    x = rng.standard_normal(shape, dtype=F32)
+    return x if scale == 1.0 else (x * F32(scale)).astype(F32)
+
+
 def images(extra: int = 0):
     def make(rng: np.random.Generator, s: int) -> List[np.ndarray]:
-        x = [rng.standard_normal((8, 64, s, s))]
+        x = [normal(rng, (8, 64, s, s))]
         if extra == 1:  # conv filters, scaled so outputs stay O(1)
-            x.append(rng.standard_normal((64, 64, 3, 3)) / 24.0)
+            x.append(normal(rng, (64, 64, 3, 3), 1 / 24))
         if extra == 4:  # batch-norm gamma, beta, mean, var
-            x += [rng.uniform(0.5, 1.5, 64), rng.standard_normal(64),
-                  rng.standard_normal(64) * 0.1, rng.uniform(0.5, 2.0, 64)]
+            x += [between(rng, 0.5, 1.5, 64), normal(rng, 64), normal(rng, 64, 0.1),
+                  between(rng, 0.5, 2.0, 64)]
         return x
     return make
 
 
 def rows(rng: np.random.Generator, s: int) -> List[np.ndarray]:
-    return [rng.standard_normal((max(s * s // 2, 1), 1024)), rng.uniform(0.5, 1.5, 1024),
-            rng.standard_normal(1024)]
+    return [normal(rng, (max(s * s // 2, 1), 1024)), between(rng, 0.5, 1.5, 1024),
+            normal(rng, 1024)]
 
 
 def qkv(rng: np.random.Generator, s: int) -> List[np.ndarray]:
-    return [rng.standard_normal((2, 8, 8 * s, 64)) for _ in range(3)]
+    return [normal(rng, (2, 8, 8 * s, 64)) for _ in range(3)]
 
 
 def optimizer_state(k: int):
     def make(rng: np.random.Generator, s: int) -> List[np.ndarray]:
         n = 64 * s * s
-        out = [rng.standard_normal(n), rng.standard_normal(n), rng.standard_normal(n) * 0.1]
+        if k == 3:  # SGD: a zero momentum buffer, where "b = g on the first step" (PyTorch)
+            return [normal(rng, n), normal(rng, n), np.zeros(n, F32)]  # and b = m*b + g agree
+        out = [normal(rng, n), normal(rng, n), normal(rng, n, 0.1)]
         if k == 4:
-            out.append(rng.uniform(0.0, 0.1, n))
+            out.append(between(rng, 0.0, 0.1, n))
         return out
     return make
 
 
 def linear(rng: np.random.Generator, s: int) -> List[np.ndarray]:
-    return [rng.standard_normal((8 * s, 1024)), rng.standard_normal((1024, 1024)) / 32.0,
-            rng.standard_normal(1024)]
+    return [normal(rng, (8 * s, 1024)), normal(rng, (1024, 1024), 1 / 32), normal(rng, 1024)]
 
 
 def sketch(rng: np.random.Generator, s: int) -> List[np.ndarray]:
-    return [rng.standard_normal((8 * s, 256)), rng.standard_normal((4, 256, 32)) / 16.0,
-            rng.standard_normal((4, 32, 256)) / 6.0]
+    return [normal(rng, (8 * s, 256)), normal(rng, (4, 256, 32), 1 / 16),
+            normal(rng, (4, 32, 256), 1 / 6)]
 
 
 # -- PyTorch peers --------------------------------------------------------------------

@@ -52,9 +52,9 @@ class Peer:
     # -- arrays ---------------------------------------------------------------------
     def array(self, host: np.ndarray, dtype: str) -> Any:
         """The peer's array holding host (values already representable in dtype)."""
-        if self.name == "numpy":
-            return np.ascontiguousarray(host, dtype=np.float32 if dtype == "bfloat16" else
-                                        _np_dtype(host, dtype))
+        if self.name == "numpy":  # no bfloat16, and float16 is emulated (slow): use float32
+            cpu = "float32" if dtype in ("bfloat16", "float16") else dtype
+            return np.ascontiguousarray(host, dtype=_np_dtype(host, cpu))
         if self.name == "cupy":
             if dtype == "bfloat16":
                 raise PeerUnsupported("CuPy has no bfloat16")

@@ -1,0 +1,285 @@
+"""Flash attention forward: `flash_attention(m, q, k, v, scale, causal)` for CudaML.
+
+q (batch, heads, seq_q, head_dim), k and v (batch, heads, seq_kv, head_dim); the result has
+q's shape and dtype. softmax(scale * q kᵀ) v with scale defaulting to 1/sqrt(head_dim);
+causal masks key j for query i when j > i (top-left aligned, as PyTorch's
+scaled_dot_product_attention(is_causal=True)). One kernel (`flash_attention.cu.j2`) streams
+K/V tiles through shared memory with an online softmax, so device memory holds only q, k, v
+and the output (no seq x seq matrix, no workspace). float16 / bfloat16 run on tensor cores
+with float32 accumulation and softmax; float32 runs on tensor cores in the 3xTF32 split
+(float32-level accuracy), the same arithmetic as PyTorch's float32 memory-efficient kernel.
+head_dim 64 and 128 are the fast paths; any head_dim up to 256 is padded in shared memory.
+seq_kv == 0 gives zeros (an empty sum).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..dtypes import CudaDataType, to_bfloat16_bits
+from ..errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
+from ..kernels import dtype_params
+from ..tensor import CudaTensor
+from . import common
+
+DT = CudaDataType
+TEMPLATE = "flash_attention.cu.j2"
+FILL_TEMPLATE = "fill.cu.j2"
+DTYPES = (DT.FLOAT32, DT.FLOAT16, DT.BFLOAT16)
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634
+
+
+def _cfg(hd: int, bc: int, nw: int, q_regs: bool, min_blocks: int) -> Dict[str, Any]:
+    return {"hd": hd, "bc": bc, "nw": nw, "q_regs": q_regs, "min_blocks": min_blocks}
+
+
+# Configs by padded head_dim; the first is the default, the autotuner picks among the rest.
+HALF_CONFIGS = {
+    64: [_cfg(64, 64, 4, True, 4), _cfg(64, 128, 4, True, 2), _cfg(64, 64, 8, True, 2)],
+    128: [_cfg(128, 64, 4, True, 2), _cfg(128, 32, 4, True, 2), _cfg(128, 64, 8, True, 1)],
+    256: [_cfg(256, 32, 4, False, 1)],
+}
+F32_CONFIGS = {
+    64: [_cfg(64, 64, 4, False, 2), _cfg(64, 32, 4, False, 2)],
+    128: [_cfg(128, 32, 4, False, 2), _cfg(128, 64, 4, False, 1)],
+    256: [_cfg(256, 32, 4, False, 1)],
+}
+
+
+def configs(dtype: CudaDataType, hd: int) -> List[Dict[str, Any]]:
+    """The candidate configs for a dtype and padded head_dim."""
+    table = F32_CONFIGS if dtype is DT.FLOAT32 else HALF_CONFIGS
+    return [dict(c) for c in table[hd]]
+
+
+def template_variants() -> Dict[str, List[Dict[str, Any]]]:
+    """Every parameter set this module renders (CI renders and compiles each)."""
+    out = []
+    for dt in DTYPES:
+        table = F32_CONFIGS if dt is DT.FLOAT32 else HALF_CONFIGS
+        for cfgs in table.values():
+            out += [{**dtype_params(dt), **c} for c in cfgs]
+    return {TEMPLATE: out}
+
+
+def padded_head_dim(d: int) -> int:
+    """The kernel's head_dim: 64, 128 or 256 (d <= that, the rest zero-filled)."""
+    return 64 if d <= 64 else (128 if d <= 128 else 256)
+
+
+def shared_bytes(cfg: Dict[str, Any], dtype: CudaDataType) -> int:
+    return (16 * cfg["nw"] + 4 * cfg["bc"]) * cfg["hd"] * dtype.itemsize
+
+
+# -- checks ---------------------------------------------------------------------------------
+def check_inputs(q: Any, k: Any, v: Any) -> CudaDataType:
+    """Tensors, 4-D, same dtype/device, matching shapes, head_dim <= 256; returns the dtype."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        common.check_tensor(t, name)
+        if t.ndim != 4:
+            raise InvalidArgumentError(
+                f"flash_attention needs 4-D (batch, heads, seq, head_dim) tensors, got {name} "
+                f"of shape {t.shape}")
+    shapes = f"q {q.shape}, k {k.shape}, v {v.shape}"
+    if k.shape != v.shape:
+        raise ShapeMismatchError(f"flash_attention: k and v must have the same shape; got {shapes}")
+    if q.shape[:2] != k.shape[:2]:
+        raise ShapeMismatchError(
+            f"flash_attention: q, k and v must share (batch, heads); got {shapes}")
+    if q.shape[3] != k.shape[3]:
+        raise ShapeMismatchError(
+            f"flash_attention: q and k must share head_dim; got {shapes}")
+    dtype = common.same_dtype(q, k, v)
+    common.require_dtype(q, DTYPES, "flash_attention")
+    common.same_device(q, k, v)
+    if q.shape[3] > MAX_HEAD_DIM:
+        raise InvalidArgumentError(
+            f"flash_attention supports head_dim up to {MAX_HEAD_DIM}, got head_dim "
+            f"{q.shape[3]} ({shapes})")
+    return dtype
+
+
+def _scale(scale: Any, d: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(d) if d > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise InvalidArgumentError(f"scale must be a real number or None, got {scale!r}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise InvalidArgumentError(f"scale must be finite, got {scale!r}")
+    return value
+
+
+# -- entry point ----------------------------------------------------------------------------
+def flash_attention(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor,
+                    scale: Optional[float] = None, causal: bool = False,
+                    out: Optional[CudaTensor] = None) -> CudaTensor:
+    """softmax(scale * q kᵀ [+ causal mask]) v; out= (internal) receives the result."""
+    dtype = check_inputs(q, k, v)
+    B, Hh, Sq, D = q.shape
+    Skv = k.shape[2]
+    sc = _scale(scale, D)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise InvalidArgumentError(f"causal must be a bool, got {causal!r}")
+    if m.gpu and (max(Sq, Skv) * D >= 2**31 or B * Hh * -(-Sq // 16) >= 2**31):
+        raise InvalidArgumentError(
+            f"flash_attention: sequence too long for 32-bit indexing ({q.shape}, {k.shape})")
+    dev = q.device_id
+    owned = out is None
+    if owned:
+        out = m.backend.empty(q.shape, dtype, dev)
+    else:
+        _check_out(out, q, k, v)
+    if out.size == 0:
+        return out
+    try:
+        _compute(m, q, k, v, out, sc, bool(causal))
+    except BaseException:
+        if owned:
+            out.free()  # nothing leaks from a failed launch
+        raise
+    return out
+
+
+def _compute(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor, out: CudaTensor,
+             sc: float, causal: bool) -> None:
+    """Fill out: NumPy in fallback mode, zeros for no keys, else the autotuned kernel."""
+    dtype, dev = q.dtype, q.device_id
+    B, Hh, Sq, D = q.shape
+    Skv = k.shape[2]
+    if not m.gpu:
+        _write_host(m, out, reference(common.host_array(m, q), common.host_array(m, k),
+                                      common.host_array(m, v), sc, causal))
+        return
+    if Skv == 0:
+        _fill_zero(m, out, dev)
+        return
+    hd = padded_head_dim(D)
+    cands = configs(dtype, hd)
+
+    def run(cfg: Dict[str, Any]) -> None:
+        run_config(m, cfg, q, k, v, out, sc, causal)
+
+    if len(cands) > 1:
+        key = [dtype.name_str, hd, causal, _bucket(Sq), _bucket(Skv), _bucket(B * Hh)]
+        memo = m.__dict__.setdefault("_attention_choices", {})
+        mkey = (dev, tuple(key))
+        cfg = memo.get(mkey)
+        if cfg is None:
+            cfg = memo[mkey] = m.autotuner.pick("flash_attention", key, cands, run,
+                                                device_id=dev)
+    else:
+        cfg = cands[0]
+    run(cfg)
+
+
+def _bucket(x: int) -> int:
+    return max(0, int(x) - 1).bit_length()
+
+
+def _kernel(m: Any, template: str, dev: int, params: Dict[str, Any]) -> Any:
+    """m.kernel(template, dev, **params), memoized on m by the parameter items."""
+    cache = m.__dict__.setdefault("_attention_kernels", {})
+    key = (template, dev, tuple(sorted(params.items())))
+    k = cache.get(key)
+    if k is None:
+        k = cache[key] = m.kernel(template, dev, **params)
+    return k
+
+
+def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
+    """Compile every flash-attention variant in parallel threads (nvcc runs in
+    subprocesses); returns how many were compiled. Later calls find them memoized."""
+    if not m.gpu:
+        return 0
+    dev = m.backend.current_device if device_id is None else device_id
+    jobs = [(t, p) for t, sets in template_variants().items() for p in sets]
+
+    def compile_one(job: Tuple[str, Dict[str, Any]]) -> None:
+        with m.backend.device(dev):
+            _kernel(m, job[0], dev, job[1])
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        list(pool.map(compile_one, jobs))
+    return len(jobs)
+
+
+def _check_out(out: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor) -> None:
+    common.check_tensor(out, "out")
+    if out.dtype is not q.dtype:
+        raise DTypeMismatchError(
+            f"out has dtype {out.dtype.name_str}, expected {q.dtype.name_str}")
+    if tuple(out.shape) != tuple(q.shape):
+        raise ShapeMismatchError(f"out has shape {out.shape}, expected {q.shape}")
+    common.same_device(q, out)
+    if out.nbytes:
+        lo, hi = out.ptr, out.ptr + out.nbytes
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.nbytes and t.ptr < hi and lo < t.ptr + t.nbytes:
+                raise InvalidArgumentError(f"out overlaps {name}; use a separate tensor")
+
+
+def run_config(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor, v: CudaTensor,
+               out: CudaTensor, scale: float, causal: bool) -> None:
+    """Launch one config over the whole problem."""
+    dtype = q.dtype
+    dev = q.device_id
+    B, Hh, Sq, D = q.shape
+    Skv = k.shape[2]
+    if padded_head_dim(D) > cfg["hd"]:
+        raise InvalidArgumentError(f"config hd={cfg['hd']} is too small for head_dim {D}")
+    kernel = _kernel(m, TEMPLATE, dev, {**dtype_params(dtype), **cfg})
+    br = 16 * cfg["nw"]
+    blocks = B * Hh * -(-Sq // br)
+    epc = 16 // dtype.itemsize
+    vec = int(D % epc == 0 and all(t.ptr % 16 == 0 for t in (q, k, v)))
+    pair = int(D % 2 == 0 and out.ptr % 8 == 0)
+    m.backend.launch_kernel(kernel.name, (blocks, 1, 1), q, k, v, out, Sq, Skv, D,
+                            float(scale * LOG2E), int(causal), vec, pair,
+                            block_size=(32 * cfg["nw"], 1, 1),
+                            shared_mem=shared_bytes(cfg, dtype), device_id=dev)
+
+
+def _fill_zero(m: Any, out: CudaTensor, dev: int) -> None:
+    kernel = _kernel(m, FILL_TEMPLATE, dev, {**dtype_params(out.dtype), "block_size": 256})
+    sms = m.backend.get_device_info(dev).multiprocessor_count
+    grid = common.grid_1d(out.size, 256, sms)
+    m.backend.launch_kernel(kernel.name, (grid, 1, 1), out, 0.0, out.size,
+                            block_size=(256, 1, 1), device_id=dev)
+
+
+# -- fallback (NumPy) ------------------------------------------------------------------------
+def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, causal: bool,
+              chunk: int = 1024) -> np.ndarray:
+    """float64 attention, computed in row chunks so memory stays O(chunk x seq_kv)."""
+    q = np.asarray(q, np.float64)
+    k = np.asarray(k, np.float64)
+    v = np.asarray(v, np.float64)
+    Sq, Skv = q.shape[2], k.shape[2]
+    out = np.zeros(q.shape, np.float64)
+    if Skv == 0:
+        return out
+    for i0 in range(0, Sq, chunk):
+        i1 = min(Sq, i0 + chunk)
+        s = np.matmul(q[:, :, i0:i1], np.swapaxes(k, -1, -2)) * scale
+        if causal:
+            rows = np.arange(i0, i1)[:, None]
+            cols = np.arange(Skv)[None, :]
+            s = np.where(cols > rows, -np.inf, s)
+        s -= s.max(axis=-1, keepdims=True)
+        p = np.exp(s)
+        p /= p.sum(axis=-1, keepdims=True)
+        out[:, :, i0:i1] = np.matmul(p, v)
+    return out
+
+
+def _write_host(m: Any, out: CudaTensor, values: np.ndarray) -> None:
+    if out.dtype is DT.BFLOAT16:
+        host = to_bfloat16_bits(values.astype(np.float32)).reshape(out.shape)
+    else:
+        host = np.ascontiguousarray(values, dtype=out.dtype.numpy_dtype)
+    m.backend.copy_to_device(host, out)

@@ -1,0 +1,169 @@
+"""Dropout with a counter-based RNG (`templates/dropout.cu.j2`).
+
+Element i is kept when word i % 4 of Philox-4x32-10(counter = i / 4, key = seed) is below
+round(keep_prob * 2^32); kept values are scaled by 1 / keep_prob, dropped ones multiplied by
+0 (so NaN/inf inputs stay NaN, as PyTorch's x * mask * scale). The mask depends only on the
+seed and the element index, never on the launch geometry, and `philox4x32_10` below is the
+same generator in NumPy: the fallback (and the tests) reproduce the kernel bit for bit.
+"""
+from __future__ import annotations
+
+import secrets
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+
+from ..dtypes import CudaDataType
+from ..errors import InvalidArgumentError
+from ..kernels import dtype_params
+from ..tensor import CudaTensor
+from . import common
+
+TEMPLATE = "dropout.cu.j2"
+BLOCK = 256
+DTYPES = common.FLOATS
+M0, M1 = 0xD2511F53, 0xCD9E8D57
+W0, W1 = 0x9E3779B9, 0xBB67AE85
+_MASK32 = np.uint64(0xFFFFFFFF)
+
+
+def _vec(dtype: CudaDataType) -> int:
+    return 16 // dtype.itemsize
+
+
+def _params(dtype: CudaDataType) -> Dict[str, Any]:
+    return {**dtype_params(dtype), "vec": _vec(dtype), "block_size": BLOCK}
+
+
+def template_variants() -> Dict[str, List[Dict[str, Any]]]:
+    return {TEMPLATE: [_params(dt) for dt in DTYPES]}
+
+
+def philox4x32_10_raw(c0: Any, c1: Any, c2: Any, c3: Any, k0: int,
+                      k1: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Philox-4x32-10 of counter words (arrays of values < 2^32, held as uint64) under key
+    (k0, k1): the four output words, as in Random123's philox4x32(ctr, key)."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in (c0, c1, c2, c3))
+    k0, k1 = int(k0) & 0xFFFFFFFF, int(k1) & 0xFFFFFFFF
+    for _ in range(10):
+        p0 = np.uint64(M0) * c0
+        p1 = np.uint64(M1) * c2
+        hi0, lo0 = p0 >> np.uint64(32), p0 & _MASK32
+        hi1, lo1 = p1 >> np.uint64(32), p1 & _MASK32
+        c0, c1, c2, c3 = (hi1 ^ c1 ^ np.uint64(k0), lo1, hi0 ^ c3 ^ np.uint64(k1), lo0)
+        k0 = (k0 + W0) & 0xFFFFFFFF
+        k1 = (k1 + W1) & 0xFFFFFFFF
+    return c0, c1, c2, c3
+
+
+def philox4x32_10(counters: np.ndarray, seed: int) -> np.ndarray:
+    """The kernel's random words: Philox-4x32-10 of counter (lo32(q), hi32(q), 0, 0) for
+    each q in counters under key (lo32(seed), hi32(seed)); an (n, 4) uint32 array."""
+    q = np.asarray(counters, dtype=np.uint64)
+    zero = np.zeros_like(q)
+    words = philox4x32_10_raw(q & _MASK32, q >> np.uint64(32), zero, zero, seed & 0xFFFFFFFF,
+                              (seed >> 32) & 0xFFFFFFFF)
+    return np.stack(words, axis=-1).astype(np.uint32)
+
+
+def threshold_for(keep_prob: float) -> int:
+    """Words below this are kept: round(keep_prob * 2^32), at least 1."""
+    return max(1, min(1 << 32, int(round(keep_prob * 2.0**32))))
+
+
+def host_mask(n: int, keep_prob: float, seed: int) -> np.ndarray:
+    """The kernel's keep mask (bool) for n elements, computed in NumPy (chunked)."""
+    out = np.empty(n, dtype=bool)
+    thr = np.uint64(threshold_for(keep_prob))
+    step = 1 << 22  # counters per chunk
+    for start in range(0, (n + 3) // 4, step):
+        q = np.arange(start, min(start + step, (n + 3) // 4), dtype=np.uint64)
+        words = philox4x32_10(q, seed).reshape(-1)
+        lo = start * 4
+        hi = min(n, lo + words.size)
+        out[lo:hi] = words[:hi - lo].astype(np.uint64) < thr
+    return out
+
+
+def _seed(seed: Any) -> int:
+    if seed is None:
+        return secrets.randbits(64)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise InvalidArgumentError(f"seed must be an int or None, got {seed!r}")
+    return int(seed) % (1 << 64)
+
+
+def _keep_prob(keep_prob: Any) -> float:
+    if isinstance(keep_prob, bool) or not isinstance(keep_prob, (int, float, np.integer,
+                                                                   np.floating)):
+        raise InvalidArgumentError(f"keep_prob must be a number in (0, 1], got {keep_prob!r}")
+    p = float(keep_prob)
+    if not (0.0 < p <= 1.0):  # also rejects NaN
+        raise InvalidArgumentError(f"keep_prob must be in (0, 1], got {keep_prob!r}")
+    return p
+
+
+def dropout(m: Any, x: CudaTensor, keep_prob: float = 0.5, seed: Optional[int] = None,
+            return_mask: bool = False, out: Optional[CudaTensor] = None,
+            mask: Optional[CudaTensor] = None) -> Union[CudaTensor, Tuple[CudaTensor, CudaTensor]]:
+    """Dropout of x; returns the output, or (output, uint8 mask) with return_mask=True.
+    out= / mask= (internal, tests) receive the results instead of new tensors."""
+    common.check_tensor(x, "tensor")
+    common.require_dtype(x, DTYPES, "dropout")
+    p = _keep_prob(keep_prob)
+    s = _seed(seed)
+    for t, name, dt in ((out, "out", x.dtype), (mask, "mask", CudaDataType.UINT8)):
+        if t is not None:
+            common.check_tensor(t, name)
+            if t.shape != x.shape or t.dtype is not dt:
+                raise InvalidArgumentError(
+                    f"{name} has shape {t.shape} ({t.dtype.name_str}), expected {x.shape} "
+                    f"({dt.name_str})")
+            common.same_device(x, t)
+    dev = x.device_id
+    if p == 1.0:
+        y = out if out is not None else m.backend.empty(x.shape, x.dtype, dev)
+        if x.nbytes:
+            m.backend.copy_device_to_device(y, x, x.nbytes)
+        if not return_mask:
+            return y
+        mk = mask if mask is not None else m.backend.empty(x.shape, CudaDataType.UINT8, dev)
+        m.fill(mk, 1)
+        return y, mk
+    if not m.gpu:
+        keep = host_mask(x.size, p, s).reshape(x.shape)
+        work = np.float64 if x.dtype is CudaDataType.FLOAT64 else np.float32
+        a = common.host_array(m, x).astype(work)
+        scale = work(1.0 / p)
+        values = a * np.where(keep, scale, work(0))
+        y = _store(m, values, x.dtype, dev, out)
+        if not return_mask:
+            return y
+        return y, _store(m, keep.astype(np.uint8), CudaDataType.UINT8, dev, mask)
+    y = out if out is not None else m.backend.empty(x.shape, x.dtype, dev)
+    mk = None
+    if return_mask:
+        mk = mask if mask is not None else m.backend.empty(x.shape, CudaDataType.UINT8, dev)
+    n = x.size
+    if n:
+        vec = _vec(x.dtype)
+        chunk = max(4, vec)
+        aligned = int(x.ptr % 16 == 0 and y.ptr % 16 == 0
+                      and (mk is None or mk.ptr % chunk == 0))
+        kernel = m.kernel(TEMPLATE, dev, **_params(x.dtype))
+        chunks = -(-n // chunk)
+        grid = max(1, min(-(-chunks // BLOCK), 2**31 - 1))  # one chunk per thread
+        m.backend.launch_kernel(kernel.name, grid, x, y, mk if mk is not None else 0, n, s,
+                                threshold_for(p), 1.0 / p, aligned,
+                                block_size=(BLOCK, 1, 1), device_id=dev)
+    return (y, mk) if return_mask else y
+
+
+def _store(m: Any, values: np.ndarray, dtype: CudaDataType, dev: int,
+           target: Optional[CudaTensor]) -> CudaTensor:
+    if target is None:
+        return common.from_host(m, values, dtype, dev)
+    from .normalization import write_host
+    write_host(m, values, target)
+    return target
+

@@ -1,0 +1,377 @@
+"""Batch normalization and layer normalization (`templates/batch_norm.cu.j2`,
+`templates/layer_norm.cu.j2`).
+
+batch_norm: input (N, C), (N, C, L) or (N, C, H, W), per-channel gamma, beta, running mean and
+variance of shape (C,), all of the input's dtype. Inference is one pass (one read, one write).
+Training (PyTorch semantics) normalizes with the batch mean and biased variance and updates
+the running statistics in place with the unbiased variance; it costs a statistics pass (one
+read), a tiny per-channel finalize and the normalize pass (one read, one write).
+
+layer_norm: over the last axis with optional weight and bias of shape (D,). Rows that fit in
+registers are read once (warp per row up to 32*vpt vectors, block per row beyond); longer rows
+take a looping kernel.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..dtypes import CudaDataType, to_bfloat16_bits
+from ..errors import InvalidArgumentError, ShapeMismatchError
+from ..kernels import dtype_params
+from ..tensor import CudaTensor
+from . import common
+from .pooling import fast_divisor
+
+DT = CudaDataType
+DTYPES = common.FLOATS
+BN_TEMPLATE = "batch_norm.cu.j2"
+LN_TEMPLATE = "layer_norm.cu.j2"
+BLOCK = 256
+UNROLL = 4            # rows (nc) or items (ncs) per thread in the normalize kernels
+STATS_BLOCKS_PER_SM = 4  # statistics pass: about one resident wave of looping blocks
+
+# layer_norm register configs (threads_per_row, vpt, block_size), by capacity in vectors.
+LN_VEC_CONFIGS = ((32, 1, 256), (32, 2, 256), (32, 4, 256), (32, 8, 256),
+                  (128, 4, 128), (128, 8, 128), (256, 4, 256), (256, 8, 256),
+                  (512, 4, 512), (512, 8, 512), (1024, 4, 1024), (1024, 8, 1024))
+LN_SCALAR_CONFIGS = ((32, 4, 256), (256, 4, 256), (1024, 8, 1024))
+LN_LOOP_BLOCK = 512
+
+
+def _vec(dtype: CudaDataType) -> int:
+    return 16 // dtype.itemsize
+
+
+# -- template parameter sets ---------------------------------------------------------------
+def _bn_params(dtype: CudaDataType, kernel: str, layout: str = "",
+               mode: str = "") -> Dict[str, Any]:
+    """batch_norm.cu.j2 parameters: only the keys the kernel's branch of the template uses."""
+    p: Dict[str, Any] = {**dtype_params(dtype), "kernel": kernel, "block_size": BLOCK}
+    if kernel != "finalize":
+        p.update(layout=layout, vec=_vec(dtype))
+    if kernel == "normalize":
+        p["mode"] = mode
+    return p
+
+
+def _ln_params(dtype: CudaDataType, tpr: int, vpt: int, block: int, vec: int) -> Dict[str, Any]:
+    return {**dtype_params(dtype), "threads_per_row": tpr, "vpt": vpt, "vec": vec,
+            "block_size": block}
+
+
+def template_variants() -> Dict[str, List[Dict[str, Any]]]:
+    """Every parameter set batch_norm and layer_norm render."""
+    bn, ln = [], []
+    for dt in DTYPES:
+        for layout in ("nc", "ncs"):
+            for mode in ("infer", "train"):
+                bn.append(_bn_params(dt, "normalize", layout, mode))
+            bn.append(_bn_params(dt, "stats", layout))
+        bn.append(_bn_params(dt, "finalize"))
+        for tpr, vpt, block in LN_VEC_CONFIGS:
+            ln.append(_ln_params(dt, tpr, vpt, block, _vec(dt)))
+        for tpr, vpt, block in LN_SCALAR_CONFIGS:
+            ln.append(_ln_params(dt, tpr, vpt, block, 1))
+        for vec in (_vec(dt), 1):
+            ln.append(_ln_params(dt, LN_LOOP_BLOCK, 0, LN_LOOP_BLOCK, vec))
+    return {BN_TEMPLATE: bn, LN_TEMPLATE: ln}
+
+
+# -- batch norm ----------------------------------------------------------------------------
+def batch_norm(m: Any, x: CudaTensor, gamma: CudaTensor, beta: CudaTensor, mean: CudaTensor,
+               var: CudaTensor, eps: float = 1e-5, training: bool = False,
+               momentum: float = 0.1, out: Optional[CudaTensor] = None) -> CudaTensor:
+    """Batch normalization per channel (axis 1); see the module docstring. out= (internal,
+    tests) receives the result instead of a new tensor."""
+    common.check_tensor(x, "input")
+    for t, name in ((gamma, "gamma"), (beta, "beta"), (mean, "mean"), (var, "var")):
+        common.check_tensor(t, name)
+    if x.ndim not in (2, 3, 4):
+        raise InvalidArgumentError(
+            f"batch_norm needs an (N, C), (N, C, L) or (N, C, H, W) input, got shape {x.shape}")
+    C = x.shape[1]
+    for t, name in ((gamma, "gamma"), (beta, "beta"), (mean, "mean"), (var, "var")):
+        if t.shape != (C,):
+            raise ShapeMismatchError(
+                f"batch_norm: {name} has shape {t.shape}, expected ({C},) for the {C} channels "
+                f"of the input of shape {x.shape}")
+    common.require_dtype(x, DTYPES, "batch_norm")
+    common.same_dtype(x, gamma, beta, mean, var)
+    dev = common.same_device(x, gamma, beta, mean, var)
+    eps = _real(eps, "eps", minimum=0.0)
+    momentum = _real(momentum, "momentum")
+    N = x.shape[0]
+    S = int(np.prod(x.shape[2:], dtype=np.int64)) if x.ndim > 2 else 1
+    count = N * S
+    if training and C > 0 and count <= 1:
+        raise InvalidArgumentError(
+            f"batch_norm training needs more than 1 value per channel, got input shape "
+            f"{x.shape} ({count} per channel)")
+    if out is not None:
+        _check_out(out, x)
+    if not m.gpu:
+        return _bn_host(m, x, gamma, beta, mean, var, eps, training, momentum, out)
+    if out is None:
+        out = m.backend.empty(x.shape, x.dtype, dev)
+    if x.size == 0:
+        return out
+    layout = "nc" if S == 1 else "ncs"
+    vec = _vec(x.dtype)
+    aligned = x.ptr % 16 == 0 and out.ptr % 16 == 0
+    vec_ok = int(aligned and (C % vec == 0 if layout == "nc" else S % vec == 0))
+    sm = m.backend.get_device_info(dev).multiprocessor_count
+    w = vec if vec_ok else 1
+    SW = S // w if layout == "ncs" else 1  # items per plane ("nc": vectors run along C)
+    # normalize arguments after the per-mode ones: N, C, items, S/W and C as FastDiv, vec_ok
+    tail = (N, C, N * C * SW, *fast_divisor(SW), *fast_divisor(C)[1:], vec_ok)
+    if not training:
+        kernel = m.kernel(BN_TEMPLATE, dev, **_bn_params(x.dtype, "normalize", layout, "infer"))
+        grid, block = _normalize_geometry(layout, N, C, S, w)
+        m.backend.launch_kernel(kernel.name, grid, x, out, gamma, beta, mean, var, eps, *tail,
+                                block_size=block, device_id=dev)
+        return out
+    acc_itemsize = 8 if x.dtype is DT.FLOAT64 else 4
+    acc_dtype = DT.FLOAT64 if x.dtype is DT.FLOAT64 else DT.FLOAT32
+    if layout == "nc":
+        bx, by = _nc_block(C // w)
+        gx = -(-(C // w) // bx)
+        splits = max(1, min(-(-N // by), -(-(sm * STATS_BLOCKS_PER_SM) // gx), 65535))
+        stats_grid, stats_block = (gx, splits, 1), (bx, by, 1)
+        chunk = 0
+    else:
+        per_channel = N * SW
+        splits = max(1, min(-(-per_channel // (BLOCK * UNROLL)),
+                            -(-(sm * STATS_BLOCKS_PER_SM) // C), 65535))
+        chunk = -(-per_channel // splits)
+        splits = -(-per_channel // chunk)  # no empty split
+        stats_grid, stats_block = (C, splits, 1), (BLOCK, 1, 1)
+    ws = m.backend.empty(((splits * 2 + 2) * C,), acc_dtype, dev)
+    try:
+        base = ws.ptr
+        partials = base
+        ws_mean = base + splits * 2 * C * acc_itemsize
+        ws_scale = ws_mean + C * acc_itemsize
+        stats = m.kernel(BN_TEMPLATE, dev, **_bn_params(x.dtype, "stats", layout))
+        m.backend.launch_kernel(stats.name, stats_grid, x, partials, N, C, S,
+                                *fast_divisor(SW), chunk, vec_ok, block_size=stats_block,
+                                device_id=dev)
+        fin = m.kernel(BN_TEMPLATE, dev, **_bn_params(x.dtype, "finalize"))
+        m.backend.launch_kernel(fin.name, (-(-C // BLOCK), 1, 1), x, partials, splits, C,
+                                1 if layout == "nc" else S, count, gamma, mean, var, ws_mean,
+                                ws_scale, eps, momentum, block_size=(BLOCK, 1, 1),
+                                device_id=dev)
+        norm = m.kernel(BN_TEMPLATE, dev, **_bn_params(x.dtype, "normalize", layout, "train"))
+        grid, block = _normalize_geometry(layout, N, C, S, w)
+        m.backend.launch_kernel(norm.name, grid, x, out, ws_mean, ws_scale, beta, *tail,
+                                block_size=block, device_id=dev)
+    finally:
+        ws.free()  # stream-ordered: a later allocation's kernels run after these
+    return out
+
+
+def _nc_block(columns: int) -> Tuple[int, int]:
+    """(bx, by) with bx*by = BLOCK: bx threads across the column vectors (a power of two,
+    at least a warp), by rows."""
+    bx = 32
+    while bx < columns and bx < BLOCK:
+        bx *= 2
+    return bx, BLOCK // bx
+
+
+def _normalize_geometry(layout: str, N: int, C: int, S: int,
+                        w: int) -> Tuple[Tuple[int, int, int], Tuple[int, int, int]]:
+    """(grid, block) of the normalize kernel: "nc" one block per (bx column vectors,
+    by * UNROLL rows); "ncs" one UNROLL-item step per thread. Many short blocks rather than
+    a few long ones, so no partly filled last wave of long blocks."""
+    if layout == "nc":
+        bx, by = _nc_block(C // w)
+        gx = -(-(C // w) // bx)
+        gy = max(1, min(-(-N // (by * UNROLL)), 65535))
+        return (gx, gy, 1), (bx, by, 1)
+    items = N * C * (S // w)
+    grid = max(1, min(-(-items // (BLOCK * UNROLL)), 2**31 - 1))
+    return (grid, 1, 1), (BLOCK, 1, 1)
+
+
+def _bn_host(m: Any, x: CudaTensor, gamma: CudaTensor, beta: CudaTensor, mean: CudaTensor,
+             var: CudaTensor, eps: float, training: bool, momentum: float,
+             out: Optional[CudaTensor]) -> CudaTensor:
+    work = _work_type(x.dtype)
+    a = common.host_array(m, x).astype(work)
+    C = x.shape[1]
+    bshape = (1, C) + (1,) * (x.ndim - 2)
+    g, b = (common.host_array(m, t).astype(work) for t in (gamma, beta))
+    if training and a.size:
+        axes = (0,) + tuple(range(2, x.ndim))
+        a64 = a.astype(np.float64)
+        mu = a64.mean(axis=axes)
+        v = a64.var(axis=axes)
+        n = a.size // max(C, 1)
+        rm = common.host_array(m, mean).astype(np.float64)
+        rv = common.host_array(m, var).astype(np.float64)
+        write_host(m, (1 - momentum) * rm + momentum * mu, mean)
+        write_host(m, (1 - momentum) * rv + momentum * v * n / (n - 1), var)
+        scale = (g.astype(np.float64) / np.sqrt(v + eps)).astype(work)
+        y = (a - mu.astype(work).reshape(bshape)) * scale.reshape(bshape) + b.reshape(bshape)
+    else:
+        mu = common.host_array(m, mean).astype(work)
+        v = common.host_array(m, var).astype(work)
+        scale = g / np.sqrt(v + work(eps))
+        y = (a - mu.reshape(bshape)) * scale.reshape(bshape) + b.reshape(bshape)
+    if out is None:
+        return common.from_host(m, y, x.dtype, x.device_id)
+    write_host(m, y, out)
+    return out
+
+
+# -- layer norm ----------------------------------------------------------------------------
+def layer_norm(m: Any, x: CudaTensor, weight: Optional[CudaTensor],
+               bias: Optional[CudaTensor], eps: float = 1e-5,
+               out: Optional[CudaTensor] = None) -> CudaTensor:
+    """Layer normalization over the last axis; weight/bias (D,) or None."""
+    common.check_tensor(x, "x")
+    if x.ndim < 1:
+        raise InvalidArgumentError(f"layer_norm needs at least 1 dimension, got shape {x.shape}")
+    D = x.shape[-1]
+    tensors = [x]
+    for t, name in ((weight, "weight"), (bias, "bias")):
+        if t is None:
+            continue
+        common.check_tensor(t, name)
+        if t.shape != (D,):
+            raise ShapeMismatchError(
+                f"layer_norm: {name} has shape {t.shape}, expected ({D},) for the last "
+                f"dimension of x of shape {x.shape}")
+        tensors.append(t)
+    common.require_dtype(x, DTYPES, "layer_norm")
+    common.same_dtype(*tensors)
+    dev = common.same_device(*tensors)
+    eps = _real(eps, "eps", minimum=0.0)
+    if D >= 2**31 - 2**16:
+        raise InvalidArgumentError(f"layer_norm supports rows under 2^31 elements, got {D}")
+    if out is not None:
+        _check_out(out, x)
+    if not m.gpu:
+        return _ln_host(m, x, weight, bias, eps, out)
+    if out is None:
+        out = m.backend.empty(x.shape, x.dtype, dev)
+    if x.size == 0:
+        return out
+    rows = x.size // D
+    vec = _vec(x.dtype)
+    ptrs = [x.ptr, out.ptr] + [t.ptr for t in (weight, bias) if t is not None]
+    use_vec = D % vec == 0 and all(p % 16 == 0 for p in ptrs)
+    cfg = _ln_pick(m, x, out, weight, bias, rows, D, eps, use_vec)
+    _ln_launch(m, cfg, x, out, weight, bias, rows, D, eps)
+    return out
+
+
+def _ln_candidates(D: int, dtype: CudaDataType, use_vec: bool) -> List[Tuple[int, int, int, int]]:
+    """(threads_per_row, vpt, block, vec) configs able to hold a row of D, tightest first;
+    the looping kernel when none can."""
+    vec = _vec(dtype) if use_vec else 1
+    configs = LN_VEC_CONFIGS if use_vec else LN_SCALAR_CONFIGS
+    fits = [(tpr, vpt, blk) for tpr, vpt, blk in configs if tpr * vpt * vec >= D]
+    if not fits:
+        return [(LN_LOOP_BLOCK, 0, LN_LOOP_BLOCK, vec)]
+    tightest = min(tpr * vpt for tpr, vpt, _ in fits)
+    return [(tpr, vpt, blk, vec) for tpr, vpt, blk in fits if tpr * vpt == tightest]
+
+
+def _ln_pick(m: Any, x: CudaTensor, out: CudaTensor, weight: Optional[CudaTensor],
+             bias: Optional[CudaTensor], rows: int, D: int, eps: float,
+             use_vec: bool) -> Tuple[int, int, int, int]:
+    """The config for this row length: autotuned among equally tight ones for large inputs."""
+    cands = _ln_candidates(D, x.dtype, use_vec)
+    if len(cands) == 1 or x.size < 1 << 22:
+        return cands[0]
+    names = ("threads_per_row", "vpt", "block", "vec")
+    keys = [dict(zip(names, c)) for c in cands]
+    size_class = (x.dtype.name_str, D, "large" if x.size >= 1 << 25 else "medium")
+    best = m.autotuner.pick("layer_norm", size_class, keys,
+                            lambda k: _ln_launch(m, tuple(k[n] for n in names), x, out, weight,
+                                                 bias, rows, D, eps),
+                            device_id=x.device_id)
+    return tuple(best[n] for n in names)
+
+
+def _ln_launch(m: Any, cfg: Tuple[int, int, int, int], x: CudaTensor, out: CudaTensor,
+               weight: Optional[CudaTensor], bias: Optional[CudaTensor], rows: int, D: int,
+               eps: float) -> None:
+    tpr, vpt, block, vec = cfg
+    dev = x.device_id
+    kernel = m.kernel(LN_TEMPLATE, dev, **_ln_params(x.dtype, tpr, vpt, block, vec))
+    rows_per_block = block // tpr
+    grid = -(-rows // rows_per_block)
+    if grid > 2**31 - 1:
+        raise InvalidArgumentError(f"layer_norm supports under 2^31 row blocks, got {rows} rows")
+    m.backend.launch_kernel(kernel.name, (grid, 1, 1), x, out,
+                            weight if weight is not None else 0,
+                            bias if bias is not None else 0, rows, D, 1.0 / D, eps,
+                            block_size=(block, 1, 1), device_id=dev)
+
+
+def _ln_host(m: Any, x: CudaTensor, weight: Optional[CudaTensor], bias: Optional[CudaTensor],
+             eps: float, out: Optional[CudaTensor]) -> CudaTensor:
+    work = _work_type(x.dtype)
+    a = common.host_array(m, x).astype(work)
+    if a.size == 0:
+        y = a
+    else:
+        y = _ln_rows(a, weight, bias, eps, m, work)
+    if out is None:
+        return common.from_host(m, y, x.dtype, x.device_id)
+    write_host(m, y, out)
+    return out
+
+
+def _ln_rows(a: np.ndarray, weight: Optional[CudaTensor], bias: Optional[CudaTensor],
+             eps: float, m: Any, work: Any) -> np.ndarray:
+    """Layer norm of the rows of a in the working precision (the fallback)."""
+    mu = a.mean(axis=-1, keepdims=True)
+    d = a - mu
+    var = (d * d).mean(axis=-1, keepdims=True)
+    y = d / np.sqrt(var + work(eps))
+    if weight is not None:
+        y = y * common.host_array(m, weight).astype(work)
+    if bias is not None:
+        y = y + common.host_array(m, bias).astype(work)
+    return y
+
+
+# -- helpers -------------------------------------------------------------------------------
+def _real(value: Any, name: str, minimum: Optional[float] = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidArgumentError(f"{name} must be a real number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or (minimum is not None and v < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise InvalidArgumentError(f"{name} must be a finite number{bound}, got {value!r}")
+    return v
+
+
+def _work_type(dtype: CudaDataType) -> Any:
+    return np.float64 if dtype is DT.FLOAT64 else np.float32
+
+
+def _check_out(out: CudaTensor, x: CudaTensor) -> None:
+    common.check_tensor(out, "out")
+    if out.shape != x.shape or out.dtype is not x.dtype:
+        raise ShapeMismatchError(
+            f"out has shape {out.shape} ({out.dtype.name_str}), expected {x.shape} "
+            f"({x.dtype.name_str})")
+    common.same_device(x, out)
+
+
+def write_host(m: Any, values: np.ndarray, t: CudaTensor) -> None:
+    """Store values (any float type) into t, rounding once to its dtype."""
+    values = np.asarray(values).reshape(t.shape)
+    if t.dtype is DT.BFLOAT16:
+        host = to_bfloat16_bits(values.astype(np.float32)).reshape(t.shape)
+    else:
+        host = np.ascontiguousarray(values, dtype=t.dtype.numpy_dtype)
+    if t.nbytes:
+        m.backend.copy_to_device(host, t)

@@ -1,0 +1,211 @@
+"""Fused optimizer steps in place (`templates/optimizers.cu.j2`): SGD (momentum, Nesterov,
+weight decay) and Adam/AdamW with bias correction, one kernel per step.
+
+Parameters and gradients share a dtype: float32 or float64, or float16/bfloat16 with float32
+optimizer buffers (the update is computed in float32 and rounded once into the parameter).
+Buffers of float32/float64 parameters have the parameter's dtype. Every step advances
+`state.step` by one after the update; SGD's momentum buffer is initialized from the gradient
+on the first step (state.step == 0), as PyTorch.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from ..dtypes import CudaDataType
+from ..errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
+from ..kernels import dtype_params
+from ..tensor import CudaTensor
+from . import common
+
+DT = CudaDataType
+TEMPLATE = "optimizers.cu.j2"
+BLOCK = 256
+DTYPES = common.FLOATS
+
+
+def state_dtype(dtype: CudaDataType) -> CudaDataType:
+    """The dtype optimizer buffers must have for parameters of this dtype."""
+    return DT.FLOAT64 if dtype is DT.FLOAT64 else DT.FLOAT32
+
+
+def _vec(dtype: CudaDataType) -> int:
+    return 16 // dtype.itemsize
+
+
+def _params(dtype: CudaDataType, opt: str) -> Dict[str, Any]:
+    return {**dtype_params(dtype), "state_ctype": state_dtype(dtype).c_type, "opt": opt,
+            "block_size": BLOCK, "vec": _vec(dtype)}
+
+
+def template_variants() -> Dict[str, List[Dict[str, Any]]]:
+    return {TEMPLATE: [_params(dt, opt) for opt in ("sgd", "adam") for dt in DTYPES]}
+
+
+# -- checks --------------------------------------------------------------------------------
+def _hyper(state: Any, name: str, minimum: Optional[float] = None,
+           below: Optional[float] = None) -> float:
+    if not hasattr(state, name):
+        raise InvalidArgumentError(
+            f"optimizer_state must be an OptimizerState (missing '{name}'), got "
+            f"{type(state).__name__}")
+    value = getattr(state, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidArgumentError(f"optimizer_state.{name} must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or (minimum is not None and v < minimum) or \
+            (below is not None and v >= below):
+        lo = f" >= {minimum}" if minimum is not None else ""
+        hi = f" and < {below}" if below is not None else ""
+        raise InvalidArgumentError(
+            f"optimizer_state.{name} must be finite{lo}{hi}, got {value!r}")
+    return v
+
+
+def _step(state: Any) -> int:
+    step = getattr(state, "step", None)
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise InvalidArgumentError(f"optimizer_state.step must be an int >= 0, got {step!r}")
+    return int(step)
+
+
+def _check(params: CudaTensor, grads: CudaTensor, buffers: Dict[str, Optional[CudaTensor]],
+           op: str) -> int:
+    common.check_tensor(params, "params")
+    common.check_tensor(grads, "gradients")
+    common.require_dtype(params, DTYPES, op)
+    if grads.shape != params.shape:
+        raise ShapeMismatchError(
+            f"{op}: gradients have shape {grads.shape}, params have shape {params.shape}")
+    common.same_dtype(params, grads)
+    want = state_dtype(params.dtype)
+    tensors = [params, grads]
+    for name, t in buffers.items():
+        if t is None:
+            continue
+        common.check_tensor(t, name)
+        if t.shape != params.shape:
+            raise ShapeMismatchError(
+                f"{op}: {name} has shape {t.shape}, params have shape {params.shape}")
+        if t.dtype is not want:
+            raise DTypeMismatchError(
+                f"{op}: {name} has dtype {t.dtype.name_str}, expected {want.name_str} for "
+                f"{params.dtype.name_str} params")
+        tensors.append(t)
+    return common.same_device(*tensors)
+
+
+def _aligned(*tensors: Optional[CudaTensor]) -> int:
+    return int(all(t.ptr % 16 == 0 for t in tensors if t is not None))
+
+
+def _grid(n: int, vec: int) -> int:
+    """One vec-element item per thread (many short blocks: no partial last wave)."""
+    items = -(-n // vec)
+    return max(1, min(-(-items // BLOCK), 2**31 - 1))
+
+
+# -- SGD -----------------------------------------------------------------------------------
+def sgd_update(m: Any, params: CudaTensor, grads: CudaTensor,
+               momentum_buf: Optional[CudaTensor], state: Any) -> None:
+    """p -= lr * g with g = grad + wd * p, through the momentum buffer when one is given
+    (b = g on step 0, else momentum * b + g; Nesterov uses g + momentum * b)."""
+    dev = _check(params, grads, {"momentum": momentum_buf}, "sgd_update")
+    lr = _hyper(state, "learning_rate", 0.0)
+    momentum = _hyper(state, "momentum", 0.0)
+    wd = _hyper(state, "weight_decay", 0.0)
+    step = _step(state)
+    nesterov = bool(getattr(state, "nesterov", False))
+    if nesterov and (momentum_buf is None or momentum <= 0.0):
+        raise InvalidArgumentError(
+            "sgd_update: Nesterov momentum needs a momentum buffer and momentum > 0 "
+            f"(got {'no buffer' if momentum_buf is None else f'momentum={momentum}'})")
+    first = step == 0
+    n = params.size
+    if n and not m.gpu:
+        _sgd_host(m, params, grads, momentum_buf, lr, momentum, wd, nesterov, first)
+    elif n:
+        kernel = m.kernel(TEMPLATE, dev, **_params(params.dtype, "sgd"))
+        m.backend.launch_kernel(
+            kernel.name, _grid(n, _vec(params.dtype)), params, grads,
+            momentum_buf if momentum_buf is not None else 0, n, lr, momentum, wd,
+            int(nesterov), int(first), _aligned(params, grads, momentum_buf),
+            block_size=(BLOCK, 1, 1), device_id=dev)
+    state.step = step + 1
+
+
+def _sgd_host(m: Any, params: CudaTensor, grads: CudaTensor, buf: Optional[CudaTensor],
+              lr: float, momentum: float, wd: float, nesterov: bool, first: bool) -> None:
+    work = np.float64 if params.dtype is DT.FLOAT64 else np.float32
+    p = common.host_array(m, params).astype(work)
+    g = common.host_array(m, grads).astype(work)
+    lr, momentum, wd = work(lr), work(momentum), work(wd)
+    g = g + wd * p
+    if buf is not None:
+        b = g if first else momentum * common.host_array(m, buf).astype(work) + g
+        _write(m, b, buf)
+        g = g + momentum * b if nesterov else b
+    _write(m, p - lr * g, params)
+
+
+# -- Adam ----------------------------------------------------------------------------------
+def adam_update(m: Any, params: CudaTensor, grads: CudaTensor, m_buf: CudaTensor,
+                v_buf: CudaTensor, state: Any) -> None:
+    """One Adam (or AdamW with state.decoupled) step with bias correction, in place."""
+    if m_buf is None or v_buf is None:
+        raise InvalidArgumentError("adam_update needs both m_buffer and v_buffer")
+    dev = _check(params, grads, {"m_buffer": m_buf, "v_buffer": v_buf}, "adam_update")
+    lr = _hyper(state, "learning_rate", 0.0)
+    beta1 = _hyper(state, "beta1", 0.0, 1.0)
+    beta2 = _hyper(state, "beta2", 0.0, 1.0)
+    eps = _hyper(state, "epsilon", 0.0)
+    wd = _hyper(state, "weight_decay", 0.0)
+    decoupled = bool(getattr(state, "decoupled", False))
+    step = _step(state)
+    t = step + 1
+    bc1 = 1.0 - beta1 ** t
+    step_size = lr / bc1
+    inv_bc2_sqrt = 1.0 / math.sqrt(1.0 - beta2 ** t)
+    n = params.size
+    if n and not m.gpu:
+        _adam_host(m, params, grads, m_buf, v_buf, beta1, beta2, eps, wd, decoupled,
+                   1.0 - lr * wd, step_size, inv_bc2_sqrt)
+    elif n:
+        kernel = m.kernel(TEMPLATE, dev, **_params(params.dtype, "adam"))
+        m.backend.launch_kernel(
+            kernel.name, _grid(n, _vec(params.dtype)), params, grads, m_buf, v_buf, n, beta1,
+            1.0 - beta1, beta2, 1.0 - beta2, eps, wd, 1.0 - lr * wd, int(decoupled), step_size,
+            inv_bc2_sqrt, _aligned(params, grads, m_buf, v_buf), block_size=(BLOCK, 1, 1),
+            device_id=dev)
+    state.step = t
+
+
+def _adam_host(m: Any, params: CudaTensor, grads: CudaTensor, m_buf: CudaTensor,
+               v_buf: CudaTensor, beta1: float, beta2: float, eps: float, wd: float,
+               decoupled: bool, decay: float, step_size: float, inv_bc2_sqrt: float) -> None:
+    """The kernel's arithmetic in NumPy: the working precision, with the same scalars."""
+    work = np.float64 if params.dtype is DT.FLOAT64 else np.float32
+    p = common.host_array(m, params).astype(work)
+    g = common.host_array(m, grads).astype(work)
+    mv = common.host_array(m, m_buf).astype(work)
+    vv = common.host_array(m, v_buf).astype(work)
+    b1, omb1, b2, omb2 = (work(x) for x in (beta1, 1.0 - beta1, beta2, 1.0 - beta2))
+    eps, wd, decay = work(eps), work(wd), work(decay)
+    step_size, inv_bc2_sqrt = work(step_size), work(inv_bc2_sqrt)
+    if decoupled:
+        p = p * decay
+    else:
+        g = g + wd * p
+    mv = b1 * mv + omb1 * g
+    vv = b2 * vv + omb2 * g * g
+    p = p - step_size * mv / (np.sqrt(vv) * inv_bc2_sqrt + eps)
+    _write(m, mv, m_buf)
+    _write(m, vv, v_buf)
+    _write(m, p, params)
+
+
+def _write(m: Any, values: np.ndarray, t: CudaTensor) -> None:
+    from .normalization import write_host
+    write_host(m, values, t)

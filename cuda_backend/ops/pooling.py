@@ -1,0 +1,174 @@
+"""2-D max and average pooling of NCHW tensors (`templates/pool2d.cu.j2`).
+
+Semantics follow PyTorch (ceil_mode=False): output size floor((H + 2p - k) / s) + 1, stride
+defaults to the window, padding at most half the window; max pooling pads with -inf and
+propagates NaN, average pooling counts the padding in the divisor (count_include_pad=True).
+
+Two kernels: the 2x2 stride-2 unpadded window (the common downsampling layer) reads each
+input row pair with 16-byte loads and writes vec/2 outputs per item; every other window
+takes the generic kernel (one output per thread, window clipped to the input).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+
+from ..dtypes import CudaDataType
+from ..errors import InvalidArgumentError, ShapeMismatchError
+from ..kernels import dtype_params
+from ..tensor import CudaTensor
+from . import common
+
+TEMPLATE = "pool2d.cu.j2"
+BLOCK = 256
+KINDS = ("max", "avg")
+DTYPES = common.FLOATS
+Pair = Union[int, Tuple[int, int]]
+
+
+def _vec(dtype: CudaDataType) -> int:
+    return 16 // dtype.itemsize
+
+
+def _params(kind: str, dtype: CudaDataType, fast: bool) -> Dict[str, Any]:
+    return {**dtype_params(dtype), "kind": kind, "window": 2 if fast else 0,
+            "vec": _vec(dtype) if fast else 1, "block_size": BLOCK}
+
+
+def template_variants() -> Dict[str, List[Dict[str, Any]]]:
+    return {TEMPLATE: [_params(k, dt, fast) for k in KINDS for dt in DTYPES
+                       for fast in (False, True)]}
+
+
+def _pair(value: Any, name: str, minimum: int) -> Tuple[int, int]:
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        value = (value, value)
+    try:
+        a, b = value
+        if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in (a, b)):
+            raise TypeError
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(
+            f"{name} must be an int or a pair of ints, got {value!r}") from None
+    a, b = int(a), int(b)
+    if a < minimum or b < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {(a, b)}")
+    return a, b
+
+
+def output_shape(shape: Tuple[int, ...], k: Tuple[int, int], s: Tuple[int, int],
+                 p: Tuple[int, int]) -> Tuple[int, int, int, int]:
+    """(N, C, OH, OW) for an NCHW input; raises when the window does not fit."""
+    n, c, h, w = shape
+    oh = (h + 2 * p[0] - k[0]) // s[0] + 1
+    ow = (w + 2 * p[1] - k[1]) // s[1] + 1
+    if oh < 1 or ow < 1:
+        raise ShapeMismatchError(
+            f"pool window {k} with padding {p} does not fit the input of shape {shape} "
+            f"(output would be {max(oh, 0)}x{max(ow, 0)})")
+    return n, c, oh, ow
+
+
+def pool2d(m: Any, kind: str, x: CudaTensor, pool_size: Pair, stride: Optional[Pair] = None,
+           padding: Pair = (0, 0), out: Optional[CudaTensor] = None) -> CudaTensor:
+    """Max ("max") or average ("avg") pooling of an NCHW tensor; out= (internal, tests)
+    receives the result instead of a new tensor."""
+    if kind not in KINDS:
+        raise InvalidArgumentError(f"pool kind must be 'max' or 'avg', got {kind!r}")
+    op = f"{kind}_pool2d"
+    common.check_tensor(x, "tensor")
+    if x.ndim != 4:
+        raise InvalidArgumentError(f"{op} needs a 4-D NCHW tensor, got shape {x.shape}")
+    common.require_dtype(x, DTYPES, op)
+    if x.shape[2] == 0 or x.shape[3] == 0:
+        raise InvalidArgumentError(
+            f"{op} needs non-empty spatial dimensions, got shape {x.shape}")
+    k = _pair(pool_size, "pool_size", 1)
+    s = k if stride is None else _pair(stride, "stride", 1)
+    p = _pair(padding, "padding", 0)
+    if 2 * p[0] > k[0] or 2 * p[1] > k[1]:
+        raise InvalidArgumentError(
+            f"{op}: padding {p} must be at most half of pool_size {k}")
+    shape = output_shape(x.shape, k, s, p)
+    if out is not None:
+        common.check_tensor(out, "out")
+        if out.shape != shape or out.dtype is not x.dtype:
+            raise ShapeMismatchError(
+                f"out has shape {out.shape} ({out.dtype.name_str}), expected {shape} "
+                f"({x.dtype.name_str})")
+        common.same_device(x, out)
+    if not m.gpu:
+        values = _host_pool(kind, common.host_array(m, x), k, s, p, x.dtype)
+        if out is None:
+            return common.from_host(m, values, x.dtype, x.device_id)
+        _write_host(m, values, out)
+        return out
+    dev = x.device_id
+    if out is None:
+        out = m.backend.empty(shape, x.dtype, dev)
+    if out.size == 0:
+        return out
+    n, c, h, w = x.shape
+    oh, ow = shape[2], shape[3]
+    vec = _vec(x.dtype)
+    fast = (k == (2, 2) and s == (2, 2) and p == (0, 0) and w % vec == 0
+            and x.ptr % 16 == 0 and out.ptr % (vec // 2 * x.dtype.itemsize) == 0)
+    kernel = m.kernel(TEMPLATE, dev, **_params(kind, x.dtype, fast))
+    if fast:
+        total = n * c * oh * (w // vec)
+        grid = _grid(total)
+        m.backend.launch_kernel(kernel.name, grid, x, out, total, h, w, *fast_divisor(oh),
+                                *fast_divisor(w // vec), block_size=(BLOCK, 1, 1),
+                                device_id=dev)
+    else:
+        total = out.size
+        grid = _grid(total)
+        m.backend.launch_kernel(kernel.name, grid, x, out, total, h, w, *fast_divisor(oh),
+                                *fast_divisor(ow), k[0], k[1], s[0], s[1], p[0], p[1],
+                                block_size=(BLOCK, 1, 1), device_id=dev)
+    return out
+
+
+def fast_divisor(d: int) -> Tuple[int, int, int]:
+    """(d, m, l) for the templates' FastDiv: q = n / d computed as
+    (t + ((n - t) >> min(l, 1))) >> max(l - 1, 0) with t = mulhi64(m, n), exact for every
+    n < 2^64 (Granlund and Montgomery, PLDI'94, fig. 4.1)."""
+    if d < 1:
+        raise InvalidArgumentError(f"divisor must be >= 1, got {d}")
+    l = (d - 1).bit_length()  # ceil(log2 d)
+    m = ((1 << 64) * ((1 << l) - d)) // d + 1
+    return d, m, l
+
+
+def _grid(items: int) -> int:
+    """One item per thread (many short blocks: no partial last wave of long ones); the
+    kernel's grid-stride loop covers what a 2^31-1 block grid cannot."""
+    return max(1, min(-(-items // BLOCK), 2**31 - 1))
+
+
+# -- host (fallback) -----------------------------------------------------------------------
+def _host_pool(kind: str, a: np.ndarray, k: Tuple[int, int], s: Tuple[int, int],
+               p: Tuple[int, int], dtype: CudaDataType) -> np.ndarray:
+    """The pooling in NumPy, computed in float32 for half types (as the kernel does)."""
+    work = np.float64 if dtype is CudaDataType.FLOAT64 else np.float32
+    a = a.astype(work, copy=False)
+    fill = -np.inf if kind == "max" else 0.0
+    padded = np.pad(a, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1])), constant_values=fill)
+    win = np.lib.stride_tricks.sliding_window_view(padded, k, axis=(2, 3))
+    _, _, oh, ow = output_shape(a.shape, k, s, p)
+    win = win[:, :, ::s[0], ::s[1]][:, :, :oh, :ow]
+    with np.errstate(invalid="ignore"):  # inf - inf in a window is NaN, as on the GPU
+        if kind == "max":
+            return win.max(axis=(4, 5))
+        return win.sum(axis=(4, 5)) / work(k[0] * k[1])
+
+
+def _write_host(m: Any, values: np.ndarray, out: CudaTensor) -> None:
+    from ..dtypes import to_bfloat16_bits
+    if out.dtype is CudaDataType.BFLOAT16:
+        host = to_bfloat16_bits(values.astype(np.float32)).reshape(out.shape)
+    else:
+        host = np.ascontiguousarray(values, dtype=out.dtype.numpy_dtype)
+    if out.nbytes:
+        m.backend.copy_to_device(host, out)

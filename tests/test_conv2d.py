@@ -1,0 +1,511 @@
+"""conv2d (cuda_backend/ops/conv2d.py): geometry, dtypes, precisions, groups, errors.
+
+GPU tests (marked `gpu`) compare against a float64 NumPy reference on fresh random inputs
+with the output poisoned (NaN) first, through the public CudaML.conv2d and through every
+tile config of every kernel family. The rest run anywhere: the error rules, the config
+lists, and the NumPy fallback (in-process where this process has no GPU, and in a
+subprocess with CUDA_BACKEND_FALLBACK=1 everywhere).
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from cuda_backend import (CudaDataType as DT, DTypeMismatchError, InvalidArgumentError,
+                          ShapeMismatchError)
+from cuda_backend.cuda_ml import ConvolutionConfig, CudaML
+from cuda_backend.kernels import KernelGenerator
+from cuda_backend.ops import conv2d as cv
+
+gpu = pytest.mark.gpu
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (dtype, precision) families.
+FAMILIES = {
+    "fp32": (DT.FLOAT32, None),
+    "tf32": (DT.FLOAT32, "tf32"),
+    "fp16": (DT.FLOAT16, None),
+    "bf16": (DT.BFLOAT16, None),
+}
+
+
+def bound(fam: str, crs: int) -> float:
+    """Norm-wise relative error bound: FP32 grows like sqrt(reduction length)."""
+    if fam == "fp32":
+        return 1e-5 * math.sqrt(max(crs, 1))
+    return 1e-3 if fam == "tf32" else 1e-2
+
+
+# (input shape, kernel shape, stride, padding, dilation, groups)
+CASES = [
+    ((2, 3, 17, 19), (5, 3, 3, 3), (2, 2), (1, 1), (2, 2), 1),       # odd, few out channels
+    ((2, 3, 17, 19), (16, 3, 3, 3), (2, 2), (1, 1), (2, 2), 1),      # odd, GEMM path, C=3
+    ((2, 16, 7, 9), (24, 16, 1, 1), (1, 1), (0, 0), (1, 1), 1),      # 1x1
+    ((1, 8, 13, 11), (16, 8, 5, 5), (1, 1), (2, 2), (1, 1), 1),      # 5x5
+    ((2, 12, 9, 11), (40, 6, 3, 3), (2, 1), (1, 2), (1, 2), 2),      # groups=2, mixed geometry
+    ((2, 16, 15, 15), (16, 1, 3, 3), (1, 1), (1, 1), (1, 1), 16),    # depthwise
+    ((1, 8, 10, 10), (16, 1, 3, 3), (2, 2), (1, 0), (1, 1), 8),      # depthwise, multiplier 2
+    ((1, 9, 20, 21), (130, 9, 3, 1), (1, 1), (1, 0), (1, 1), 1),     # R != S, K past 128
+    ((3, 20, 6, 7), (36, 20, 2, 2), (3, 2), (0, 1), (2, 1), 1),      # even kernel, stride 3
+    ((1, 1, 12, 12), (8, 1, 3, 3), (1, 1), (1, 1), (1, 1), 1),       # one input channel
+    ((2, 24, 5, 5), (48, 8, 3, 3), (1, 1), (2, 2), (2, 2), 3),       # groups=3, big padding
+]
+CASE_IDS = [f"{x}x{w}s{s}p{p}d{d}g{g}" for x, w, s, p, d, g in CASES]
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def ref_conv(x, w, b, stride, padding, dilation, groups):
+    """Straightforward float64 F.conv2d: pad, then per group and tap a tensordot."""
+    x = np.asarray(x, np.float64)
+    w = np.asarray(w, np.float64)
+    N, C, H, W = x.shape
+    K, Cg, R, S = w.shape
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    P = (H + 2 * ph - dh * (R - 1) - 1) // sh + 1
+    Q = (W + 2 * pw - dw * (S - 1) - 1) // sw + 1
+    xp = np.zeros((N, C, H + 2 * ph, W + 2 * pw))
+    xp[:, :, ph:ph + H, pw:pw + W] = x
+    out = np.zeros((N, K, P, Q))
+    Kg = K // groups
+    for g in range(groups):
+        xs = xp[:, g * Cg:(g + 1) * Cg]
+        for r in range(R):
+            for s in range(S):
+                patch = xs[:, :, r * dh:r * dh + sh * (P - 1) + 1:sh,
+                           s * dw:s * dw + sw * (Q - 1) + 1:sw]
+                out[:, g * Kg:(g + 1) * Kg] += np.tensordot(
+                    w[g * Kg:(g + 1) * Kg, :, r, s], patch, axes=([1], [1])).transpose(1, 0, 2, 3)
+    if b is not None:
+        out += np.asarray(b, np.float64).reshape(1, K, 1, 1)
+    return out
+
+
+def rel_err(out, ref):
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all(), "non-finite output (unwritten or NaN elements)"
+    denom = np.linalg.norm(ref)
+    return np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0)
+
+
+def make(m, rng, shape, dtype):
+    """A device tensor of fresh normal values and its (rounded) host copy."""
+    t = m.from_numpy(rng.standard_normal(shape).astype(np.float32), dtype=dtype)
+    return t, m.to_numpy(t)
+
+
+def poisoned(m, shape, dtype):
+    out = m.create_tensor(shape, dtype)
+    if out.size:
+        host = np.full(shape, 0x7FC0, np.uint16) if dtype is DT.BFLOAT16 else \
+            np.full(shape, np.nan, dtype.numpy_dtype)
+        m.backend.copy_to_device(host, out)
+    return out
+
+
+def config_of(case):
+    _, w, s, p, d, g = case
+    return ConvolutionConfig(kernel_size=w[2:], stride=s, padding=p, dilation=d, groups=g)
+
+
+def run_case(m, fam, case, rng, with_bias=True, poison=True):
+    """conv2d on the device (through out= into a poisoned tensor) vs the float64 reference."""
+    dtype, prec = FAMILIES[fam]
+    xs, ws, s, p, d, g = case
+    x, xh = make(m, rng, xs, dtype)
+    w, wh = make(m, rng, ws, dtype)
+    b, bh = make(m, rng, (ws[0],), dtype) if with_bias else (None, None)
+    geom = cv.plan(xs, ws, config_of(case))
+    out = poisoned(m, geom.out_shape, dtype) if poison else None
+    res = cv.conv2d(m, x, w, config_of(case), b, prec, out=out)
+    assert res.shape == geom.out_shape and res.dtype is dtype
+    if out is not None:
+        assert res is out
+    ref = ref_conv(xh, wh, bh, s, p, d, g)
+    err = rel_err(m.to_numpy(res), ref)
+    assert err <= bound(fam, ws[1] * ws[2] * ws[3]), f"{fam} {case}: relative error {err:.3g}"
+    return err
+
+
+@pytest.fixture(scope="module")
+def m(backend, tmp_path_factory):
+    """A CudaMath whose autotuner writes to a temporary file; kernels compiled up front."""
+    from cuda_backend.autotune import Autotuner
+    from cuda_backend.cuda_math import CudaMath
+    cm = CudaMath(backend)
+    cm._autotuner = Autotuner(backend, path=str(tmp_path_factory.mktemp("tune") / "t.json"))
+    if cm.gpu:
+        cv.warm_up(cm, workers=16)
+    return cm
+
+
+@pytest.fixture(scope="module")
+def ml(m):
+    return CudaML(m)
+
+
+# -- GPU ----------------------------------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("fam", list(FAMILIES))
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_conv2d_cases(m, fam, case):
+    run_case(m, fam, case, np.random.default_rng())
+
+
+@gpu
+@pytest.mark.parametrize("fam", ["fp32", "bf16"])
+def test_conv2d_without_bias_through_cudaml(ml, fam):
+    dtype, prec = FAMILIES[fam]
+    rng = np.random.default_rng()
+    case = CASES[4]
+    x, xh = make(ml.math, rng, case[0], dtype)
+    w, wh = make(ml.math, rng, case[1], dtype)
+    y = ml.conv2d(x, w, config_of(case), precision=prec)
+    err = rel_err(ml.math.to_numpy(y), ref_conv(xh, wh, None, *case[2:]))
+    assert err <= bound(fam, 6 * 9)
+
+
+def _family_configs():
+    out = []
+    for cfg in cv.SIMT_CONFIGS:
+        out.append(("fp32", cfg))
+    for cfg in cv.TF32_CONFIGS:
+        out.append(("tf32", cfg))
+    for fam in ("fp16", "bf16"):
+        for cfg in cv.F16_CONFIGS:
+            out.append((fam, cfg))
+    return out
+
+
+CONFIG_SHAPES = [  # M, Kg, Cg not multiples of any tile; stride, padding, dilation, groups
+    ((2, 20, 13, 15), (72, 10, 3, 3), (1, 2), (1, 2), (2, 1), 2),
+    ((1, 40, 17, 9), (136, 40, 1, 3), (1, 1), (0, 1), (1, 1), 1),
+]
+
+
+@gpu
+@pytest.mark.parametrize("fam, cfg", _family_configs(),
+                         ids=[f"{f}-{'x'.join(str(v) for v in c.values())}"
+                              for f, c in _family_configs()])
+@pytest.mark.parametrize("case", CONFIG_SHAPES, ids=["grouped", "wide"])
+def test_every_tile_config(m, fam, cfg, case):
+    """Each config the autotuner may pick, launched directly on a poisoned output."""
+    dtype, prec = FAMILIES[fam]
+    rng = np.random.default_rng()
+    xs, ws, s, p, d, g = case
+    x, xh = make(m, rng, xs, dtype)
+    w, wh = make(m, rng, ws, dtype)
+    b, bh = make(m, rng, (ws[0],), dtype)
+    geom = cv.plan(xs, ws, config_of(case))
+    out = poisoned(m, geom.out_shape, dtype)
+    dev = x.device_id
+    if fam == "fp32":
+        wt = cv.prepare_weight_simt(m, w, geom, dev)
+        cv.run_simt(m, cfg, x, wt, b, geom, out, dev)
+        wt.free()
+    else:
+        xt = cv.prepare_input_mma(m, x, geom, dev)
+        wt = cv.prepare_weight_mma(m, w, geom, dev)
+        cv.run_mma(m, cfg, xt, wt, b, geom, out, dev)
+        xt.free()
+        wt.free()
+    err = rel_err(m.to_numpy(out), ref_conv(xh, wh, bh, s, p, d, g))
+    assert err <= bound(fam, ws[1] * ws[2] * ws[3]), f"{fam} {cfg}: relative error {err:.3g}"
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMILIES))
+def test_direct_kernel_every_dtype(m, fam):
+    """Depthwise goes to the direct kernel in every dtype (tf32 stays exact there)."""
+    case = ((2, 32, 33, 31), (32, 1, 3, 3), (2, 1), (1, 1), (1, 2), 32)
+    geom = cv.plan(case[0], case[1], config_of(case))
+    assert cv.family(geom, FAMILIES[fam][0], FAMILIES[fam][1]) == "direct"
+    run_case(m, fam, case, np.random.default_rng())
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMILIES))
+def test_medium_resnet_layer(m, fam):
+    """(8, 64, 64, 64) * (128, 64, 3, 3), padding 1: the large-tile configs, autotuned."""
+    case = ((8, 64, 64, 64), (128, 64, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+    run_case(m, fam, case, np.random.default_rng())
+
+
+@gpu
+@pytest.mark.parametrize("fam", ["fp32", "tf32"])
+def test_small_benchmark_shape(m, fam):
+    case = ((1, 32, 64, 64), (32, 32, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+    run_case(m, fam, case, np.random.default_rng())
+
+
+@gpu
+def test_tf32_is_not_exact_and_fp32_is(m):
+    """precision='tf32' really rounds the operands; the default keeps FP32 accuracy."""
+    rng = np.random.default_rng()
+    case = ((2, 64, 16, 16), (64, 64, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+    e32 = run_case(m, "fp32", case, rng)
+    etf = run_case(m, "tf32", case, rng)
+    assert e32 < 2e-6 < etf
+
+
+@gpu
+def test_zero_sizes(m, ml):
+    rng = np.random.default_rng()
+    x = m.from_numpy(np.zeros((0, 4, 5, 5), np.float32))
+    w, _ = make(m, rng, (8, 4, 3, 3), DT.FLOAT32)
+    y = ml.conv2d(x, w, ConvolutionConfig(3))
+    assert y.shape == (0, 8, 3, 3)
+    # no input channels: the output is the bias
+    x = m.from_numpy(np.zeros((2, 0, 5, 5), np.float32))
+    w = m.from_numpy(np.zeros((8, 0, 3, 3), np.float32))
+    b, bh = make(m, rng, (8,), DT.FLOAT32)
+    y = ml.conv2d(x, w, ConvolutionConfig(3, padding=1), b)
+    np.testing.assert_array_equal(m.to_numpy(y), np.broadcast_to(bh.reshape(1, 8, 1, 1),
+                                                                  (2, 8, 5, 5)))
+
+
+@gpu
+@pytest.mark.parametrize("fam", ["fp32", "bf16"])
+def test_workspaces_go_back_to_the_pool(m, fam):
+    """The repacked operands are freed: once the output is freed too, the pool's active
+    memory is back where it started."""
+    dtype, prec = FAMILIES[fam]
+    rng = np.random.default_rng()
+    case = ((2, 16, 20, 20), (32, 16, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+    x, _ = make(m, rng, case[0], dtype)
+    w, _ = make(m, rng, case[1], dtype)
+    pool = m.backend.memory_pools[x.device_id]
+    before = pool.get_stats()["active_memory"]
+    y = cv.conv2d(m, x, w, config_of(case), None, prec)
+    assert pool.get_stats()["active_memory"] > before
+    y.free()
+    assert pool.get_stats()["active_memory"] == before
+
+
+@gpu
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 2), groups=st.integers(1, 3), cg=st.integers(1, 9),
+       kg=st.integers(1, 20), h=st.integers(1, 14), w=st.integers(1, 14),
+       r=st.integers(1, 4), s=st.integers(1, 4), sh=st.integers(1, 3), sw=st.integers(1, 3),
+       dh=st.integers(1, 2), dw=st.integers(1, 2), fam=st.sampled_from(list(FAMILIES)),
+       data=st.data())
+def test_conv2d_property(m, n, groups, cg, kg, h, w, r, s, sh, sw, dh, dw, fam, data):
+    ph = data.draw(st.integers(0, dh * (r - 1) + 1))
+    pw = data.draw(st.integers(0, dw * (s - 1) + 1))
+    assume(h + 2 * ph - dh * (r - 1) - 1 >= 0 and w + 2 * pw - dw * (s - 1) - 1 >= 0)
+    case = ((n, cg * groups, h, w), (kg * groups, cg, r, s), (sh, sw), (ph, pw), (dh, dw),
+            groups)
+    run_case(m, fam, case, np.random.default_rng(), with_bias=data.draw(st.booleans()))
+
+
+# -- anywhere: rules, errors, configs, fallback -----------------------------------------------
+def test_reference_matches_brute_force():
+    """The test reference itself, against explicit loops over every output element."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal((2, 4, 6, 7))
+    w = rng.standard_normal((6, 2, 3, 2))
+    b = rng.standard_normal(6)
+    stride, pad, dil, groups = (2, 1), (1, 2), (1, 2), 2
+    ref = ref_conv(x, w, b, stride, pad, dil, groups)
+    N, C, H, W = x.shape
+    K, Cg, R, S = w.shape
+    brute = np.zeros_like(ref)
+    for n, k, p, q in np.ndindex(*ref.shape):
+        g = k // (K // groups)
+        acc = b[k]
+        for c in range(Cg):
+            for i in range(R):
+                for j in range(S):
+                    ih = p * stride[0] - pad[0] + i * dil[0]
+                    iw = q * stride[1] - pad[1] + j * dil[1]
+                    if 0 <= ih < H and 0 <= iw < W:
+                        acc += x[n, g * Cg + c, ih, iw] * w[k, c, i, j]
+        brute[n, k, p, q] = acc
+    np.testing.assert_allclose(ref, brute, rtol=1e-12, atol=1e-12)
+    g = cv.plan(x.shape, w.shape, ConvolutionConfig((3, 2), stride, pad, dil, groups))
+    np.testing.assert_allclose(cv.reference(x, w, b, g), brute, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", CASES[:6], ids=CASE_IDS[:6])
+def test_conv2d_small_cases_in_this_process(ml, case):
+    """Fallback mode here (NumPy); on a GPU machine the same call runs the kernels."""
+    rng = np.random.default_rng()
+    x, xh = make(ml.math, rng, case[0], DT.FLOAT32)
+    w, wh = make(ml.math, rng, case[1], DT.FLOAT32)
+    b, bh = make(ml.math, rng, (case[1][0],), DT.FLOAT32)
+    y = ml.conv2d(x, w, config_of(case), b)
+    assert y.shape == cv.plan(case[0], case[1], config_of(case)).out_shape
+    assert rel_err(ml.math.to_numpy(y), ref_conv(xh, wh, bh, *case[2:])) <= 1e-5 * math.sqrt(
+        case[1][1] * case[1][2] * case[1][3])
+    y16 = ml.conv2d(ml.math.from_numpy(xh, dtype=DT.BFLOAT16),
+                    ml.math.from_numpy(wh, dtype=DT.BFLOAT16), config_of(case))
+    assert y16.dtype is DT.BFLOAT16
+    assert rel_err(ml.math.to_numpy(y16), ref_conv(xh, wh, None, *case[2:])) <= 2e-2
+
+
+def test_output_size_follows_pytorch():
+    g = cv.plan((1, 3, 17, 19), (5, 3, 3, 3), ConvolutionConfig(3, 2, 1, 2))
+    assert g.out_shape == (1, 5, (17 + 2 - 4 - 1) // 2 + 1, (19 + 2 - 4 - 1) // 2 + 1)
+    assert (g.M, g.Cg, g.Kg) == (g.P * g.Q, 3, 5)
+    g = cv.plan((2, 6, 8, 8), (4, 3, 2, 2), ConvolutionConfig(2, 1, 0, 1, 2))
+    assert g.out_shape == (2, 4, 7, 7)
+
+
+def test_errors_name_shapes_and_leak_nothing(ml):
+    m = ml.math
+
+    def t(shape, dtype=np.float32):
+        return m.from_numpy(np.ones(shape, dtype))
+
+    x, w = t((2, 4, 8, 8)), t((6, 4, 3, 3))
+    x2d, w3d, w_half_c, w1x1 = t((8, 8)), t((6, 4, 3)), t((6, 2, 3, 3)), t((6, 4, 1, 1))
+    x_small, w_f16 = t((1, 4, 2, 2)), t((6, 4, 3, 3), np.float16)
+    x64, w64 = t((2, 4, 8, 8), np.float64), t((6, 4, 3, 3), np.float64)
+    x16 = m.from_numpy(np.ones((2, 4, 8, 8)), dtype=DT.FLOAT16)
+    b5 = t((5,))
+    pool = m.backend.memory_pools[x.device_id]
+    before = pool.get_stats()["active_memory"]
+    bad_calls = [
+        (InvalidArgumentError, r"input must be 4-D.*\(8, 8\)",
+         lambda: ml.conv2d(x2d, w, ConvolutionConfig(3))),
+        (InvalidArgumentError, r"kernel must be 4-D.*\(6, 4, 3\)",
+         lambda: ml.conv2d(x, w3d, ConvolutionConfig(3))),
+        (ShapeMismatchError, r"\(2, 4, 8, 8\).*\(6, 2, 3, 3\)",
+         lambda: ml.conv2d(x, w_half_c, ConvolutionConfig(3))),
+        (InvalidArgumentError, r"groups=3 must divide",
+         lambda: ml.conv2d(x, w, ConvolutionConfig(3, groups=3))),
+        (InvalidArgumentError, r"padding \(3, 3\) is larger than the kernel \(1, 1\)",
+         lambda: ml.conv2d(x, w1x1, ConvolutionConfig(1, padding=3))),
+        (InvalidArgumentError, r"output size .* not positive",
+         lambda: ml.conv2d(x_small, w, ConvolutionConfig(3))),
+        (DTypeMismatchError, r"float32 and float16",
+         lambda: ml.conv2d(x, w_f16, ConvolutionConfig(3))),
+        (DTypeMismatchError, r"conv2d does not support float64",
+         lambda: ml.conv2d(x64, w64, ConvolutionConfig(3))),
+        (InvalidArgumentError, r"precision must be",
+         lambda: ml.conv2d(x, w, ConvolutionConfig(3), precision="fp8")),
+        (InvalidArgumentError, r"tf32.*float32 operands only",
+         lambda: ml.conv2d(x16, w_f16, ConvolutionConfig(3), precision="tf32")),
+        (ShapeMismatchError, r"spatial size \(3, 3\).*kernel_size is \(5, 5\)",
+         lambda: ml.conv2d(x, w, ConvolutionConfig(5))),
+        (ShapeMismatchError, r"bias must have shape \(6,\)",
+         lambda: ml.conv2d(x, w, ConvolutionConfig(3), b5)),
+        (InvalidArgumentError, r"ConvolutionConfig", lambda: ml.conv2d(x, w, (3, 3))),
+        (InvalidArgumentError, r"CudaTensor",
+         lambda: ml.conv2d(np.ones((2, 4, 8, 8)), w, ConvolutionConfig(3))),
+    ]
+    for err, pattern, call in bad_calls:
+        with pytest.raises(err, match=pattern):
+            call()
+    assert pool.get_stats()["active_memory"] == before, "an error path leaked a pool block"
+    with pytest.raises(InvalidArgumentError, match="groups must be an int >= 1"):
+        ConvolutionConfig(3, groups=0)
+    x.free()
+    with pytest.raises(Exception, match="freed"):
+        ml.conv2d(x, w, ConvolutionConfig(3))
+
+
+def test_config_lists_and_variants():
+    variants = cv.template_variants()
+    simt = variants[cv.SIMT_TEMPLATE]
+    mma = variants[cv.MMA_TEMPLATE]
+    assert len(simt) == len(cv.SIMT_CONFIGS) and len(mma) == 3 * len(cv.TF32_CONFIGS)
+    for cfg in cv.SIMT_CONFIGS:
+        threads = cfg["bm"] // cfg["tm"] * (cfg["bn"] // cfg["tn"]) * cfg["slices"]
+        assert threads % 32 == 0 and threads <= 256
+    for cfg in cv.TF32_CONFIGS + cv.F16_CONFIGS:
+        assert cv.mma_shared_bytes(cfg, DT.FLOAT32) <= 227 * 1024
+    # every candidate the chooser can return is a rendered variant
+    for xs, ws, s, p, d, g in CASES + CONFIG_SHAPES:
+        geom = cv.plan(xs, ws, ConvolutionConfig(ws[2:], s, p, d, g))
+        for fam, (dtype, prec) in FAMILIES.items():
+            if cv.family(geom, dtype, prec) == "direct":
+                continue
+            for cfg in cv.candidates(geom, dtype, prec, 132):
+                table = cv.SIMT_CONFIGS if cv.family(geom, dtype, prec) == "simt" else (
+                    cv.TF32_CONFIGS if dtype is DT.FLOAT32 else cv.F16_CONFIGS)
+                assert cfg in table
+
+
+def test_family_choice():
+    big = cv.plan((32, 64, 128, 128), (128, 64, 3, 3), ConvolutionConfig(3, padding=1))
+    assert cv.family(big, DT.FLOAT32, None) == "simt"
+    assert cv.family(big, DT.FLOAT32, "tf32") == "mma"
+    assert cv.family(big, DT.BFLOAT16, None) == "mma"
+    assert cv.candidates(big, DT.FLOAT32, None, 132)[0] == cv.S_128x128x8
+    dw = cv.plan((2, 32, 8, 8), (32, 1, 3, 3), ConvolutionConfig(3, groups=32))
+    assert cv.family(dw, DT.FLOAT16, None) == "direct"
+    small = cv.plan((1, 32, 64, 64), (32, 32, 3, 3), ConvolutionConfig(3, padding=1))
+    assert all(c["bn"] == 32 for c in cv.candidates(small, DT.FLOAT32, None, 132))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cuobjdump") is None,
+                    reason="nvcc / cuobjdump not on PATH")
+def test_sass_tensor_cores_and_no_local_memory():
+    """The mma variants assemble to HMMA; the large tiles keep everything in registers."""
+    gen = KernelGenerator(backend=object())
+    picks = [(cv.MMA_TEMPLATE, {**cv.dtype_params(DT.FLOAT32), **cv.T_128x128x32}),
+             (cv.MMA_TEMPLATE, {**cv.dtype_params(DT.BFLOAT16), **cv.H_128x128x64}),
+             (cv.SIMT_TEMPLATE, {**cv.dtype_params(DT.FLOAT32), **cv.S_128x128x8})]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (template, params) in enumerate(picks):
+            name, src = gen.render_kernel(template, **params)
+            cu, cubin = os.path.join(tmp, f"k{i}.cu"), os.path.join(tmp, f"k{i}.cubin")
+            with open(cu, "w") as f:
+                f.write(src)
+            subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", cubin, cu], check=True,
+                           capture_output=True, timeout=300)
+            sass = subprocess.run(["cuobjdump", "-sass", cubin], check=True,
+                                  capture_output=True, text=True).stdout
+            assert ("HMMA" in sass) == (template == cv.MMA_TEMPLATE), name
+            assert "LDL" not in sass and "STL" not in sass, name
+
+
+FALLBACK_SCRIPT = textwrap.dedent(r'''
+    import sys
+    import numpy as np
+    from cuda_backend.cuda_ml import ConvolutionConfig, get_cuda_ml
+    from cuda_backend import CudaDataType as DT
+    ml = get_cuda_ml()
+    assert not ml.math.gpu, "expected fallback mode"
+    data = np.load(sys.argv[1])
+    cfg = ConvolutionConfig(3, stride=(2, 1), padding=1, dilation=(1, 2), groups=2)
+    out = {}
+    for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT32, "tf32"), (DT.BFLOAT16, None)):
+        args = [ml.math.from_numpy(data[k], dtype=dt) for k in ("x", "w", "b")]
+        y = ml.conv2d(args[0], args[1], cfg, args[2], precision=prec)
+        out[f"{dt.name_str}_{prec}"] = ml.math.to_numpy(y)
+    np.savez(sys.argv[2], **out)
+''')
+
+
+def test_fallback_mode_subprocess(tmp_path):
+    """CUDA_BACKEND_FALLBACK=1: the NumPy path of every family against the reference."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal((2, 4, 9, 8)).astype(np.float32)
+    w = rng.standard_normal((6, 2, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(6).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x, w=w, b=b)
+    env = dict(os.environ, CUDA_BACKEND_FALLBACK="1",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT, str(tmp_path / "in.npz"),
+                           str(tmp_path / "out.npz")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    res = np.load(tmp_path / "out.npz")
+    ref = ref_conv(x, w, b, (2, 1), (1, 1), (1, 2), 2)
+    assert res["float32_None"].shape == ref.shape == (2, 6, 5, 6)
+    assert rel_err(res["float32_None"], ref) <= 1e-6
+    assert rel_err(res["float32_tf32"], ref) <= 1e-3
+    assert rel_err(res["bfloat16_None"], ref) <= 2e-2

@@ -1,0 +1,369 @@
+"""flash_attention (cuda_backend/ops/attention.py): dtypes, head dims, causal masking,
+seq_q != seq_kv, lengths off the tile grid, memory, errors.
+
+GPU tests (marked `gpu`) compare against a float64 NumPy reference on fresh random inputs
+with the output poisoned (NaN) first, through the public CudaML.flash_attention and through
+every config the autotuner may pick. The rest run anywhere: errors, config lists, and the
+NumPy fallback (in-process where this process has no GPU, and in a subprocess with
+CUDA_BACKEND_FALLBACK=1 everywhere).
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cuda_backend import (CudaDataType as DT, DTypeMismatchError, InvalidArgumentError,
+                          ShapeMismatchError)
+from cuda_backend.cuda_ml import CudaML
+from cuda_backend.kernels import KernelGenerator, dtype_params
+from cuda_backend.ops import attention as fa
+
+gpu = pytest.mark.gpu
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTYPES = [DT.FLOAT32, DT.FLOAT16, DT.BFLOAT16]
+# float32 runs 3xTF32 (float32-level accuracy); 16-bit types round P and the output.
+BOUNDS = {DT.FLOAT32: 1e-5, DT.FLOAT16: 1e-2, DT.BFLOAT16: 1e-2}
+
+# (batch, heads, seq_q, seq_kv, head_dim)
+SHAPES = [
+    (1, 1, 1, 1, 64),
+    (2, 3, 17, 17, 64),
+    (1, 2, 100, 100, 128),
+    (2, 2, 65, 130, 64),       # seq_q != seq_kv, neither a tile multiple
+    (1, 1, 130, 70, 128),      # more queries than keys
+    (1, 2, 33, 33, 100),       # head_dim off the 16-byte grid for 16-bit types
+    (1, 1, 45, 47, 37),        # odd head_dim: element loads, element stores
+    (1, 1, 70, 66, 256),       # the largest head_dim
+    (1, 2, 50, 81, 200),
+    (2, 1, 9, 200, 16),        # small head_dim padded to 64
+    (1, 1, 257, 257, 1),
+]
+SHAPE_IDS = ["x".join(str(v) for v in s) for s in SHAPES]
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def ref_attention(q, k, v, scale, causal):
+    """Plain float64 softmax(scale q kᵀ, masked j > i) v over full score matrices."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+    if causal:
+        s = np.where(np.triu(np.ones(s.shape[-2:], bool), 1), -np.inf, s)
+    s = s - s.max(axis=-1, keepdims=True)
+    p = np.exp(s)
+    return np.matmul(p / p.sum(axis=-1, keepdims=True), v)
+
+
+def rel_err(out, ref):
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all(), "non-finite output (unwritten or NaN elements)"
+    denom = np.linalg.norm(ref)
+    return np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0)
+
+
+def make(m, rng, shape, dtype):
+    t = m.from_numpy(rng.standard_normal(shape).astype(np.float32), dtype=dtype)
+    return t, m.to_numpy(t)
+
+
+def poisoned(m, shape, dtype):
+    out = m.create_tensor(shape, dtype)
+    if out.size:
+        host = np.full(shape, 0x7FC0, np.uint16) if dtype is DT.BFLOAT16 else \
+            np.full(shape, np.nan, dtype.numpy_dtype)
+        m.backend.copy_to_device(host, out)
+    return out
+
+
+def qkv(m, rng, shape, dtype):
+    B, H, Sq, Skv, D = shape
+    q, qh = make(m, rng, (B, H, Sq, D), dtype)
+    k, kh = make(m, rng, (B, H, Skv, D), dtype)
+    v, vh = make(m, rng, (B, H, Skv, D), dtype)
+    return (q, k, v), (qh, kh, vh)
+
+
+def check(m, shape, dtype, causal, rng, scale=None, cfg=None):
+    """Attention on the device into a poisoned output vs the float64 reference."""
+    (q, k, v), (qh, kh, vh) = qkv(m, rng, shape, dtype)
+    out = poisoned(m, q.shape, dtype)
+    sc = 1.0 / math.sqrt(shape[4]) if scale is None else scale
+    if cfg is None:
+        res = fa.flash_attention(m, q, k, v, scale, causal, out=out)
+        assert res is out
+    else:
+        fa.run_config(m, cfg, q, k, v, out, sc, causal)
+    err = rel_err(m.to_numpy(out), ref_attention(qh, kh, vh, sc, causal))
+    assert err <= BOUNDS[dtype], f"{shape} {dtype.name_str} causal={causal}: {err:.3g}"
+    return err
+
+
+@pytest.fixture(scope="module")
+def m(backend, tmp_path_factory):
+    """A CudaMath whose autotuner writes to a temporary file; kernels compiled up front."""
+    from cuda_backend.autotune import Autotuner
+    from cuda_backend.cuda_math import CudaMath
+    cm = CudaMath(backend)
+    cm._autotuner = Autotuner(backend, path=str(tmp_path_factory.mktemp("tune") / "t.json"))
+    if cm.gpu:
+        fa.warm_up(cm, workers=16)
+    return cm
+
+
+@pytest.fixture(scope="module")
+def ml(m):
+    return CudaML(m)
+
+
+# -- GPU ----------------------------------------------------------------------------------
+@gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name_str)
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_attention_shapes(m, shape, dtype, causal):
+    check(m, shape, dtype, causal, np.random.default_rng())
+
+
+def _configs():
+    out = []
+    for dt in DTYPES:
+        table = fa.F32_CONFIGS if dt is DT.FLOAT32 else fa.HALF_CONFIGS
+        for hd, cfgs in table.items():
+            out += [(dt, c) for c in cfgs]
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, cfg", _configs(),
+                         ids=[f"{d.name_str}-{'-'.join(str(v) for v in c.values())}"
+                              for d, c in _configs()])
+def test_every_config(m, dtype, cfg, causal):
+    """Each config, on a head_dim it serves (the largest and one below), off-grid lengths."""
+    rng = np.random.default_rng()
+    hd = cfg["hd"]
+    for d in (hd, hd - 24):
+        check(m, (2, 2, 3 * 16 * cfg["nw"] + 5, 2 * cfg["bc"] + 7, d), dtype, causal, rng,
+              cfg=cfg)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name_str)
+def test_scales_and_public_api(ml, dtype):
+    rng = np.random.default_rng()
+    m = ml.math
+    for scale in (0.05, 1.0, -0.3, 0.0):
+        check(m, (1, 2, 40, 50, 64), dtype, False, rng, scale=scale)
+    (q, k, v), (qh, kh, vh) = qkv(m, rng, (2, 4, 64, 64, 128), dtype)
+    y = ml.flash_attention(q, k, v, causal=True)
+    assert y.shape == q.shape and y.dtype is dtype
+    err = rel_err(m.to_numpy(y), ref_attention(qh, kh, vh, 1 / math.sqrt(128), True))
+    assert err <= BOUNDS[dtype]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name_str)
+def test_longer_sequences(m, dtype):
+    rng = np.random.default_rng()
+    check(m, (1, 2, 1024, 1024, 128), dtype, True, rng)
+    check(m, (2, 2, 512, 700, 64), dtype, False, rng)
+
+
+@gpu
+def test_zero_sizes(m, ml):
+    rng = np.random.default_rng()
+    q, _ = make(m, rng, (2, 3, 0, 64), DT.FLOAT16)
+    k, _ = make(m, rng, (2, 3, 5, 64), DT.FLOAT16)
+    assert ml.flash_attention(q, k, k).shape == (2, 3, 0, 64)
+    q, _ = make(m, rng, (2, 3, 4, 64), DT.BFLOAT16)
+    e = m.from_numpy(np.zeros((2, 3, 0, 64), np.float32), dtype=DT.BFLOAT16)
+    y = ml.flash_attention(q, e, e)
+    np.testing.assert_array_equal(m.to_numpy(y), np.zeros((2, 3, 4, 64), np.float32))
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_peak_memory_seq_16384(m, causal):
+    """No seq x seq matrix: the pool's peak grows by the output only (far below 1 GiB)."""
+    rng = np.random.default_rng()
+    S, D = 16384, 64
+    (q, k, v), (qh, kh, vh) = qkv(m, rng, (1, 2, S, S, D), DT.FLOAT16)
+    pool = m.backend.memory_pools[q.device_id]
+    pool.reset_peak_stats()
+    base = pool.get_stats()["active_memory"]
+    y = fa.flash_attention(m, q, k, v, None, causal)
+    m.backend.synchronize(q.device_id)
+    peak = pool.get_stats()["peak_allocated"] - base
+    assert peak < S * S * 4, peak
+    assert peak <= 2 * y.nbytes, peak
+    out = m.to_numpy(y)
+    rows = np.r_[0:128, S - 128:S]
+    s = np.matmul(qh[0][:, rows].astype(np.float64),
+                  np.swapaxes(kh[0].astype(np.float64), -1, -2)) / math.sqrt(D)
+    if causal:
+        s = np.where(np.arange(S)[None, None, :] > rows[None, :, None], -np.inf, s)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = np.matmul(p / p.sum(-1, keepdims=True), vh[0].astype(np.float64))
+    assert rel_err(out[0][:, rows], ref) <= 1e-2
+
+
+@gpu
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 2), h=st.integers(1, 3), sq=st.integers(1, 150),
+       skv=st.integers(1, 150), d=st.integers(1, 256), causal=st.booleans(),
+       dtype=st.sampled_from(DTYPES))
+def test_attention_property(m, b, h, sq, skv, d, causal, dtype):
+    check(m, (b, h, sq, skv, d), dtype, causal, np.random.default_rng())
+
+
+# -- anywhere: rules, errors, configs, fallback -----------------------------------------------
+@pytest.mark.parametrize("shape", [(1, 2, 9, 13, 8), (2, 1, 20, 20, 16)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_small_in_this_process(ml, shape, causal):
+    """Fallback mode here (NumPy); on a GPU machine the same call runs the kernel."""
+    rng = np.random.default_rng()
+    (q, k, v), (qh, kh, vh) = qkv(ml.math, rng, shape, DT.FLOAT32)
+    y = ml.flash_attention(q, k, v, causal=causal)
+    ref = ref_attention(qh, kh, vh, 1 / math.sqrt(shape[4]), causal)
+    assert rel_err(ml.math.to_numpy(y), ref) <= 1e-5
+    (q, k, v), (qh, kh, vh) = qkv(ml.math, rng, shape, DT.BFLOAT16)
+    y = ml.flash_attention(q, k, v, scale=0.5, causal=causal)
+    assert y.dtype is DT.BFLOAT16
+    assert rel_err(ml.math.to_numpy(y), ref_attention(qh, kh, vh, 0.5, causal)) <= 1e-2
+
+
+def test_module_reference_is_chunked_and_exact():
+    rng = np.random.default_rng()
+    q = rng.standard_normal((1, 2, 37, 8))
+    k = rng.standard_normal((1, 2, 29, 8))
+    v = rng.standard_normal((1, 2, 29, 8))
+    for causal in (False, True):
+        np.testing.assert_allclose(fa.reference(q, k, v, 0.7, causal, chunk=5),
+                                   ref_attention(q, k, v, 0.7, causal), rtol=1e-12, atol=1e-12)
+    # a single key: the output is v itself
+    np.testing.assert_allclose(fa.reference(q, k[:, :, :1], v[:, :, :1], 1.0, False),
+                               np.broadcast_to(v[:, :, :1], q.shape), rtol=1e-12)
+
+
+def test_errors_name_shapes_and_leak_nothing(ml):
+    m = ml.math
+
+    def t(shape, dtype=np.float32):
+        return m.from_numpy(np.ones(shape, dtype))
+
+    q, k = t((2, 4, 16, 64)), t((2, 4, 20, 64))
+    k_other_heads, v_other = t((2, 3, 20, 64)), t((2, 4, 21, 64))
+    k_other_d, q3 = t((2, 4, 20, 32)), t((4, 16, 64))
+    k16, q64 = t((2, 4, 20, 64), np.float16), t((2, 4, 16, 64), np.float64)
+    big = t((1, 1, 4, 300))
+    pool = m.backend.memory_pools[q.device_id]
+    before = pool.get_stats()["active_memory"]
+    bad_calls = [
+        (InvalidArgumentError, r"4-D.*q of shape \(4, 16, 64\)",
+         lambda: ml.flash_attention(q3, k, k)),
+        (ShapeMismatchError, r"k and v must have the same shape.*\(2, 4, 21, 64\)",
+         lambda: ml.flash_attention(q, k, v_other)),
+        (ShapeMismatchError, r"\(batch, heads\).*q \(2, 4, 16, 64\), k \(2, 3, 20, 64\)",
+         lambda: ml.flash_attention(q, k_other_heads, k_other_heads)),
+        (ShapeMismatchError, r"head_dim.*k \(2, 4, 20, 32\)",
+         lambda: ml.flash_attention(q, k_other_d, k_other_d)),
+        (DTypeMismatchError, r"float32 and float16", lambda: ml.flash_attention(q, k16, k16)),
+        (DTypeMismatchError, r"flash_attention does not support float64",
+         lambda: ml.flash_attention(q64, q64, q64)),
+        (InvalidArgumentError, r"head_dim up to 256, got head_dim 300",
+         lambda: ml.flash_attention(big, big, big)),
+        (InvalidArgumentError, r"scale must be finite", lambda: ml.flash_attention(
+            q, k, k, scale=float("inf"))),
+        (InvalidArgumentError, r"scale must be a real number",
+         lambda: ml.flash_attention(q, k, k, scale="big")),
+        (InvalidArgumentError, r"causal must be a bool",
+         lambda: ml.flash_attention(q, k, k, causal="yes")),
+        (InvalidArgumentError, r"CudaTensor",
+         lambda: ml.flash_attention(np.ones((2, 4, 16, 64)), k, k)),
+    ]
+    for err, pattern, call in bad_calls:
+        with pytest.raises(err, match=pattern):
+            call()
+    assert pool.get_stats()["active_memory"] == before, "an error path leaked a pool block"
+
+
+def test_configs_and_variants():
+    variants = fa.template_variants()[fa.TEMPLATE]
+    assert len(variants) == len(_configs())
+    assert fa.padded_head_dim(1) == 64 and fa.padded_head_dim(64) == 64
+    assert fa.padded_head_dim(65) == 128 and fa.padded_head_dim(129) == 256
+    for dt, cfg in _configs():
+        assert fa.shared_bytes(cfg, dt) <= 227 * 1024
+        assert {**dtype_params(dt), **cfg} in variants
+    for dt in DTYPES:
+        for hd in (64, 128, 256):
+            assert all(c["hd"] == hd for c in fa.configs(dt, hd))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cuobjdump") is None,
+                    reason="nvcc / cuobjdump not on PATH")
+def test_sass_tensor_cores_and_no_local_memory():
+    gen = KernelGenerator(backend=object())
+    picks = [{**dtype_params(DT.BFLOAT16), **fa.HALF_CONFIGS[128][0]},
+             {**dtype_params(DT.FLOAT32), **fa.F32_CONFIGS[128][0]}]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, params in enumerate(picks):
+            name, src = gen.render_kernel(fa.TEMPLATE, **params)
+            cu, cubin = os.path.join(tmp, f"k{i}.cu"), os.path.join(tmp, f"k{i}.cubin")
+            with open(cu, "w") as f:
+                f.write(src)
+            subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", cubin, cu], check=True,
+                           capture_output=True, timeout=300)
+            sass = subprocess.run(["cuobjdump", "-sass", cubin], check=True,
+                                  capture_output=True, text=True).stdout
+            assert "HMMA" in sass and "LDSM" in sass, name
+            assert "LDL" not in sass and "STL" not in sass, name
+
+
+FALLBACK_SCRIPT = textwrap.dedent(r'''
+    import sys
+    import numpy as np
+    from cuda_backend.cuda_ml import get_cuda_ml
+    from cuda_backend import CudaDataType as DT
+    ml = get_cuda_ml()
+    assert not ml.math.gpu, "expected fallback mode"
+    data = np.load(sys.argv[1])
+    out = {}
+    for dt in (DT.FLOAT32, DT.FLOAT16):
+        q, k, v = (ml.math.from_numpy(data[n], dtype=dt) for n in ("q", "k", "v"))
+        for causal in (False, True):
+            out[f"{dt.name_str}_{causal}"] = ml.math.to_numpy(
+                ml.flash_attention(q, k, v, causal=causal))
+    np.savez(sys.argv[2], **out)
+''')
+
+
+def test_fallback_mode_subprocess(tmp_path):
+    """CUDA_BACKEND_FALLBACK=1: the NumPy path against the test's own reference."""
+    rng = np.random.default_rng()
+    q = rng.standard_normal((2, 2, 19, 24)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 23, 24)).astype(np.float32)
+    v = rng.standard_normal((2, 2, 23, 24)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", q=q, k=k, v=v)
+    env = dict(os.environ, CUDA_BACKEND_FALLBACK="1",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT, str(tmp_path / "in.npz"),
+                           str(tmp_path / "out.npz")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    res = np.load(tmp_path / "out.npz")
+    for causal in (False, True):
+        ref = ref_attention(q, k, v, 1 / math.sqrt(24), causal)
+        assert rel_err(res[f"float32_{causal}"], ref) <= 1e-6
+        assert rel_err(res[f"float16_{causal}"], ref) <= 1e-2
