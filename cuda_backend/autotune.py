@@ -32,6 +32,12 @@ def config_key(config: Dict[str, Any]) -> str:
     return json.dumps(config, sort_keys=True)
 
 
+def _digest(candidates: Sequence[Dict[str, Any]]) -> str:
+    import hashlib
+    text = json.dumps([config_key(c) for c in candidates])
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
 class Autotuner:
     """pick(op, shape_class, candidates, run) -> the fastest config."""
 
@@ -70,7 +76,8 @@ class Autotuner:
             raise CudaBackendError(f"autotuner: no candidates for {op}")
         if len(candidates) == 1 or not self.enabled or not self.backend.is_available:
             return dict(candidates[0])
-        key = self._key(op, shape_class, device_id)
+        # The candidate list is part of the key: a choice saved for another list is stale.
+        key = self._key(op, shape_class, device_id) + "|" + _digest(candidates)
         with self._lock:
             self._load()
             hit = self._choices.get(key)

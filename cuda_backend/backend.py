@@ -210,7 +210,8 @@ class CudaBackend:
               device_id: Optional[int] = None) -> CudaTensor:
         """An uninitialized tensor from the device's pool."""
         shape = normalize_shape(shape)
-        dtype = CudaDataType.from_any(dtype)
+        if type(dtype) is not CudaDataType:
+            dtype = CudaDataType.from_any(dtype)
         dev = self.current_device if device_id is None else self._validate(device_id)
         pool = self.memory_pools[dev]
         t = CudaTensor(shape, dtype, dev, 0)

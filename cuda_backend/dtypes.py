@@ -38,13 +38,11 @@ class CudaDataType(enum.Enum):
     @property
     def numpy_dtype(self) -> np.dtype:
         """Host dtype; BFLOAT16 maps to uint16 (its bit pattern)."""
-        if self is CudaDataType.BFLOAT16:
-            return np.dtype(np.uint16)
-        return np.dtype(self.value[0])
+        return _NUMPY[self]
 
     @property
     def itemsize(self) -> int:
-        return 2 if self is CudaDataType.BFLOAT16 else self.numpy_dtype.itemsize
+        return _ITEMSIZE[self]
 
     @property
     def is_floating(self) -> bool:
@@ -94,6 +92,11 @@ class CudaDataType(enum.Enum):
 
     def __repr__(self) -> str:
         return f"CudaDataType.{self.name}"
+
+
+_NUMPY = {m: np.dtype(np.uint16) if m is CudaDataType.BFLOAT16 else np.dtype(m.value[0])
+          for m in CudaDataType}
+_ITEMSIZE = {m: dt.itemsize for m, dt in _NUMPY.items()}
 
 
 def to_bfloat16_bits(array: np.ndarray) -> np.ndarray:

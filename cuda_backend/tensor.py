@@ -1,6 +1,7 @@
 """`CudaTensor`: a C-contiguous n-d array in device memory (or host memory in fallback mode)."""
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -9,8 +10,16 @@ from .dtypes import CudaDataType
 from .errors import DTypeMismatchError, InvalidArgumentError, TensorFreedError
 
 
+_SHAPES: dict = {}  # tuples already checked (a small cache keeps the allocation path short)
+
+
 def normalize_shape(shape: Any) -> Tuple[int, ...]:
     """An int or a sequence of non-negative ints -> a tuple, with a clear error otherwise."""
+    if type(shape) is tuple:
+        hit = _SHAPES.get(shape)
+        if hit is not None:
+            return hit
+    key = shape if type(shape) is tuple else None
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         shape = (int(shape),)
     try:
@@ -19,6 +28,10 @@ def normalize_shape(shape: Any) -> Tuple[int, ...]:
         raise InvalidArgumentError(f"shape must be an int or a tuple of ints, got {shape!r}") from None
     if any(s < 0 for s in shape):
         raise InvalidArgumentError(f"shape dimensions must be >= 0, got {shape}")
+    if key is not None and all(type(s) is int for s in key):
+        if len(_SHAPES) > 4096:
+            _SHAPES.clear()
+        _SHAPES[key] = shape
     return shape
 
 
@@ -45,10 +58,7 @@ class CudaTensor:
         self._host = host
         self.on_host = host is not None  # fallback mode: the data lives in host memory
         self.stream = None  # the stream that last wrote it; None means the legacy default stream
-        size = 1
-        for s in self.shape:
-            size *= s
-        self.size = size
+        self.size = size = math.prod(self.shape)
         self.nbytes = size * dtype.itemsize
 
     # -- basic properties ---------------------------------------------------------

@@ -70,7 +70,14 @@ def normalize_axes(axis: Any, ndim: int) -> Tuple[int, ...]:
     """axis (None, int or tuple) -> sorted tuple of non-negative axes; errors name the range."""
     if axis is None:
         return tuple(range(ndim))
-    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    if isinstance(axis, (int, np.integer)):
+        axes = (axis,)
+    else:
+        try:
+            axes = tuple(axis)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"axis must be an int, a tuple of ints or None, got {axis!r}") from None
     out = []
     for ax in axes:
         if isinstance(ax, bool) or not isinstance(ax, (int, np.integer)):
