@@ -21,7 +21,7 @@ from .ops import matmul as mm
 from .ops import reduction as red
 from .ops import softmax as sm
 from .ops import transpose as tr
-from .tensor import CudaTensor, normalize_shape
+from .tensor import CudaTensor
 
 Operand = Union[CudaTensor, int, float]
 Axis = Union[None, int, Tuple[int, ...]]

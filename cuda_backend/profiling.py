@@ -10,7 +10,7 @@ import os
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 logger = logging.getLogger("cuda_backend")
 

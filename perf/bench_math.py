@@ -41,7 +41,6 @@ def main() -> None:
 
     import pycuda.driver as drv
     import torch
-    import cuda_backend as cb
     from cuda_backend.cuda_math import get_cuda_math
 
     m = get_cuda_math()
@@ -104,9 +103,9 @@ def main() -> None:
                   lambda: txt.t().contiguous(), 8 * t * t))
     for rows, cols in ([(65536, 1024), (8192, 4096)] if not args.quick else [(4096, 1024)]):
         xs, txs = tensor_pair((rows, cols))
-        cases.append((f"softmax", f"{rows}x{cols}", (lambda xs=xs: m.softmax(xs)),
+        cases.append(("softmax", f"{rows}x{cols}", (lambda xs=xs: m.softmax(xs)),
                       (lambda txs=txs: torch.softmax(txs, dim=-1)), 8 * rows * cols))
-        cases.append((f"log_softmax", f"{rows}x{cols}", (lambda xs=xs: m.log_softmax(xs)),
+        cases.append(("log_softmax", f"{rows}x{cols}", (lambda xs=xs: m.log_softmax(xs)),
                       (lambda txs=txs: torch.log_softmax(txs, dim=-1)), 8 * rows * cols))
 
     rows_out = []

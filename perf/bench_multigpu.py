@@ -90,7 +90,7 @@ def main() -> None:
         t0 = time.perf_counter(); m.matrix_multiply(a_full, w0).free(); b.synchronize()
         one_gpu = time.perf_counter() - t0
         t0 = time.perf_counter()
-        outs2 = parallel.data_parallel(lambda p: m.matrix_multiply(*p), list(zip(shards, ws)), devs)
+        parallel.data_parallel(lambda p: m.matrix_multiply(*p), list(zip(shards, ws)), devs)
         b.synchronize()
         multi = time.perf_counter() - t0
         res["matmul_split"] = {"one_gpu_ms": one_gpu * 1e3, "multi_gpu_ms": multi * 1e3,
@@ -100,7 +100,6 @@ def main() -> None:
         # 3. all_reduce -----------------------------------------------------------------
         nbytes = 256 << 20
         src = m.from_numpy(np.ones(nbytes // 4, np.float32), device_id=0)
-        peer = src.to(1)
         t0 = time.perf_counter()
         for _ in range(5):
             x = src.to(1); x.free()
@@ -119,7 +118,6 @@ def main() -> None:
                              "peer_copy_gbps": peer_gbps, "ratio": algbw / peer_gbps}
         print(f"all_reduce 256 MiB: {ar*1e3:.2f} ms, {algbw:.0f} GB/s vs peer copy "
               f"{peer_gbps:.0f} GB/s -> {algbw/peer_gbps:.2f} (goal >= 0.7)")
-        del peer
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)

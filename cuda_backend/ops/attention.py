@@ -13,9 +13,8 @@ seq_kv == 0 gives zeros (an empty sum).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -194,18 +193,8 @@ def _kernel(m: Any, template: str, dev: int, params: Dict[str, Any]) -> Any:
 def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
     """Compile every flash-attention variant in parallel threads (nvcc runs in
     subprocesses); returns how many were compiled. Later calls find them memoized."""
-    if not m.gpu:
-        return 0
-    dev = m.backend.current_device if device_id is None else device_id
     jobs = [(t, p) for t, sets in template_variants().items() for p in sets]
-
-    def compile_one(job: Tuple[str, Dict[str, Any]]) -> None:
-        with m.backend.device(dev):
-            _kernel(m, job[0], dev, job[1])
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        list(pool.map(compile_one, jobs))
-    return len(jobs)
+    return common.compile_all(m, jobs, device_id, workers, _kernel)
 
 
 def _check_out(out: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor) -> None:

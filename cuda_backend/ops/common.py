@@ -132,6 +132,28 @@ def scalar_for(dtype: CudaDataType, value: Any) -> Any:
     return float(value) if dtype.is_floating else int(value)
 
 
+def compile_all(m: Any, jobs: Sequence[Tuple[str, dict]], device_id: Optional[int] = None,
+                workers: int = 8, get: Any = None) -> int:
+    """Compile (template, params) jobs in parallel threads (nvcc runs in subprocesses, so
+    threads overlap) so that first calls pay no compile latency. Returns how many; 0 in
+    fallback mode. get(template, device, params) defaults to m.kernel."""
+    if not m.gpu:
+        return 0
+    from concurrent.futures import ThreadPoolExecutor
+    dev = m.backend.current_device if device_id is None else device_id
+    if get is None:
+        def get(template: str, d: int, params: dict) -> Any:
+            return m.kernel(template, d, **params)
+
+    def one(job: Tuple[str, dict]) -> None:
+        with m.backend.device(dev):
+            get(job[0], dev, job[1])
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        list(pool.map(one, jobs))
+    return len(jobs)
+
+
 def is_scalar(x: Any) -> bool:
     return isinstance(x, (int, float, bool, np.number, np.bool_)) and not isinstance(x, CudaTensor)
 

@@ -17,7 +17,6 @@ class) and keeps the fastest. `conv2d(..., out=...)` (internal) writes into a gi
 """
 from __future__ import annotations
 
-import concurrent.futures
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -414,20 +413,10 @@ def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8,
             dtypes: Sequence[CudaDataType] = DTYPES) -> int:
     """Compile every conv2d variant for the dtypes in parallel threads (nvcc runs in
     subprocesses); returns how many were compiled. Later calls find them memoized."""
-    if not m.gpu:
-        return 0
-    dev = m.backend.current_device if device_id is None else device_id
     names = {d.name_str for d in dtypes}
     jobs = [(t, p) for t, sets in template_variants().items() for p in sets
             if p["dtype"] in names]
-
-    def compile_one(job: Tuple[str, Dict[str, Any]]) -> None:
-        with m.backend.device(dev):
-            _kernel(m, job[0], dev, job[1])
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        list(pool.map(compile_one, jobs))
-    return len(jobs)
+    return common.compile_all(m, jobs, device_id, workers, _kernel)
 
 
 def shape_key(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> List[Any]:

@@ -571,12 +571,7 @@ def precompile(m: Any, device_id: int = 0, workers: int = 8) -> int:
     """Compile every elementwise and fill kernel for one device now, `workers` at a time
     (nvcc runs as a subprocess, so threads overlap), so that first calls pay no compile
     latency. Returns the number of kernels; 0 in fallback mode."""
-    if not m.gpu:
-        return 0
-    from concurrent.futures import ThreadPoolExecutor
     jobs = [(TEMPLATE, p) for p in template_variants()[TEMPLATE]]
     jobs += [("fill.cu.j2", {**dtype_params(dt), "block_size": FILL_BLOCK})
              for dt in DT if dt is not DT.BOOL]
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        list(pool.map(lambda job: m.kernel(job[0], device_id, **job[1]), jobs))
-    return len(jobs)
+    return common.compile_all(m, jobs, device_id, workers)

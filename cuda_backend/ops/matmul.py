@@ -15,7 +15,6 @@ ones (stride 0), and NumPy's 1-D rules (a 1-D operand gains and then loses a uni
 """
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import math
 import weakref
@@ -463,17 +462,7 @@ def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8,
             dtypes: Sequence[CudaDataType] = tuple(common.FLOATS)) -> int:
     """Compile every matmul variant for the dtypes in parallel threads (nvcc runs in
     subprocesses); returns how many were compiled. Later calls find them memoized."""
-    if not m.gpu:
-        return 0
-    dev = m.backend.current_device if device_id is None else device_id
     names = {d.name_str for d in dtypes}
     jobs = [(t, params) for t, sets in template_variants().items() for params in sets
             if params["dtype"] in names]
-
-    def compile_one(job: Tuple[str, Dict[str, Any]]) -> None:
-        with m.backend.device(dev):
-            _kernel(m, job[0], dev, job[1])
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        list(pool.map(compile_one, jobs))
-    return len(jobs)
+    return common.compile_all(m, jobs, device_id, workers, _kernel)
