@@ -15,7 +15,7 @@ run_tool() {
     local log="${SANITIZE_LOG_DIR:-/tmp}/sanitize-$t.log"
     echo "== compute-sanitizer --tool $t: $*"
     # Hypothesis examples and large sizes make sanitized runs slow; keep them small.
-    CUDA_BACKEND_SANITIZE=1 HYPOTHESIS_PROFILE=sanitize compute-sanitizer --tool "$t" \
+    CUDA_BACKEND_FUZZ=sanitize compute-sanitizer --tool "$t" \
         --target-processes all --print-limit 20 --error-exitcode 99 \
         python3 -m pytest -q -x -p no:cacheprovider -m "gpu and not multigpu" "$@" >"$log" 2>&1
     local rc=$?

@@ -2,19 +2,15 @@
 
 The markers themselves are declared in pyproject.toml.
 """
-import os
-
 import pytest
 from hypothesis import settings
 
 from cuda_backend.driver import load_driver
 
-# HYPOTHESIS_PROFILE=full runs 200+ examples per property test (the fuzzing run);
-# sanitize keeps runs under compute-sanitizer short. The default is each test's own setting.
-settings.register_profile("full", max_examples=200, deadline=None)
-settings.register_profile("sanitize", max_examples=3, deadline=None)
-if os.environ.get("HYPOTHESIS_PROFILE"):
-    settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
+# Property tests take their example counts from tests/fuzzing.py: CUDA_BACKEND_FUZZ=full runs
+# 200+ per family (the fuzzing run), =sanitize keeps compute-sanitizer runs short.
+settings.register_profile("ci", deadline=None)
+settings.load_profile("ci")
 
 
 def pytest_collection_modifyitems(config, items):

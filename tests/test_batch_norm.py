@@ -12,6 +12,7 @@ import types
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -178,7 +179,7 @@ def test_misaligned_input(m, dtype):
 
 
 @pytest.mark.gpu
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(n=st.integers(1, 9), c=st.integers(1, 24),
        spatial=st.lists(st.integers(1, 12), min_size=0, max_size=2),
        training=st.booleans(), dtype=st.sampled_from(FLOATS),

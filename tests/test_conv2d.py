@@ -19,6 +19,7 @@ import textwrap
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
+from fuzzing import examples
 from hypothesis import strategies as st
 
 from cuda_backend import (CudaDataType as DT, DTypeMismatchError, InvalidArgumentError,
@@ -294,7 +295,7 @@ def test_workspaces_go_back_to_the_pool(m, fam):
 
 
 @gpu
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(n=st.integers(1, 2), groups=st.integers(1, 3), cg=st.integers(1, 9),
        kg=st.integers(1, 20), h=st.integers(1, 14), w=st.integers(1, 14),
        r=st.integers(1, 4), s=st.integers(1, 4), sh=st.integers(1, 3), sw=st.integers(1, 3),

@@ -11,6 +11,7 @@ import subprocess
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -185,7 +186,7 @@ def test_nan_inputs_stay_nan_when_dropped(m):
 
 
 @pytest.mark.gpu
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(n=st.integers(1, 5000), p=st.floats(0.01, 1.0), seed=st.integers(0, 2**64 - 1),
        dtype=st.sampled_from(FLOATS))
 def test_property(m, n, p, seed, dtype):

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 from cuda_backend import (CudaDataType as DT, CudaTensor, DeviceMismatchError,
                           DTypeMismatchError, InvalidArgumentError, ShapeMismatchError,
@@ -533,7 +534,7 @@ def broadcast_pair(draw):
     return tuple(shapes)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(pair=broadcast_pair(), dtype=st.sampled_from(FLOATS + INTS),
        op=st.sampled_from(BINARY), seed=st.integers(0, 2**32 - 1))
 def test_property_broadcast(m, pair, dtype, op, seed):
@@ -593,7 +594,7 @@ def plan_case(draw):
     return sa, sb, itemsize, small, shifts
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(case=plan_case())
 def test_broadcast_plan_covers_every_element(case):
     sa, sb, itemsize, small, shifts = case

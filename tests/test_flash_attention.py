@@ -20,6 +20,7 @@ import textwrap
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from fuzzing import examples
 from hypothesis import strategies as st
 
 from cuda_backend import (CudaDataType as DT, DTypeMismatchError, InvalidArgumentError,
@@ -219,7 +220,7 @@ def test_peak_memory_seq_16384(m, causal):
 
 
 @gpu
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(b=st.integers(1, 2), h=st.integers(1, 3), sq=st.integers(1, 150),
        skv=st.integers(1, 150), d=st.integers(1, 256), causal=st.booleans(),
        dtype=st.sampled_from(DTYPES))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -140,7 +141,7 @@ def test_constant_rows_and_large_offsets(m, dtype):
 
 
 @pytest.mark.gpu
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(rows=st.integers(1, 40), D=st.integers(1, 20000), dtype=st.sampled_from(FLOATS),
        affine=st.tuples(st.booleans(), st.booleans()),
        eps=st.sampled_from([1e-5, 1e-3, 0.5]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from fuzzing import examples
 from hypothesis import strategies as st
 
 from cuda_backend import (CudaDataType as DT, CudaTensor, DTypeMismatchError,
@@ -410,7 +411,7 @@ def test_gpu_fp32_default_differs_from_tf32(m):
 
 
 @gpu
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(M=st.integers(1, 300), K=st.integers(1, 300), N=st.integers(1, 300),
        fam=st.sampled_from(list(FAMILIES)), batch=st.sampled_from([0, 1, 3]))
 def test_gpu_property_random_shapes(m, M, K, N, fam, batch):

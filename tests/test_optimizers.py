@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -205,7 +206,7 @@ def test_misaligned_tensors_take_the_scalar_path(m):
 
 
 @pytest.mark.gpu
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(n=st.integers(1, 3000), adam=st.booleans(), steps=st.integers(1, 6),
        lr=st.floats(1e-4, 0.1), wd=st.sampled_from([0.0, 0.01]), flag=st.booleans(),
        dtype=st.sampled_from([DT.FLOAT32, DT.FLOAT64]))

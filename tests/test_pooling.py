@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -173,7 +174,7 @@ def test_misaligned_input_takes_generic_path(m, dtype):
 
 
 @pytest.mark.gpu
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(n=st.integers(1, 3), c=st.integers(1, 4), h=st.integers(1, 24), w=st.integers(1, 24),
        kh=st.integers(1, 5), kw=st.integers(1, 5), sh=st.integers(1, 4), sw=st.integers(1, 4),
        kind=st.sampled_from(["max", "avg"]), dtype=st.sampled_from(FLOATS), data=st.data())

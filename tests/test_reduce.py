@@ -9,6 +9,7 @@ import warnings
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -470,7 +471,7 @@ def test_template_variants_are_listed_once():
 
 # -- property test --------------------------------------------------------------------------
 @pytest.mark.gpu
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=4),
        data=st.data(), op=st.sampled_from(OPS + ["argmax"]),
        dtype=st.sampled_from([DT.FLOAT32, DT.FLOAT64, DT.FLOAT16, DT.INT32]),

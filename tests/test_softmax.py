@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -170,7 +171,7 @@ def test_misaligned_pointers(m, dtype):
 
 
 @pytest.mark.gpu
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(rows=st.integers(1, 50), K=st.integers(1, 6000), log=st.booleans(),
        dtype=st.sampled_from(FLOATS), scale=st.sampled_from([0.1, 3.0, 30.0]))
 def test_property_rows(m, rows, K, log, dtype, scale):

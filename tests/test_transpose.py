@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -60,7 +61,7 @@ def test_transpose_large_autotuned(m, shape):
 
 
 @pytest.mark.gpu
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(rows=st.integers(0, 200), cols=st.integers(0, 200), batch=st.integers(0, 3),
        dtype=st.sampled_from(DTYPES))
 def test_transpose_property(m, rows, cols, batch, dtype):
