@@ -24,7 +24,7 @@ from .devices import CudaDeviceInfo, enumerate_devices, host_device_info
 from .driver import load_driver, pycuda_version
 from .dtypes import CudaDataType
 from .errors import (CudaNotAvailableError, DTypeMismatchError, InvalidDeviceError,
-                     TransferError, driver_failure)
+                     InvalidPointerError, TransferError, driver_failure)
 from .memory import HostBinnedPool, MemoryPool, PinnedHostPool
 from .profiling import Profiler, write_json_atomic
 from .tensor import CudaTensor, normalize_shape
@@ -141,6 +141,8 @@ class CudaBackend:
     def synchronize(self, device_id: Optional[int] = None) -> None:
         """Wait for all work on one device, or on every device that was used."""
         if not self.is_available:
+            if device_id is not None:
+                self._validate(device_id)
             return
         ids = [self._validate(device_id)] if device_id is not None \
             else self._contexts.initialized_devices()
@@ -233,8 +235,19 @@ class CudaBackend:
         if isinstance(dst, CudaTensor):
             return dst.ptr, dst.device_id, dst.nbytes, dst
         dev = self.current_device if device_id is None else self._validate(device_id)
-        ptr = int(dst)
-        return ptr, dev, self.memory_pools[dev].capacity(ptr), None
+        try:
+            ptr = int(dst)  # an int, or an allocation object (PyCUDA's) with __int__
+        except (TypeError, ValueError):
+            raise InvalidPointerError(
+                f"copy target {dst!r} is neither a CudaTensor nor a device pointer") from None
+        capacity = self.memory_pools[dev].capacity(ptr)
+        if capacity is None and not self.is_available:
+            # fallback mode: "device" memory is host memory, and a pointer the pool did not
+            # hand out would be written with memmove, anywhere in the process
+            raise InvalidPointerError(
+                f"pointer 0x{ptr:x} was not allocated by the pool of device {dev} with "
+                f"allocate_memory (fallback mode copies only to and from its own allocations)")
+        return ptr, dev, capacity, None
 
     def copy_to_device(self, host_array: Any, device_ptr: Any,
                        device_id: Optional[int] = None, stream: Any = None) -> float:

@@ -60,7 +60,12 @@ class CudaMath:
     def from_numpy(self, array: Any, device_id: Optional[int] = 0,
                    dtype: Any = None) -> CudaTensor:
         """Copy a host array to a new tensor; dtype= converts (e.g. to bfloat16)."""
-        a = np.asarray(array)
+        try:
+            a = np.asarray(array)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(
+                f"from_numpy cannot make an array of the {type(array).__name__} given: "
+                f"{exc}") from None
         target = CudaDataType.from_any(dtype if dtype is not None else a.dtype)
         dev = self.backend.current_device if device_id is None else device_id
         return common.from_host(self, a, target, dev)

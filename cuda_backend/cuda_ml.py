@@ -11,6 +11,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
 
+import numpy as np
+
 from .cuda_math import CudaMath, get_cuda_math
 from .errors import InvalidArgumentError
 from .tensor import CudaTensor
@@ -19,15 +21,8 @@ Pair = Union[int, Tuple[int, int]]
 
 
 def _pair(value: Pair, name: str, minimum: int) -> Tuple[int, int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = (value, value)
-    try:
-        a, b = (int(v) for v in value)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"{name} must be an int or a pair of ints, got {value!r}") from None
-    if a < minimum or b < minimum:
-        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {(a, b)}")
-    return a, b
+    from .ops.pooling import _pair as strict_pair  # rejects floats and bools, same messages
+    return strict_pair(value, name, minimum)
 
 
 class ActivationType(enum.Enum):
@@ -105,6 +100,9 @@ class CudaML:
         if not isinstance(activation_type, ActivationType):
             raise InvalidArgumentError(
                 f"activation_type must be an ActivationType, got {activation_type!r}")
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(
+                alpha, (int, float, np.integer, np.floating))):
+            raise InvalidArgumentError(f"alpha must be a real number or None, got {alpha!r}")
         params = {}
         if activation_type is ActivationType.LEAKY_RELU:
             params["alpha"] = 0.01 if alpha is None else float(alpha)

@@ -79,6 +79,10 @@ def kernel_name_for(template_name: str, params: Dict[str, Any]) -> str:
     return "_".join(x for x in (base, str(tag), digest) if x)
 
 
+class TemplateParameterError(InvalidArgumentError, jinja2.UndefinedError):
+    """A template was rendered without a parameter it uses."""
+
+
 class KernelGenerator:
     """Renders templates and memoizes compiled kernels per device and parameters."""
 
@@ -111,7 +115,12 @@ class KernelGenerator:
             raise InvalidArgumentError(
                 f"unknown template '{template_name}' (templates: "
                 f"{', '.join(self.list_templates())})") from None
-        return template.render(**params)
+        try:
+            return template.render(**params)
+        except jinja2.UndefinedError as exc:
+            raise TemplateParameterError(
+                f"template '{template_name}' needs a parameter that was not given: "
+                f"{exc.message} (given: {', '.join(sorted(params)) or 'none'})") from None
 
     def render_kernel(self, template_name: str, **params: Any) -> Tuple[str, str]:
         """(kernel_name, source) with a kernel name derived from the parameters."""

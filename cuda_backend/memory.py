@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import weakref
 from typing import Any, Callable, Dict, Optional, Tuple, Type
 
 import numpy as np
@@ -27,12 +28,18 @@ def _round_to_bin(size: int) -> int:
 
 
 class _HostBlock:
-    """A pool block backed by host memory (fallback mode / fake allocator)."""
+    """A pool block backed by host memory (fallback mode / fake allocator).
 
-    __slots__ = ("_pool", "_buf", "ptr", "size", "_live")
+    It has no __del__: a block that is garbage-collected without free() is noticed by its
+    pool through a weak reference whose callback is the C method list.append, so no Python
+    code runs while it dies (a KeyboardInterrupt arriving in a Python __del__ would be
+    swallowed, and the block's bytes would stay counted as active)."""
+
+    __slots__ = ("_pool", "_buf", "ptr", "size", "_live", "_ref", "__weakref__")
 
     def __init__(self, pool: "HostBinnedPool", buf: Any, ptr: int, size: int) -> None:
         self._pool, self._buf, self.ptr, self.size, self._live = pool, buf, ptr, size, True
+        self._ref = None
 
     def __int__(self) -> int:
         return self.ptr
@@ -43,12 +50,6 @@ class _HostBlock:
         if self._live:
             self._live = False
             self._pool._give_back(self)
-
-    def __del__(self) -> None:
-        try:
-            self.free()
-        except Exception:
-            pass
 
 
 class HostBinnedPool:
@@ -63,53 +64,97 @@ class HostBinnedPool:
         self._allocator = allocator or _numpy_host_allocator
         self.oom_error = oom_error
         self._held: Dict[int, list] = {}
-        self.active_blocks = 0
-        self.active_bytes = 0
-        self.held_blocks = 0
+        self._active_blocks = 0
+        self._active_bytes = 0
+        self._held_blocks = 0
         self._held_bytes = 0
         self._holding = True
         self.underlying_allocations = 0
         self.underlying_frees = 0
+        self._lock = threading.RLock()
+        self._refs: Dict[Any, Tuple[Any, int, int]] = {}  # weakref -> (buffer, ptr, size)
+        self._dead: list = []                              # weakrefs of collected blocks
+        self._dead_append = self._dead.append
+
+    def _reap(self) -> None:
+        """Take back the blocks that were garbage-collected without free()."""
+        if self._dead:
+            with self._lock:
+                while self._dead:
+                    entry = self._refs.pop(self._dead.pop(), None)
+                    if entry is not None:
+                        self._release(*entry)
+
+    @property
+    def active_blocks(self) -> int:
+        self._reap()
+        return self._active_blocks
+
+    @property
+    def active_bytes(self) -> int:
+        self._reap()
+        return self._active_bytes
+
+    @property
+    def held_blocks(self) -> int:
+        self._reap()
+        return self._held_blocks
 
     @property
     def managed_bytes(self) -> int:
-        return self.active_bytes + self._held_bytes
+        self._reap()
+        return self._active_bytes + self._held_bytes
 
     def alloc_size(self, size: int) -> int:
         return _round_to_bin(size)
 
     def allocate(self, size: int) -> _HostBlock:
+        self._reap()
         bin_size = _round_to_bin(size)
-        stack = self._held.get(bin_size)
-        if stack:
-            buf, ptr = stack.pop()
-            self.held_blocks -= 1
-            self._held_bytes -= bin_size
-        else:
-            buf, ptr = self._allocator(bin_size)  # may raise oom_error
-            self.underlying_allocations += 1
-        self.active_blocks += 1
-        self.active_bytes += bin_size
-        return _HostBlock(self, buf, ptr, bin_size)
+        with self._lock:
+            stack = self._held.get(bin_size)
+            if stack:
+                buf, ptr = stack.pop()
+                self._held_blocks -= 1
+                self._held_bytes -= bin_size
+            else:
+                buf, ptr = self._allocator(bin_size)  # may raise oom_error
+                self.underlying_allocations += 1
+            self._active_blocks += 1
+            self._active_bytes += bin_size
+            block = _HostBlock(self, buf, ptr, bin_size)
+            ref = weakref.ref(block, self._dead_append)
+            block._ref = ref
+            self._refs[ref] = (buf, ptr, bin_size)
+            return block
 
     def _give_back(self, block: _HostBlock) -> None:
-        self.active_blocks -= 1
-        self.active_bytes -= block.size
-        if self._holding:
-            self._held.setdefault(block.size, []).append((block._buf, block.ptr))
-            self.held_blocks += 1
-            self._held_bytes += block.size
-        else:
-            self.underlying_frees += 1
+        with self._lock:
+            entry = self._refs.pop(block._ref, None)
+            if entry is not None:
+                self._release(*entry)
         block._buf = None
 
+    def _release(self, buf: Any, ptr: int, size: int) -> None:
+        self._active_blocks -= 1
+        self._active_bytes -= size
+        if self._holding:
+            self._held.setdefault(size, []).append((buf, ptr))
+            self._held_blocks += 1
+            self._held_bytes += size
+        else:
+            self.underlying_frees += 1
+
     def free_held(self) -> None:
-        self.underlying_frees += self.held_blocks
-        self._held.clear()
-        self.held_blocks = 0
-        self._held_bytes = 0
+        self._reap()
+        with self._lock:
+            self.underlying_frees += self._held_blocks
+            self._held.clear()
+            self._held_blocks = 0
+            self._held_bytes = 0
 
     def stop_holding(self) -> None:
+        self._reap()
         self._holding = False
         self.free_held()
 
@@ -247,6 +292,10 @@ class MemoryPool:
 
     def free_memory(self, ptr: int) -> None:
         """Free a pointer from `allocate_memory`; unknown or already freed pointers raise."""
+        if isinstance(ptr, bool) or not isinstance(ptr, (int, np.integer)):
+            raise InvalidPointerError(
+                f"pointer {ptr!r} was not allocated by the pool of device {self.device_id} "
+                f"with allocate_memory (pointers are ints)")
         if ptr == 0:
             return
         with self._lock:
@@ -281,9 +330,15 @@ class MemoryPool:
         if size is not None and fraction is not None:
             raise InvalidArgumentError("give size or fraction, not both")
         if fraction is not None:
-            if not 0 <= fraction <= 1:
+            if isinstance(fraction, bool) or \
+                    not isinstance(fraction, (int, float, np.integer, np.floating)) or \
+                    not 0 <= fraction <= 1:
                 raise InvalidArgumentError(f"fraction must be in [0, 1], got {fraction}")
             size = int(fraction * self._device_total)
+        if size is not None and (isinstance(size, bool) or
+                                 not isinstance(size, (int, np.integer))):
+            raise InvalidArgumentError(
+                f"limit must be an int number of bytes (or None), got {size!r}")
         if size is not None and size < 0:
             raise InvalidArgumentError(f"limit must be >= 0 bytes, got {size}")
         self._limit = int(size or 0)

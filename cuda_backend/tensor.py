@@ -23,9 +23,13 @@ def normalize_shape(shape: Any) -> Tuple[int, ...]:
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         shape = (int(shape),)
     try:
-        shape = tuple(int(s) for s in shape)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"shape must be an int or a tuple of ints, got {shape!r}") from None
+        dims = tuple(shape)
+    except TypeError:
+        dims = None
+    if dims is None or any(isinstance(s, bool) or not isinstance(s, (int, np.integer))
+                           for s in dims):
+        raise InvalidArgumentError(f"shape must be an int or a tuple of ints, got {shape!r}")
+    shape = tuple(int(s) for s in dims)
     if any(s < 0 for s in shape):
         raise InvalidArgumentError(f"shape dimensions must be >= 0, got {shape}")
     if key is not None and all(type(s) is int for s in key):

@@ -135,7 +135,8 @@ def dropout(m: Any, x: CudaTensor, keep_prob: float = 0.5, seed: Optional[int] =
         work = np.float64 if x.dtype is CudaDataType.FLOAT64 else np.float32
         a = common.host_array(m, x).astype(work)
         scale = work(1.0 / p)
-        values = a * np.where(keep, scale, work(0))
+        with np.errstate(invalid="ignore"):  # inf * 0 is NaN, as on the GPU
+            values = a * np.where(keep, scale, work(0))
         y = _store(m, values, x.dtype, dev, out)
         if not return_mask:
             return y

@@ -307,7 +307,8 @@ def _fallback(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
     if p.K == 0:
         res = np.zeros(p.out_shape, work)
     else:
-        res = np.matmul(ah, bh).reshape(p.out_shape)
+        with np.errstate(all="ignore"):  # NaN/inf operands, as on the GPU
+            res = np.matmul(ah, bh).reshape(p.out_shape)
     if out.dtype is DT.BFLOAT16:
         host = to_bfloat16_bits(res.astype(np.float32)).reshape(p.out_shape)
     else:

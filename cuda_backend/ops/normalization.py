@@ -321,7 +321,8 @@ def _ln_host(m: Any, x: CudaTensor, weight: Optional[CudaTensor], bias: Optional
     if a.size == 0:
         y = a
     else:
-        y = _ln_rows(a, weight, bias, eps, m, work)
+        with np.errstate(all="ignore"):  # NaN/inf rows give NaN, as on the GPU
+            y = _ln_rows(a, weight, bias, eps, m, work)
     if out is None:
         return common.from_host(m, y, x.dtype, x.device_id)
     write_host(m, y, out)
