@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One batched pass over everything that needs a GPU, for a device session of limited time.
+#   perf/gpu_checks.sh [stage ...]      stages: core tests bench report sanitize (default: core tests bench)
+# Writes at most 8 files into ${OUT:-/tmp/gpu-checks} (the device tool returns 8 at most):
+# tests.log, bench.log, bench_core.json, bench_math.json, bench_matmul.json, bench_ml.json,
+# report.tgz, sanitize.log. Each stage has its own time limit so one slow stage cannot eat the run.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="${OUT:-/tmp/gpu-checks}"; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 CUDA_BACKEND_CACHE_DIR="${CUDA_BACKEND_CACHE_DIR:-/tmp/cuda-backend-cache}"
+stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(core tests bench)
+T() { timeout "$@"; }
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    core)   # issue 2's own checks first: the cheapest proof that the runtime works
+      T 300 python3 -m pytest -q -p no:cacheprovider tests/test_backend_gpu.py tests/test_streams.py \
+          2>&1 | tail -n 25 | tee -a "$out/tests.log" ;;
+    tests)  # every gpu-marked test (multigpu ones skip on one GPU), 4 workers when xdist exists
+      xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n 4"
+      T 540 python3 -m pytest -q -p no:cacheprovider -m gpu $xd --timeout 300 -rfE tests \
+          2>&1 | tail -n 60 | tee -a "$out/tests.log" ;;
+    bench)
+      T 120 python3 perf/bench_core.py --out "$out/bench_core.json" 2>&1 | tee -a "$out/bench.log"
+      T 200 python3 perf/bench_math.py --out "$out/bench_math.json" 2>&1 | tail -n 25 | tee -a "$out/bench.log"
+      T 200 python3 perf/bench_matmul.py --out "$out/bench_matmul.json" 2>&1 | tail -n 40 | tee -a "$out/bench.log"
+      T 200 python3 perf/bench_ml.py --out "$out/bench_ml.json" 2>&1 | tail -n 25 | tee -a "$out/bench.log"
+      T 200 python3 perf/bench_ml_compute.py 2>&1 | tail -n 25 | tee -a "$out/bench.log" ;;
+    report)
+      T 580 python3 -m cuda_backend.cli report --out /tmp/cb-report 2>&1 | tail -n 30 | tee -a "$out/bench.log"
+      tar -czf "$out/report.tgz" -C /tmp/cb-report . ;;
+    sanitize)
+      SANITIZE_LOG_DIR=/tmp T 580 perf/sanitize.sh all 2>&1 | tee "$out/sanitize.log" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
