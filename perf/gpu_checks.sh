@@ -14,11 +14,11 @@ for stage in "${stages[@]}"; do
   case "$stage" in
     core)   # issue 2's own checks first: the cheapest proof that the runtime works
       T 300 python3 -m pytest -q -p no:cacheprovider tests/test_backend_gpu.py tests/test_streams.py \
-          2>&1 | tail -n 25 | tee -a "$out/tests.log" ;;
+          2>&1 | tee -a "$out/tests.log" | tail -n 25 ;;
     tests)  # every gpu-marked test (multigpu ones skip on one GPU), 4 workers when xdist exists
       xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n 4"
       T "${TESTS_LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu $xd --timeout 300 -rfE tests \
-          2>&1 | tail -n 60 | tee -a "$out/tests.log" ;;
+          2>&1 | tee -a "$out/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 60 ;;
     bench)
       T 120 python3 perf/bench_core.py --out "$out/bench_core.json" 2>&1 | tee -a "$out/bench.log"
       T 200 python3 perf/bench_math.py --out "$out/bench_math.json" 2>&1 | tail -n 25 | tee -a "$out/bench.log"

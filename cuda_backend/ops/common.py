@@ -136,18 +136,19 @@ def compile_all(m: Any, jobs: Sequence[Tuple[str, dict]], device_id: Optional[in
                 workers: int = 8, get: Any = None) -> int:
     """Compile (template, params) jobs in parallel threads (nvcc runs in subprocesses, so
     threads overlap) so that first calls pay no compile latency. Returns how many; 0 in
-    fallback mode. get(template, device, params) defaults to m.kernel."""
+    fallback mode. get(m, template, device, params) is the op module's memoizing getter
+    (default: m.kernel)."""
     if not m.gpu:
         return 0
     from concurrent.futures import ThreadPoolExecutor
     dev = m.backend.current_device if device_id is None else device_id
     if get is None:
-        def get(template: str, d: int, params: dict) -> Any:
+        def get(m: Any, template: str, d: int, params: dict) -> Any:
             return m.kernel(template, d, **params)
 
     def one(job: Tuple[str, dict]) -> None:
         with m.backend.device(dev):
-            get(job[0], dev, job[1])
+            get(m, job[0], dev, job[1])
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         list(pool.map(one, jobs))
