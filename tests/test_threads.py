@@ -79,7 +79,7 @@ def one_op(m, rng, dev: int, i: int) -> None:
             np.testing.assert_allclose(m.to_numpy(r), z / z.sum(), rtol=1e-4, atol=1e-7)
         elif kind == 6:
             rows = max(1, n // 7)
-            A = a[:rows * 7].reshape(rows, 7)
+            A = np.resize(a, rows * 7).reshape(rows, 7)   # n may be < 7: repeat a
             t = m.from_numpy(A, device_id=dev)
             r = m.matrix_transpose(t)
             np.testing.assert_array_equal(m.to_numpy(r), A.T)
