@@ -15,7 +15,7 @@ import platform
 import subprocess
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -215,6 +215,12 @@ class CudaBackend:
         if type(dtype) is not CudaDataType:
             dtype = CudaDataType.from_any(dtype)
         dev = self.current_device if device_id is None else self._validate(device_id)
+        return self._empty_checked(shape, dtype, dev)
+
+    def _empty_checked(self, shape: Tuple[int, ...], dtype: CudaDataType,
+                       dev: int) -> CudaTensor:
+        """empty() for a shape tuple, dtype and device that are already valid (the ops'
+        per-call fast paths take them from live operands)."""
         pool = self.memory_pools[dev]
         t = CudaTensor(shape, dtype, dev, 0)
         t.on_host = not self.is_available

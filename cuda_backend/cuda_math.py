@@ -107,6 +107,8 @@ class CudaMath:
     # -- elementwise --------------------------------------------------------------------
     def vector_add(self, a: CudaTensor, b: CudaTensor) -> CudaTensor:
         """a + b for same-shape tensors (the seed's API); `add` broadcasts."""
+        if type(a) is CudaTensor and type(b) is CudaTensor and a.shape == b.shape:
+            return ew.binary(self, "add", a, b)   # binary checks liveness, dtype, device
         common.check_tensor(a, "a"), common.check_tensor(b, "b")
         if a.shape != b.shape:
             from .errors import ShapeMismatchError

@@ -299,7 +299,7 @@ def binary(m: Any, op: str, a: Any, b: Any, out: Optional[CudaTensor] = None) ->
             if entry is not None:
                 name, per_block, vec, zero, cap = entry
                 backend = m.backend
-                res = backend.empty(shape, dtype, dev)
+                res = backend._empty_checked(shape, dtype, dev)
                 n = res.size
                 grid = -(-(n // vec if not ((res._ptr | a._ptr | b._ptr) & 15) else n)
                          // per_block) or 1
