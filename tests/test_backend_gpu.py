@@ -470,6 +470,7 @@ def test_clean_exit(scenario):
         assert bad not in r.stderr, r.stderr
 
 
+@pytest.mark.planted_fault
 def test_kernel_fault_reports_dead_context():
     code = r'''
         import sys, numpy as np, cuda_backend as cb

@@ -631,3 +631,28 @@ def test_broadcast_plan_bias_add_is_vectorized():
     assert len(dims) == 7
     plan = ew._broadcast_plan(dims, 4, 0, 0, 0)
     assert len(plan) == 3 and all(p[4] == 6 for p in plan)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(shape=st.lists(st.integers(0, 40), min_size=0, max_size=4),
+       case=st.sampled_from(list(unary_cases())), seed=st.integers(0, 2**32 - 1),
+       offset=st.sampled_from([0, 1, 3]))
+def test_property_unary(m, shape, case, seed, offset):
+    """Unary ops and activations on random shapes (0 and 1 included), every dtype they take,
+    at 16-byte-aligned and unaligned starts, against float64 NumPy."""
+    op, dtype = case
+    rng = np.random.default_rng(seed)
+    shape = tuple(shape)
+    kind = "positive" if op in ("log", "sqrt") else \
+        "normal" if op in ("exp", "gelu", "gelu_exact") else "wide"
+    n = math.prod(shape)
+    base, vals = make(m, rand(rng, n + offset, dtype, kind), dtype)
+    x = CudaTensor(shape, dtype, base.device_id, base.ptr + offset * dtype.itemsize, owner=base)
+    xv = vals[offset:].reshape(shape)
+    params = {"alpha": 0.2 if op == "leaky_relu" else 1.3} if op in ("leaky_relu", "elu") \
+        else {}
+    out = poisoned(m, shape, dtype)
+    ew.unary(m, op, x, out=out, **params)
+    alpha = stored(m, make(m, [params.get("alpha", 0.0)], dtype)[0])[0] if dtype.is_floating \
+        else 0
+    check(stored(m, out), ref_unary(op, xv, alpha), dtype, op)
