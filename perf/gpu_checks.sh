@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched pass over everything that needs a GPU, for a device session of limited time.
-#   perf/gpu_checks.sh [stage ...]      stages: core tests bench multigpu report sanitize (default: core tests bench)
+#   perf/gpu_checks.sh [stage ...]      stages: core tests fuzz bench multigpu report sanitize (default: core tests bench)
 # Writes at most 8 files into ${OUT:-/tmp/gpu-checks} (the device tool returns 8 at most):
 # tests.log, bench.log, bench_core.json, bench_math.json, bench_matmul.json, bench_ml.json,
 # report.tgz, sanitize.log. Each stage has its own time limit so one slow stage cannot eat the run.
@@ -25,6 +25,12 @@ for stage in "${stages[@]}"; do
       T 200 python3 perf/bench_matmul.py --out "$out/bench_matmul.json" 2>&1 | tail -n 40 | tee -a "$out/bench.log"
       T 200 python3 perf/bench_ml.py --out "$out/bench_ml.json" 2>&1 | tail -n 25 | tee -a "$out/bench.log"
       T 200 python3 perf/bench_ml_compute.py 2>&1 | tail -n 25 | tee -a "$out/bench.log" ;;
+    fuzz)   # issue 7's full fuzzing run: >= 200 hypothesis examples per operation family
+      xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n 8"
+      CUDA_BACKEND_FUZZ=full T "${FUZZ_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu $xd \
+          --timeout 280 -rfE -k "property" --hypothesis-show-statistics tests \
+          2>&1 | tee -a "$out/fuzz.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 30
+      grep -E "^tests/.*::.*:$|passing examples" "$out/fuzz.log" | tail -n 60 ;;
     multigpu) # issue 6's figures: overlap, matmul split over GPUs, all_reduce (needs 2 GPUs for the last two)
       T 150 python3 perf/bench_multigpu.py 2>&1 | tail -n 25 | tee -a "$out/bench.log" ;;
     report)
