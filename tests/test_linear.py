@@ -1,17 +1,44 @@
-"""fused_linear_gelu and sketched_linear against float64 NumPy, on the GPU and in fallback."""
+"""fused_linear_gelu and sketched_linear against float64 NumPy, on the GPU and in fallback.
+
+fused_linear_gelu is one kernel (matmul.linear: the matmul kernels with b_trans and the
+bias + GELU epilogue). GPU tests (marked `gpu`) poison the output first and bound
+||out - ref|| by the GEMM error scale || |x| |W|ᵀ + |b| ||, as tests/test_matmul.py does;
+the launch-recording tests run anywhere and check what would be launched.
+"""
 from __future__ import annotations
+
+import re
+import struct
+import types
 
 import numpy as np
 import pytest
 
 import cuda_backend as cb
-from cuda_backend import CudaDataType as DT
+from cuda_backend import CudaDataType as DT, CudaTensor
+from cuda_backend.compiler import arg_format, kernel_signature
 from cuda_backend.cuda_ml import CudaML
+from cuda_backend.kernels import KernelGenerator
+from cuda_backend.launch import normalize_dims
+from cuda_backend.ops import common, matmul as mm
+from cuda_backend.ops import linear as lin
+
+gpu = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def ml():
-    return CudaML()
+def ml(backend, tmp_path_factory):
+    """A CudaML on its own CudaMath (autotuner in a temporary file); on a GPU the linear
+    kernels are compiled up front, in parallel."""
+    from cuda_backend.autotune import Autotuner
+    from cuda_backend.cuda_math import CudaMath
+    m = CudaMath(backend)
+    m._autotuner = Autotuner(backend, path=str(tmp_path_factory.mktemp("tune") / "t.json"))
+    if m.gpu:
+        jobs = [(t, p) for t, sets in mm.template_variants().items() for p in sets
+                if "b_trans" in p]
+        common.compile_all(m, jobs, None, 16, mm._kernel)
+    return CudaML(m)
 
 
 def gelu_tanh(z):
@@ -90,3 +117,322 @@ def test_sketched_linear_errors(ml):
                            m.from_numpy(np.ones((3, 3, 4), np.float32)))
     with pytest.raises(cb.InvalidArgumentError, match="low_rank"):
         ml.sketched_linear_params(8, 4, 2, 0)
+
+
+# -- the one-kernel linear layer (matmul.linear) ----------------------------------------------
+# (dtype, precision, bound on ||out - ref|| / || |x| |W|ᵀ + |b| ||): the GEMM bounds of
+# tests/test_matmul.py; GELU's slope is at most 1.13 and the output rounding is below them.
+FAMS = {
+    "fp32": (DT.FLOAT32, None, 2e-6),
+    "tf32": (DT.FLOAT32, "tf32", 1.5e-3),
+    "fp64": (DT.FLOAT64, None, 1e-14),
+    "fp16": (DT.FLOAT16, None, 1e-2),
+    "bf16": (DT.BFLOAT16, None, 1e-2),
+}
+# (x shape, out_features): 1x1, K not a multiple of 4 or 8, tails past 128-wide tiles, leading
+# batch dimensions, 1-D x, vector-aligned K and N, one large case.
+LINEAR_SHAPES = [((1, 1), 1), ((7, 13), 5), ((129, 127), 131), ((3, 5, 33), 65), ((33,), 17),
+                 ((1, 300), 1), ((64, 200), 72), ((2, 70, 130), 36), ((512, 1024), 768)]
+
+
+def _inputs(m, rng, dtype, x_shape, n, with_bias=True):
+    """Device x, W (n, K), bias (or None) and their rounded float64 values."""
+    k = x_shape[-1]
+    host = [rng.standard_normal(x_shape), rng.standard_normal((n, k)) / np.sqrt(max(k, 1)),
+            rng.standard_normal(n)]
+    work = np.float64 if dtype is DT.FLOAT64 else np.float32
+    dev = [m.from_numpy(v.astype(work), dtype=dtype) for v in host]
+    r64 = [m.to_numpy(t).astype(np.float64) for t in dev]
+    if not with_bias:
+        dev[2], r64[2] = None, np.zeros(n)
+    return dev, r64
+
+
+def _reference(xr, wr, br, gelu=True):
+    """(epilogue(x Wᵀ + b), |x| |W|ᵀ + |b|) in float64."""
+    z = xr @ wr.T + br
+    return (gelu_tanh(z) if gelu else z), np.abs(xr) @ np.abs(wr).T + np.abs(br)
+
+
+def _poison(m, shape, dtype):
+    out = m.create_tensor(shape, dtype)
+    if out.size:
+        host = np.full(shape, 0x7FC0, np.uint16) if dtype is DT.BFLOAT16 else \
+            np.full(shape, np.nan, dtype.numpy_dtype)
+        m.backend.copy_to_device(host, out)
+    return out
+
+
+def _err(out, ref, scale):
+    out = np.asarray(out, np.float64)
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all(), "non-finite output (unwritten or NaN elements)"
+    denom = np.linalg.norm(scale)
+    return np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0)
+
+
+@gpu
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("fam", list(FAMS))
+@pytest.mark.parametrize("shape", LINEAR_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gpu_fused_linear_gelu(ml, fam, shape, with_bias):
+    """The public op (leading dimensions flattened, one launch) on odd shapes. Its output
+    comes from the pool: a freed block of the same size is poisoned first, which the pool
+    hands out again, so elements the kernel misses show up as NaN."""
+    m = ml.math
+    dtype, prec, bound = FAMS[fam]
+    x_shape, n = shape
+    (tx, tw, tb), (xr, wr, br) = _inputs(m, np.random.default_rng(), dtype, x_shape, n, with_bias)
+    _poison(m, x_shape[:-1] + (n,), dtype).free()
+    y = lin.fused_linear_gelu(m, tx, tw, tb, precision=prec)
+    assert y.shape == x_shape[:-1] + (n,) and y.dtype is dtype
+    ref, scale = _reference(xr, wr, br)
+    err = _err(m.to_numpy(y), ref, scale)
+    assert err <= bound, f"{fam} {x_shape} x W({n}, {x_shape[-1]}): {err:.3g} > {bound:.3g}"
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMS))
+def test_gpu_linear_every_config(ml, fam):
+    """Every config the linear path may pick, vector and element loads, with and without a
+    bias, into a poisoned output: a fast-but-wrong config can never win the autotuner."""
+    m = ml.math
+    dtype, prec, bound = FAMS[fam]
+    template, _ = mm._linear_family(dtype, prec)
+    rng = np.random.default_rng()
+    dev = m.backend.current_device
+    n_vec = 130 if dtype is DT.FLOAT64 else 136
+    for vec, (M, K, N) in ((True, (131, 264, n_vec)), (False, (131, 197, 133))):
+        (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (M, K), N)
+        p = mm.Plan(1, M, N, K, 0, 0, (M, N))
+        for cfg in mm.linear_configs(dtype, prec, vec):
+            for bias in (tb, None):
+                out = _poison(m, (M, N), dtype)
+                assert mm.is_vec_ok(tx, tw, out, p) is vec
+                mm.run_config(m, template, cfg, tx, tw, out, p, dtype, vec, dev,
+                              epilogue="bias_gelu", bias=bias)
+                ref, scale = _reference(xr, wr, br if bias is not None else np.zeros(N))
+                err = _err(m.to_numpy(out), ref, scale)
+                assert err <= bound, (cfg, vec, bias is not None, err)
+                out.free()
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMS))
+def test_gpu_linear_bias_epilogue_and_empty_k(ml, fam):
+    """epilogue='bias' (no GELU) into a poisoned out=, and K == 0 (GELU of the bias)."""
+    m = ml.math
+    dtype, prec, bound = FAMS[fam]
+    rng = np.random.default_rng()
+    (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (37, 45), 29)
+    out = _poison(m, (37, 29), dtype)
+    assert mm.linear(m, tx, tw, tb, "bias", prec, out=out) is out
+    ref, scale = _reference(xr, wr, br, gelu=False)
+    assert _err(m.to_numpy(out), ref, scale) <= bound
+    (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (5, 0), 7)
+    y = mm.linear(m, tx, tw, tb, "bias_gelu", prec, out=_poison(m, (5, 7), dtype))
+    ref = np.broadcast_to(gelu_tanh(br), (5, 7))
+    assert _err(m.to_numpy(y), ref, np.abs(ref) + 1e-3) <= max(bound, 4e-3)
+
+
+@gpu
+def test_gpu_fused_fp32_is_true_fp32(ml):
+    """The default float32 path is exact FP32; precision='tf32' really uses TF32."""
+    m = ml.math
+    (tx, tw, tb), (xr, wr, br) = _inputs(m, np.random.default_rng(), DT.FLOAT32, (256, 1024), 256)
+    ref, _ = _reference(xr, wr, br)
+    e32 = _err(m.to_numpy(lin.fused_linear_gelu(m, tx, tw, tb)), ref, ref)
+    etf = _err(m.to_numpy(lin.fused_linear_gelu(m, tx, tw, tb, precision="tf32")), ref, ref)
+    assert e32 < 1e-5 and 3e-5 < etf < 2e-3, (e32, etf)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT64, DT.FLOAT16, DT.BFLOAT16])
+def test_gpu_fused_linear_gelu_is_one_launch(ml, dtype):
+    """After the first call (which autotunes), a call is exactly one kernel launch: no
+    transpose, no split-K reduction, no separate bias or GELU pass."""
+    m = ml.math
+    backend = m.backend
+    rng = np.random.default_rng()
+    for x_shape, n in (((3, 40, 96), 200), ((8, 2048), 256)):
+        (tx, tw, tb), _ = _inputs(m, rng, dtype, x_shape, n)
+        for bias in (tb, None):
+            ml.fused_linear_gelu(tx, tw, bias).free()
+            backend.enable_profiling = True
+            try:
+                backend.profiler.reset()
+                y = ml.fused_linear_gelu(tx, tw, bias)
+                stats = backend.profiler.kernel_stats()
+            finally:
+                backend.enable_profiling = False
+            assert sum(s["total_executions"] for s in stats.values()) == 1, stats
+            (name,) = stats
+            family = "matmul_simt" if dtype in (DT.FLOAT32, DT.FLOAT64) else "matmul_mma"
+            assert name.startswith(family), name
+            assert np.isfinite(m.to_numpy(y)).all()
+
+
+# -- anywhere: fallback accuracy, argument checks, and what the GPU branch launches ----------
+@pytest.fixture
+def fm(backend):
+    if backend.is_available:
+        pytest.skip("fallback-mode tests run where this process has no GPU")
+    return CudaML()
+
+
+@pytest.mark.parametrize("dtype, bound", [(DT.FLOAT32, 1e-7), (DT.FLOAT64, 1e-15),
+                                          (DT.FLOAT16, 1e-3), (DT.BFLOAT16, 8e-3)])
+def test_fallback_is_float64_accurate(fm, dtype, bound):
+    """Fallback: float64 math, then one rounding to the dtype."""
+    m = fm.math
+    (tx, tw, tb), (xr, wr, br) = _inputs(m, np.random.default_rng(), dtype, (3, 7, 300), 45)
+    ref, _ = _reference(xr, wr, br)
+    out = m.to_numpy(fm.fused_linear_gelu(tx, tw, tb)).astype(np.float64)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < bound
+
+
+def test_fallback_tf32_rounds_inputs(fm):
+    m = fm.math
+    (tx, tw, tb), (xr, wr, br) = _inputs(m, np.random.default_rng(), DT.FLOAT32, (16, 256), 8)
+    rx = mm._round_tf32(xr.astype(np.float32)).astype(np.float64)
+    rw = mm._round_tf32(wr.astype(np.float32)).astype(np.float64)
+    ref, _ = _reference(rx, rw, br)
+    got = m.to_numpy(lin.fused_linear_gelu(m, tx, tw, tb, precision="tf32"))
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-6
+
+
+def test_linear_argument_errors(ml):
+    m = ml.math
+    x = m.from_numpy(np.ones((4, 8), np.float32))
+    w = m.from_numpy(np.ones((3, 8), np.float32))
+    with pytest.raises(cb.InvalidArgumentError, match="epilogue"):
+        mm.linear(m, x, w, epilogue="gelu")
+    with pytest.raises(cb.InvalidArgumentError, match="float32 operands only"):
+        mm.linear(m, m.from_numpy(np.ones((4, 8))), m.from_numpy(np.ones((3, 8))),
+                  precision="tf32")
+    with pytest.raises(cb.ShapeMismatchError, match=r"\(2, 4, 8\)"):
+        mm.linear(m, m.from_numpy(np.ones((2, 4, 8), np.float32)), w)
+    with pytest.raises(cb.ShapeMismatchError, match="bias"):
+        mm.linear(m, x, w, m.from_numpy(np.ones(4, np.float32)))
+    with pytest.raises(cb.ShapeMismatchError, match="out must be"):
+        mm.linear(m, x, w, out=m.create_tensor((4, 4)))
+    with pytest.raises(cb.InvalidArgumentError, match="precision must be"):
+        lin.fused_linear_gelu(m, x, w, precision="fp16")
+
+
+class _RecordingBackend:
+    """Records launches instead of running them: each must pack with its kernel's parameter
+    format, and use the template's thread count."""
+
+    is_available = True
+    current_device = 0
+
+    def __init__(self):
+        self.next_ptr = 1 << 20
+        self.kernels = {}
+        self.launches = []
+
+    def empty(self, shape, dtype, device_id=0):
+        t = CudaTensor(tuple(shape), DT.from_any(dtype), 0, self.next_ptr)
+        self.next_ptr += (t.nbytes // 256 + 2) * 256
+        return t
+
+    def get_device_info(self, device_id):
+        return types.SimpleNamespace(multiprocessor_count=132,
+                                     max_grid_dims=(2**31 - 1, 65535, 65535))
+
+    def launch_kernel(self, name, grid, *args, block_size=(256, 1, 1), shared_mem=0,
+                      device_id=0):
+        k = self.kernels[name]
+        values = [a.ptr if isinstance(a, CudaTensor) else a for a in args]
+        assert len(values) == len(k.fmt), (k.params, len(values), k.fmt)
+        struct.pack("".join("Q" if c == "P" else c for c in k.fmt), *values)
+        g, b = normalize_dims(grid, "grid"), normalize_dims(block_size, "block")
+        assert b == (k.threads, 1, 1), (k.params, b)
+        self.launches.append((k, g, shared_mem, values))
+        return 0.0
+
+
+class _RecordingMath:
+    gpu = True
+
+    def __init__(self):
+        self.backend = _RecordingBackend()
+        self.generator = KernelGenerator(backend=object())
+        self.autotuner = types.SimpleNamespace(pick=self._pick)
+
+    def _pick(self, op, key, cands, run, device_id=0, repeats=3):
+        for c in cands:
+            run(c)
+        return dict(cands[0])
+
+    def kernel(self, template, device_id, **params):
+        name, src = self.generator.render_kernel(template, **dict(params))
+        k = types.SimpleNamespace(
+            name=name, template=template, params=params,
+            fmt=arg_format(src, name, kernel_signature(src, name)),
+            threads=int(re.search(r"#define THREADS (\d+)", src).group(1)))
+        self.backend.kernels[name] = k
+        return k
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("fam", list(FAMS))
+@pytest.mark.parametrize("shape", [(1, 1, 1), (7, 13, 5), (129, 127, 131), (64, 200, 72),
+                                   (8, 2048, 256), (8192, 4096, 4096)])
+def test_linear_launches_one_kernel_with_its_arguments(fam, shape, with_bias):
+    """The GPU branch against a recording backend: after the autotuning call, one launch of
+    a b_trans + bias_gelu kernel of the family's linear configs, with x, W, out, bias (or a
+    null pointer), M, N, K, and a grid covering the output."""
+    m = _RecordingMath()
+    dtype, prec, _ = FAMS[fam]
+    M, K, N = shape
+    x, w = m.backend.empty((M, K), dtype), m.backend.empty((N, K), dtype)
+    b = m.backend.empty((N,), dtype) if with_bias else None
+    y = mm.linear(m, x, w, b, "bias_gelu", prec)
+    m.backend.launches.clear()
+    assert mm.linear(m, x, w, b, "bias_gelu", prec, out=y) is y
+    assert len(m.backend.launches) == 1
+    k, grid, smem, values = m.backend.launches[0]
+    template, _ = mm._linear_family(dtype, prec)
+    vw = 16 // dtype.itemsize
+    vec = K % vw == 0 and N % vw == 0
+    assert k.template == template and k.params["vec"] is vec
+    assert k.params["b_trans"] is True and k.params["epilogue"] == "bias_gelu"
+    cfg = next(c for c in mm.linear_configs(dtype, prec, vec)
+               if all(k.params[key] == v for key, v in c.items()))
+    assert values[:7] == [x.ptr, w.ptr, y.ptr, b.ptr if with_bias else 0, M, N, K]
+    assert grid == (-(-M // cfg["bm"]) * -(-N // cfg["bn"]), 1, 1)
+    if template == mm.MMA_TEMPLATE:
+        assert smem == cfg["stages"] * (cfg["bm"] + cfg["bn"]) * cfg["bk"] * dtype.itemsize
+    else:
+        assert values[7:] == [0, 0, 1, K]   # no batch strides, batch 1, one K chunk
+
+
+def test_fused_linear_gelu_launch_flattens_leading_dims():
+    m = _RecordingMath()
+    x = m.backend.empty((3, 5, 33), DT.FLOAT16)
+    w, b = m.backend.empty((65, 33), DT.FLOAT16), m.backend.empty((65,), DT.FLOAT16)
+    y = lin.fused_linear_gelu(m, x, w, b)
+    assert y.shape == (3, 5, 65) and y.dtype is DT.FLOAT16
+    m.backend.launches.clear()
+    lin.fused_linear_gelu(m, x, w, b)
+    assert len(m.backend.launches) == 1
+    assert m.backend.launches[0][3][4:7] == [15, 65, 33]
+
+
+def test_linear_variants_are_the_configs_it_launches():
+    """template_variants lists exactly the linear kernels the op can launch (bias_gelu), and
+    keeps the matmul variant list short."""
+    variants = mm.template_variants()
+    linear = {(t, tuple(sorted(p.items()))) for t, sets in variants.items() for p in sets
+              if "b_trans" in p}
+    want = set()
+    for dtype, prec, _ in FAMS.values():
+        template, _ = mm._linear_family(dtype, prec)
+        for vec in (True, False):
+            for cfg in mm.linear_configs(dtype, prec, vec):
+                want.add((template, tuple(sorted(
+                    mm.linear_params(template, dtype, cfg, vec, "bias_gelu").items()))))
+    assert linear == want
+    assert sum(len(v) for v in variants.values()) <= 80

@@ -1,9 +1,9 @@
 """Linear layers: `fused_linear_gelu` (y = GELU(x Wᵀ + b)) and the seed's sketched low-rank
 layer `sketched_linear` (y = (1/T) Σᵢ (x Uᵢ) Vᵢ + b).
 
-Both are composed from the matmul, transpose, elementwise and reduction kernels, so they
-are exactly as correct as those. The one-kernel fused version (GELU in the matmul epilogue)
-is not written yet: see perf/NOTES.md.
+fused_linear_gelu is one kernel launch: the matmul kernels rendered to read the weight as
+(out, in) and to add the bias and apply GELU in their store stage (`matmul.linear`).
+sketched_linear is composed from the matmul, elementwise and reduction kernels.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from . import common
 
 
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
-    """No templates of its own: it launches the matmul, transpose and elementwise kernels."""
+    """No templates of its own: the matmul module lists the linear-layer kernels."""
     return {}
 
 
@@ -41,21 +41,16 @@ def _check_linear(x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor])
 
 
 def fused_linear_gelu(m: Any, x: CudaTensor, weight: CudaTensor,
-                      bias: Optional[CudaTensor] = None) -> CudaTensor:
-    """GELU (tanh approximation) of x Wᵀ + b; x (..., in), weight (out, in) -> (..., out)."""
-    from . import elementwise as ew
+                      bias: Optional[CudaTensor] = None,
+                      precision: Optional[str] = None) -> CudaTensor:
+    """GELU (tanh approximation) of x Wᵀ + b in one kernel launch; x (..., in), weight
+    (out, in) -> (..., out). float32 is true FP32 unless precision='tf32'."""
+    from . import matmul as mm
     _check_linear(x, weight, bias)
     lead = x.shape[:-1]
     rows = int(np.prod(lead)) if lead else 1
     x2 = _reshaped(x, (rows, x.shape[-1]))
-    wt = m.matrix_transpose(weight)
-    try:
-        y = m.matrix_multiply(x2, wt)
-    finally:
-        wt.free()
-    if bias is not None:
-        ew.binary(m, "add", y, bias, out=y)
-    ew.unary(m, "gelu", y, out=y)
+    y = mm.linear(m, x2, weight, bias, "bias_gelu", precision)
     return _reshaped(y, lead + (weight.shape[0],))
 
 

@@ -12,6 +12,10 @@ per (device, class) and keeps the fastest. `vec` (16-byte loads) is chosen per c
 operands' alignment and is part of the class, never tuned. Shapes: (M,K)@(K,N), batched
 (...,M,K)@(...,K,N) where each operand's batch is either the full broadcast batch or all
 ones (stride 0), and NumPy's 1-D rules (a 1-D operand gains and then loses a unit dimension).
+
+`linear(m, x, weight, bias, epilogue)`: epilogue(x @ weightᵀ + bias) in one launch of the
+same kernels, rendered with b_trans (the (N, K) weight is read along K, no transpose) and a
+bias / bias+GELU epilogue in the store stage; never split-K (the epilogue needs whole sums).
 """
 from __future__ import annotations
 
@@ -105,6 +109,30 @@ MMA_TF32 = {
 SCALAR_OK = (S_256x128x8_16x8, S_64x128x16, S_128x64x8, S_64x64x8, S_64x64x16, S_32x64x16,
              D_128x64x8, D_64x64x8, D_32x64x8,
              H_128x128x32, H_64x64x32, T_128x128x16, T_64x64x16)
+# The one-kernel linear layer (x @ Wᵀ with an epilogue) chooses from these subsets of the
+# GEMM tables: the best configs of each class, without split-K, few enough that rendering
+# them for every family keeps the variant list short.
+LINEAR_SIMT_F32 = {
+    "large": [S_128x128x8_16x8, S_256x128x8_16x8],
+    "medium": [S_128x64x8, S_64x64x8],
+    "skinny": [S_64x64x8, S_32x64x16],
+    "small": [S_32x64x16],
+}
+LINEAR_SIMT_F64 = {"large": [D_64x64x8], "medium": [D_64x64x8], "skinny": [D_32x64x8],
+                   "small": [D_32x64x8]}
+LINEAR_MMA_F16 = {
+    "large": [H_256x128x64, H_128x128x32],
+    "medium": [H_128x128x32, H_64x64x32],
+    "skinny": [H_64x64x32],
+    "small": [H_64x64x32],
+}
+LINEAR_MMA_TF32 = {
+    "large": [T_256x128x16, T_128x128x16],
+    "medium": [T_128x128x16, T_64x64x16],
+    "skinny": [T_64x64x16],
+    "small": [T_64x64x16],
+}
+EPILOGUES = ("bias", "bias_gelu")
 
 
 def _family(dtype: CudaDataType, precision: Optional[str]) -> Tuple[str, Dict[str, list]]:
@@ -116,10 +144,21 @@ def _family(dtype: CudaDataType, precision: Optional[str]) -> Tuple[str, Dict[st
     return MMA_TEMPLATE, MMA_F16
 
 
+def _linear_family(dtype: CudaDataType, precision: Optional[str]) -> Tuple[str, Dict[str, list]]:
+    """(template, candidate lists by class) of the one-kernel linear layer."""
+    template, _ = _family(dtype, precision)
+    if dtype is DT.FLOAT64:
+        return template, LINEAR_SIMT_F64
+    if dtype is DT.FLOAT32:
+        return template, LINEAR_MMA_TF32 if precision == "tf32" else LINEAR_SIMT_F32
+    return template, LINEAR_MMA_F16
+
+
 def candidates(dtype: CudaDataType, precision: Optional[str], shape_class: str,
-               vec: bool) -> List[Dict[str, int]]:
-    """The tile configs the autotuner chooses from for this dtype, precision and class."""
-    _, table = _family(dtype, precision)
+               vec: bool, linear: bool = False) -> List[Dict[str, int]]:
+    """The tile configs the autotuner chooses from for this dtype, precision and class
+    (linear=True: those of the one-kernel linear layer)."""
+    _, table = (_linear_family if linear else _family)(dtype, precision)
     cands = list(table[shape_class])
     if not vec:
         cands = [c for c in cands if c in SCALAR_OK] or [table["small"][0]]
@@ -152,7 +191,34 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
             for vec in (True, False):
                 if vec or cfg in SCALAR_OK:
                     mma.append({**dtype_params(dt), **cfg, "vec": vec})
+    # the one-kernel linear layer: only its own configs, with the bias + GELU epilogue
+    for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT64, None), (DT.FLOAT32, "tf32"),
+                     (DT.FLOAT16, None), (DT.BFLOAT16, None)):
+        template, _ = _linear_family(dt, prec)
+        for vec in (True, False):
+            for cfg in linear_configs(dt, prec, vec):
+                params = linear_params(template, dt, cfg, vec, "bias_gelu")
+                (simt if template == SIMT_TEMPLATE else mma).append(params)
     return {SIMT_TEMPLATE: simt, MMA_TEMPLATE: mma}
+
+
+def linear_configs(dtype: CudaDataType, precision: Optional[str],
+                   vec: bool) -> List[Dict[str, Any]]:
+    """Every config the linear layer may launch for a family and alignment."""
+    out: List[Dict[str, Any]] = []
+    _, table = _linear_family(dtype, precision)
+    for cls in table:
+        for c in candidates(dtype, precision, cls, vec, linear=True):
+            if c not in out:
+                out.append(c)
+    return out
+
+
+def linear_params(template: str, dtype: CudaDataType, cfg: Dict[str, Any], vec: bool,
+                  epilogue: str) -> Dict[str, Any]:
+    """Template parameters of the linear-layer kernel (B given as (N, K), an epilogue)."""
+    params = {**dtype_params(dtype), **cfg, "vec": vec, "b_trans": True, "epilogue": epilogue}
+    return {"kind": "gemm", **params} if template == SIMT_TEMPLATE else params
 
 
 # -- shapes -------------------------------------------------------------------------------
@@ -288,6 +354,56 @@ def _check_out(out: Any, a: CudaTensor, b: CudaTensor, dtype: CudaDataType, dev:
                 raise InvalidArgumentError(f"out overlaps operand {name}; use a separate tensor")
 
 
+def linear(m: Any, x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor] = None,
+           epilogue: str = "bias_gelu", precision: Optional[str] = None,
+           out: Optional[CudaTensor] = None) -> CudaTensor:
+    """epilogue(x @ weightᵀ + bias) in one kernel launch: x (M, K), weight (N, K) row-major
+    (a PyTorch Linear weight, read as it is), bias (N,) or None; epilogue 'bias' or
+    'bias_gelu' (GELU, tanh form, applied in the accumulator type). float32 is true FP32
+    unless precision='tf32'. Fallback: float64 NumPy, rounded to the dtype."""
+    for t, name in ((x, "x"), (weight, "weight")):
+        common.check_tensor(t, name)
+    if bias is not None:
+        common.check_tensor(bias, "bias")
+    operands = [t for t in (x, weight, bias) if t is not None]
+    dtype = common.same_dtype(*operands)
+    common.require_dtype(x, common.FLOATS, "linear")
+    prec = normalize_precision(precision, dtype)
+    dev = common.same_device(*operands)
+    if epilogue not in EPILOGUES:
+        raise InvalidArgumentError(
+            f"epilogue must be one of {', '.join(EPILOGUES)}, got {epilogue!r}")
+    if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
+        raise ShapeMismatchError(
+            f"linear: x must be (M, K) and weight (N, K) with the same K, got x {x.shape} "
+            f"and weight {weight.shape}")
+    (M, K), N = x.shape, weight.shape[0]
+    if bias is not None and bias.shape != (N,):
+        raise ShapeMismatchError(f"linear: bias must have shape ({N},), got {bias.shape}")
+    p = Plan(1, M, N, K, 0, 0, (M, N))
+    if out is None:
+        out = m.backend.empty((M, N), dtype, dev)
+    else:
+        common.check_tensor(out, "out")
+        if out.dtype is not dtype or tuple(out.shape) != (M, N):
+            raise ShapeMismatchError(
+                f"out must be ({M}, {N}) {dtype.name_str}, got {out.shape} {out.dtype.name_str}")
+        common.same_device(x, out)
+        if out.nbytes:
+            for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+                if t is not None and t.nbytes and t.ptr < out.ptr + out.nbytes \
+                        and out.ptr < t.ptr + t.nbytes:
+                    raise InvalidArgumentError(
+                        f"out overlaps operand {name}; use a separate tensor")
+    if out.size == 0:
+        return out
+    if not m.gpu:
+        _linear_fallback(m, x, weight, bias, out, epilogue, prec)
+        return out
+    _launch(m, x, weight, out, p, dtype, prec, dev, epilogue=epilogue, bias=bias)
+    return out
+
+
 # -- fallback (NumPy) ------------------------------------------------------------------------
 def _round_tf32(x: np.ndarray) -> np.ndarray:
     """float32 -> nearest TF32 value, ties away from zero (what cvt.rna.tf32.f32 does)."""
@@ -311,6 +427,31 @@ def _fallback(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
             res = np.matmul(ah, bh).reshape(p.out_shape)
     if out.dtype is DT.BFLOAT16:
         host = to_bfloat16_bits(res.astype(np.float32)).reshape(p.out_shape)
+    else:
+        host = np.ascontiguousarray(res, dtype=out.dtype.numpy_dtype)
+    m.backend.copy_to_device(host, out)
+
+
+def gelu_tanh(z: np.ndarray) -> np.ndarray:
+    """0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))), written as the kernels compute it."""
+    with np.errstate(all="ignore"):
+        return z / (1.0 + np.exp(-1.5957691216057308 * (z + 0.044715 * z * z * z)))
+
+
+def _linear_fallback(m: Any, x: CudaTensor, w: CudaTensor, bias: Optional[CudaTensor],
+                     out: CudaTensor, epilogue: str, prec: Optional[str]) -> None:
+    xh = common.host_array(m, x).astype(np.float32 if prec == "tf32" else np.float64)
+    wh = common.host_array(m, w).astype(xh.dtype)
+    if prec == "tf32":
+        xh, wh = _round_tf32(xh), _round_tf32(wh)
+    with np.errstate(all="ignore"):
+        res = xh.astype(np.float64) @ wh.astype(np.float64).T
+        if bias is not None:
+            res = res + common.host_array(m, bias).astype(np.float64)
+    if epilogue == "bias_gelu":
+        res = gelu_tanh(res)
+    if out.dtype is DT.BFLOAT16:
+        host = to_bfloat16_bits(res.astype(np.float32)).reshape(out.shape)
     else:
         host = np.ascontiguousarray(res, dtype=out.dtype.numpy_dtype)
     m.backend.copy_to_device(host, out)
@@ -357,29 +498,34 @@ def _kernel(m: Any, template: str, dev: int, params: Dict[str, Any]) -> Any:
 
 
 def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
-            dtype: CudaDataType, prec: Optional[str], dev: int) -> None:
+            dtype: CudaDataType, prec: Optional[str], dev: int, epilogue: Optional[str] = None,
+            bias: Optional[CudaTensor] = None) -> None:
     vec = is_vec_ok(a, b, out, p)
     cache = _cache(m)
-    key = (p, dtype, prec, dev, vec)
+    key = (p, dtype, prec, dev, vec) if epilogue is None else \
+        ("linear", p, dtype, prec, dev, vec, epilogue)
     hit = cache.get(key)
     if hit is None:
         sms = m.backend.get_device_info(dev).multiprocessor_count
         cls = shape_class(p, sms)
+        is_linear = epilogue is not None
         template, _ = _family(dtype, prec)
-        cands = candidates(dtype, prec, cls, vec)
-        op = f"matmul_{'simt' if template == SIMT_TEMPLATE else 'mma'}_{dtype.name_str}" \
+        cands = candidates(dtype, prec, cls, vec, linear=is_linear)
+        op = f"{'linear' if is_linear else 'matmul'}_" \
+             f"{'simt' if template == SIMT_TEMPLATE else 'mma'}_{dtype.name_str}" \
              f"{'_tf32' if prec == 'tf32' else ''}"
         tune_key = [cls, vec, _bucket(p.M), _bucket(p.N), _bucket(p.K), p.batch > 1]
 
         def run(c: Dict[str, int]) -> None:
-            run_config(m, template, c, a, b, out, p, dtype, vec, dev)
+            run_config(m, template, c, a, b, out, p, dtype, vec, dev, epilogue=epilogue,
+                       bias=bias)
 
         # 10 timed runs each: with 3, clock and power swings on 8192^3 tensor-core runs
         # picked a config 20% slower than the best (seen on an H200).
         cfg = m.autotuner.pick(op, tune_key, cands, run, device_id=dev, repeats=10) \
             if len(cands) > 1 else cands[0]
         hit = cache[key] = (template, cfg)
-    run_config(m, hit[0], hit[1], a, b, out, p, dtype, vec, dev)
+    run_config(m, hit[0], hit[1], a, b, out, p, dtype, vec, dev, epilogue=epilogue, bias=bias)
 
 
 def split_count(cfg: Dict[str, int], p: Plan, sm_count: int, max_z: int = 65535) -> int:
@@ -398,18 +544,29 @@ def split_count(cfg: Dict[str, int], p: Plan, sm_count: int, max_z: int = 65535)
 
 def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: CudaTensor,
                out: CudaTensor, p: Plan, dtype: CudaDataType, vec: bool, dev: int,
-               splits: Optional[int] = None) -> None:
-    """Launch one config over the whole problem (split-K and batch chunking included)."""
+               splits: Optional[int] = None, epilogue: Optional[str] = None,
+               bias: Optional[CudaTensor] = None) -> None:
+    """Launch one config over the whole problem (split-K and batch chunking included).
+    epilogue ('bias' / 'bias_gelu'): the linear-layer kernel instead, b given as (N, K) and
+    bias (N,) or None, in one launch (no split-K)."""
     backend = m.backend
     info = backend.get_device_info(dev)
     max_z = info.max_grid_dims[2]
     tiles = -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"])
     if tiles > info.max_grid_dims[0]:
         raise InvalidArgumentError(f"matmul output {p.M}x{p.N} needs too many tiles ({tiles})")
-    params = {**dtype_params(dtype), **cfg, "vec": vec}
+    extra: Tuple[Any, ...] = ()
+    if epilogue is None:
+        params = {**dtype_params(dtype), **cfg, "vec": vec}
+        if template == SIMT_TEMPLATE:
+            params["kind"] = "gemm"
+    else:
+        params = linear_params(template, dtype, cfg, vec, epilogue)
+        extra = (0 if bias is None else bias,)   # a null bias pointer adds nothing
+        splits = 1
     esize = dtype.itemsize
     if template == SIMT_TEMPLATE:
-        kernel = _kernel(m, SIMT_TEMPLATE, dev, {"kind": "gemm", **params})
+        kernel = _kernel(m, SIMT_TEMPLATE, dev, params)
         threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"])
         if splits is None:
             splits = split_count(cfg, p, info.multiprocessor_count, max_z)
@@ -435,8 +592,8 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
         for b0 in range(0, p.batch, max_z):
             nb = min(max_z, p.batch - b0)
             pa, pb, pc = _offsets(a, b, out, p, b0, esize)
-            backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, p.M, p.N, p.K,
-                                  p.stride_a, p.stride_b, nb, p.K,
+            backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, *extra, p.M, p.N,
+                                  p.K, p.stride_a, p.stride_b, nb, p.K,
                                   block_size=(threads, 1, 1), device_id=dev)
         return
     kernel = _kernel(m, MMA_TEMPLATE, dev, params)
@@ -445,7 +602,7 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
     for b0 in range(0, p.batch, max_z):
         nb = min(max_z, p.batch - b0)
         pa, pb, pc = _offsets(a, b, out, p, b0, esize)
-        backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, p.M, p.N, p.K,
+        backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, *extra, p.M, p.N, p.K,
                               p.stride_a, p.stride_b, block_size=(threads, 1, 1),
                               shared_mem=smem, device_id=dev)
 

@@ -8,8 +8,9 @@ the running statistics in place with the unbiased variance; it costs a statistic
 read), a tiny per-channel finalize and the normalize pass (one read, one write).
 
 layer_norm: over the last axis with optional weight and bias of shape (D,). Rows that fit in
-registers are read once (warp per row up to 32*vpt vectors, block per row beyond); longer rows
-take a looping kernel.
+registers are read once (warp per row up to 32*vpt vectors, block per row beyond, optionally
+persistent blocks that prefetch their next row); longer rows take a looping kernel. Among the
+register configs that hold a row equally tightly, the autotuner picks for large inputs.
 """
 from __future__ import annotations
 
@@ -35,10 +36,17 @@ STATS_BLOCKS_PER_SM = 4  # statistics pass: about one resident wave of looping b
 
 # layer_norm register configs (threads_per_row, vpt, block_size), by capacity in vectors.
 LN_VEC_CONFIGS = ((32, 1, 256), (32, 2, 256), (32, 4, 256), (32, 8, 256),
-                  (128, 4, 128), (128, 8, 128), (256, 4, 256), (256, 8, 256),
-                  (512, 4, 512), (512, 8, 512), (1024, 4, 1024), (1024, 8, 1024))
+                  (128, 4, 128), (128, 8, 128), (256, 2, 256), (256, 4, 256), (256, 8, 256),
+                  (512, 2, 512), (512, 4, 512), (512, 8, 512), (1024, 2, 1024),
+                  (1024, 4, 1024), (1024, 8, 1024))
+# the same kernel, persistent with next-row prefetch (block per row only)
+LN_PREFETCH_CONFIGS = ((128, 4, 128), (256, 2, 256), (256, 4, 256), (512, 2, 512),
+                       (512, 4, 512), (1024, 2, 1024))
 LN_SCALAR_CONFIGS = ((32, 4, 256), (256, 4, 256), (1024, 8, 1024))
 LN_LOOP_BLOCK = 512
+LN_PERSIST_WAVES = 1  # persistent grid: this many times the resident blocks per SM
+LN_WORK_REGS = 24     # registers besides the row's vectors (block per row; float64: next)
+LN_WORK_REGS_F64 = 32
 
 
 def _vec(dtype: CudaDataType) -> int:
@@ -57,9 +65,29 @@ def _bn_params(dtype: CudaDataType, kernel: str, layout: str = "",
     return p
 
 
-def _ln_params(dtype: CudaDataType, tpr: int, vpt: int, block: int, vec: int) -> Dict[str, Any]:
+def _ln_min_blocks(dtype: CudaDataType, tpr: int, vpt: int, block: int, vec: int,
+                   prefetch: bool) -> int:
+    """Resident blocks per SM the kernel's register budget allows (__launch_bounds__).
+    Warp-per-row and looping kernels keep their measured 1024 threads per SM; block-per-row
+    ones take as many blocks as the register file holds for their vectors (x2 with prefetch)
+    plus the working registers, rounded the way ptxas allocates. All compile spill-free."""
+    if tpr == 32 or vpt == 0:
+        return 1 if block >= 1024 else 1024 // block
+    words = vpt * max(1, vec * dtype.itemsize // 4) * (2 if prefetch else 1)
+    need = words + (LN_WORK_REGS_F64 if dtype is DT.FLOAT64 else LN_WORK_REGS)
+    best = 1
+    for blocks in range(1, 2048 // block + 1):
+        if (65536 // (block * blocks)) // 8 * 8 >= min(need, 255):
+            best = blocks
+    return best
+
+
+def _ln_params(dtype: CudaDataType, tpr: int, vpt: int, block: int, vec: int,
+               prefetch: bool = False) -> Dict[str, Any]:
     return {**dtype_params(dtype), "threads_per_row": tpr, "vpt": vpt, "vec": vec,
-            "block_size": block}
+            "block_size": block,
+            "min_blocks": _ln_min_blocks(dtype, tpr, vpt, block, vec, prefetch),
+            "prefetch": bool(prefetch)}
 
 
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
@@ -73,6 +101,8 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
         bn.append(_bn_params(dt, "finalize"))
         for tpr, vpt, block in LN_VEC_CONFIGS:
             ln.append(_ln_params(dt, tpr, vpt, block, _vec(dt)))
+        for tpr, vpt, block in LN_PREFETCH_CONFIGS:
+            ln.append(_ln_params(dt, tpr, vpt, block, _vec(dt), True))
         for tpr, vpt, block in LN_SCALAR_CONFIGS:
             ln.append(_ln_params(dt, tpr, vpt, block, 1))
         for vec in (_vec(dt), 1):
@@ -269,26 +299,32 @@ def layer_norm(m: Any, x: CudaTensor, weight: Optional[CudaTensor],
     return out
 
 
-def _ln_candidates(D: int, dtype: CudaDataType, use_vec: bool) -> List[Tuple[int, int, int, int]]:
-    """(threads_per_row, vpt, block, vec) configs able to hold a row of D, tightest first;
-    the looping kernel when none can."""
+LnConfig = Tuple[int, int, int, int, int]  # threads_per_row, vpt, block, vec, prefetch
+
+
+def _ln_candidates(D: int, dtype: CudaDataType, use_vec: bool) -> List[LnConfig]:
+    """(threads_per_row, vpt, block, vec, prefetch) configs able to hold a row of D, the
+    tightest capacity only (plain before prefetch); the looping kernel when none can."""
     vec = _vec(dtype) if use_vec else 1
-    configs = LN_VEC_CONFIGS if use_vec else LN_SCALAR_CONFIGS
-    fits = [(tpr, vpt, blk) for tpr, vpt, blk in configs if tpr * vpt * vec >= D]
+    configs = [(tpr, vpt, blk, 0) for tpr, vpt, blk in
+               (LN_VEC_CONFIGS if use_vec else LN_SCALAR_CONFIGS)]
+    if use_vec:
+        configs += [(tpr, vpt, blk, 1) for tpr, vpt, blk in LN_PREFETCH_CONFIGS]
+    fits = [c for c in configs if c[0] * c[1] * vec >= D]
     if not fits:
-        return [(LN_LOOP_BLOCK, 0, LN_LOOP_BLOCK, vec)]
-    tightest = min(tpr * vpt for tpr, vpt, _ in fits)
-    return [(tpr, vpt, blk, vec) for tpr, vpt, blk in fits if tpr * vpt == tightest]
+        return [(LN_LOOP_BLOCK, 0, LN_LOOP_BLOCK, vec, 0)]
+    tightest = min(tpr * vpt for tpr, vpt, _, _ in fits)
+    return [(tpr, vpt, blk, vec, pf) for tpr, vpt, blk, pf in fits if tpr * vpt == tightest]
 
 
 def _ln_pick(m: Any, x: CudaTensor, out: CudaTensor, weight: Optional[CudaTensor],
              bias: Optional[CudaTensor], rows: int, D: int, eps: float,
-             use_vec: bool) -> Tuple[int, int, int, int]:
+             use_vec: bool) -> LnConfig:
     """The config for this row length: autotuned among equally tight ones for large inputs."""
     cands = _ln_candidates(D, x.dtype, use_vec)
     if len(cands) == 1 or x.size < 1 << 22:
         return cands[0]
-    names = ("threads_per_row", "vpt", "block", "vec")
+    names = ("threads_per_row", "vpt", "block", "vec", "prefetch")
     keys = [dict(zip(names, c)) for c in cands]
     size_class = (x.dtype.name_str, D, "large" if x.size >= 1 << 25 else "medium")
     best = m.autotuner.pick("layer_norm", size_class, keys,
@@ -298,14 +334,18 @@ def _ln_pick(m: Any, x: CudaTensor, out: CudaTensor, weight: Optional[CudaTensor
     return tuple(best[n] for n in names)
 
 
-def _ln_launch(m: Any, cfg: Tuple[int, int, int, int], x: CudaTensor, out: CudaTensor,
+def _ln_launch(m: Any, cfg: LnConfig, x: CudaTensor, out: CudaTensor,
                weight: Optional[CudaTensor], bias: Optional[CudaTensor], rows: int, D: int,
                eps: float) -> None:
-    tpr, vpt, block, vec = cfg
+    tpr, vpt, block, vec, prefetch = cfg
     dev = x.device_id
-    kernel = m.kernel(LN_TEMPLATE, dev, **_ln_params(x.dtype, tpr, vpt, block, vec))
+    params = _ln_params(x.dtype, tpr, vpt, block, vec, bool(prefetch))
+    kernel = m.kernel(LN_TEMPLATE, dev, **params)
     rows_per_block = block // tpr
     grid = -(-rows // rows_per_block)
+    if prefetch:
+        sms = int(m.backend.get_device_info(dev).multiprocessor_count)
+        grid = min(grid, sms * params["min_blocks"] * LN_PERSIST_WAVES)
     if grid > 2**31 - 1:
         raise InvalidArgumentError(f"layer_norm supports under 2^31 row blocks, got {rows} rows")
     m.backend.launch_kernel(kernel.name, (grid, 1, 1), x, out,

@@ -5,13 +5,18 @@ row of all -inf, a row holding +inf or a row holding NaN gives NaN everywhere (w
 exp(x - max) / sum gives in NumPy); -inf elements of an otherwise finite row give 0 (log:
 -inf). float16/bfloat16 compute in float32, float64 in double.
 
-One kernel launch, `softmax.cu.j2`, in one of three modes chosen from the row length K:
+One kernel launch, `softmax.cu.j2`, in one of four modes chosen from the row length K:
 - "warp": rows of K <= 32 * vec * 8 elements (1024 float32) kept in registers by 1-32 lanes
   per row: 1 read + 1 write.
+- "block": rows of K <= 1024 * 4 * vec elements (16K float32) kept in registers across a
+  block of 128-1024 threads, nv 16-byte vectors per thread: 1 read + 1 write. Optionally
+  persistent (a few blocks per SM loop over rows, prefetching the next row).
 - "smem": longer rows that fit in shared memory (~56K float32 on Hopper), one block per row:
   1 read + 1 write.
 - "online": longer still: running max and rescaled sum in one read, then a second read to
   write: 2 reads + 1 write.
+`plan` is the fixed rule; `candidates` lists every mode and configuration able to run a row
+length (perf/sweep_rows.py times them all).
 """
 from __future__ import annotations
 
@@ -32,14 +37,46 @@ WARP_BLOCK = 256        # threads per block in warp mode
 SMEM_BLOCK = 1024       # most threads per block in smem mode
 ONLINE_BLOCK = 512      # threads per block in online mode (1024 would cap double at 64 regs)
 WARP_NV = (4, 8)        # register-cached vectors per lane that warp mode is compiled for
+# block mode (threads, nv, prefetch): the rule takes nv = BLOCK_NV, without prefetch
+BLOCK_CONFIGS = ((128, 4, False), (256, 2, False), (256, 4, False), (512, 2, False),
+                 (512, 4, False), (1024, 2, False), (1024, 4, False),
+                 (256, 2, True), (256, 4, True), (512, 2, True), (512, 4, True),
+                 (1024, 2, True))
+BLOCK_NV = 4
+BLOCK_PREFETCH = False
+PERSIST_WAVES = 1       # persistent grid: this many times the resident blocks per SM
 # launch plans per CudaMath: (device, dtype, K) -> plan() + kernel name
 _plans: "weakref.WeakKeyDictionary[Any, Dict[tuple, Dict[str, Any]]]" = \
     weakref.WeakKeyDictionary()
 
 
-def kernel_params(dtype: CudaDataType, mode: str, nv: int = 0) -> Dict[str, Any]:
-    """Template parameters for one mode ("warp" with nv vectors per lane, "smem", "online")."""
-    block = {"warp": WARP_BLOCK, "smem": SMEM_BLOCK, "online": ONLINE_BLOCK}[mode]
+def block_min_blocks(dtype: CudaDataType, block: int, nv: int, prefetch: bool) -> int:
+    """Resident blocks per SM a block-mode kernel is compiled for: as many as the register
+    file allows (64K per SM) for its 16-byte slots plus the working registers (float32 16,
+    with prefetch 24; 16-bit types 24, with prefetch 40; float64 36), rounded the way ptxas allocates (multiples of 8).
+    Every variant compiles spill-free (checked with ptxas -v)."""
+    data = 4 * nv * (2 if prefetch else 1)
+    if dtype is CudaDataType.FLOAT64:
+        need = data + 36
+    elif dtype is CudaDataType.FLOAT32:
+        need = data + (24 if prefetch else 16)
+    else:
+        need = data + (40 if prefetch else 24)
+    best = 1
+    for blocks in range(1, 2048 // block + 1):
+        if (65536 // (block * blocks)) // 8 * 8 >= min(need, 255):
+            best = blocks
+    return best
+
+
+def kernel_params(dtype: CudaDataType, mode: str, nv: int = 0, block: int = 0,
+                  prefetch: bool = False) -> Dict[str, Any]:
+    """Template parameters for one mode ("warp" with nv vectors per lane, "block" with block
+    threads, nv vectors per thread and prefetch, "smem", "online")."""
+    if mode == "block":
+        size = block
+    else:
+        size = {"warp": WARP_BLOCK, "smem": SMEM_BLOCK, "online": ONLINE_BLOCK}[mode]
     # Register budgets that compile without spills (ptxas's own choice spilled some):
     # warp mode float32 4 blocks/SM (<= 64 registers), float64 and nv=4 halves 3 (<= 80),
     # nv=8 halves 2; smem mode 2 blocks of 1024 (<= 32 registers: full occupancy).
@@ -53,36 +90,88 @@ def kernel_params(dtype: CudaDataType, mode: str, nv: int = 0) -> Dict[str, Any]
             min_blocks = 2
     elif mode == "smem":
         min_blocks = 2
+    elif mode == "block":
+        min_blocks = block_min_blocks(dtype, block, nv, prefetch)
     params = {"dtype": dtype.name_str, "ctype": dtype.c_type, "acc": accumulator_type(dtype),
-              "mode": mode, "vec": 16 // dtype.itemsize, "block_size": block,
+              "mode": mode, "vec": 16 // dtype.itemsize, "block_size": size,
               "min_blocks": min_blocks}
-    if mode == "warp":
+    if mode in ("warp", "block"):
         params["nv"] = nv
+    if mode == "block":
+        params["prefetch"] = bool(prefetch)
     return params
 
 
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
-    """Every parameter set this module renders: 3 warp sizes + smem + online per float dtype."""
+    """Every parameter set this module renders: per float dtype 2 warp sizes, the block
+    configs, smem and online."""
     sets = []
     for dt in common.FLOATS:
         sets += [kernel_params(dt, "warp", nv) for nv in WARP_NV]
+        sets += [kernel_params(dt, "block", nv, blk, pf) for blk, nv, pf in BLOCK_CONFIGS]
         sets += [kernel_params(dt, "smem"), kernel_params(dt, "online")]
     return {TEMPLATE: sets}
 
 
+def _warp_plan(K: int, vec: int) -> Optional[Dict[str, int]]:
+    if K > 32 * vec * WARP_NV[-1]:
+        return None
+    nv = next(n for n in WARP_NV if K <= 32 * vec * n)
+    group = min(32, 1 << max(0, -(-K // (vec * nv)) - 1).bit_length())
+    return {"mode": "warp", "nv": nv, "group": group, "threads": WARP_BLOCK, "smem": 0,
+            "prefetch": 0}
+
+
+def _block_plans(K: int, vec: int) -> List[Dict[str, int]]:
+    """Block-mode configs whose capacity holds K with more than half of it used."""
+    out = []
+    for blk, nv, pf in BLOCK_CONFIGS:
+        cap = blk * nv * vec
+        if cap >= K and 2 * K > cap:
+            out.append({"mode": "block", "nv": nv, "group": 0, "threads": blk, "smem": 0,
+                        "prefetch": int(pf)})
+    return out
+
+
+def _smem_plan(K: int, itemsize: int, smem_limit: int) -> Optional[Dict[str, int]]:
+    vec = 16 // itemsize
+    smem = (K + vec) * itemsize
+    if smem > smem_limit:
+        return None
+    threads = min(SMEM_BLOCK, max(128, 1 << (-(-K // (vec * 4)) - 1).bit_length()))
+    return {"mode": "smem", "nv": 0, "group": 0, "threads": threads, "smem": smem,
+            "prefetch": 0}
+
+
+def _online_plan() -> Dict[str, int]:
+    return {"mode": "online", "nv": 0, "group": 0, "threads": ONLINE_BLOCK, "smem": 0,
+            "prefetch": 0}
+
+
 def plan(K: int, itemsize: int, smem_limit: int) -> Dict[str, int]:
     """Mode and launch sizing for rows of K elements: {"mode", "nv", "group", "threads",
-    "smem"}. smem_limit: the dynamic shared memory one block may use."""
+    "smem", "prefetch"}. smem_limit: the dynamic shared memory one block may use. The rule:
+    warp mode when the row fits a warp; else block mode with BLOCK_NV vectors per thread on
+    the fewest threads that hold the row; else smem, else online."""
     vec = 16 // itemsize
-    if K <= 32 * vec * WARP_NV[-1]:
-        nv = next(n for n in WARP_NV if K <= 32 * vec * n)
-        group = min(32, 1 << max(0, -(-K // (vec * nv)) - 1).bit_length())
-        return {"mode": "warp", "nv": nv, "group": group, "threads": WARP_BLOCK, "smem": 0}
-    smem = (K + vec) * itemsize
-    threads = min(SMEM_BLOCK, max(128, 1 << (-(-K // (vec * 4)) - 1).bit_length()))
-    if smem <= smem_limit:
-        return {"mode": "smem", "nv": 0, "group": 0, "threads": threads, "smem": smem}
-    return {"mode": "online", "nv": 0, "group": 0, "threads": ONLINE_BLOCK, "smem": 0}
+    p = _warp_plan(K, vec)
+    if p is not None:
+        return p
+    for b in _block_plans(K, vec):
+        if b["nv"] == BLOCK_NV and b["prefetch"] == int(BLOCK_PREFETCH):
+            return b
+    return _smem_plan(K, itemsize, smem_limit) or _online_plan()
+
+
+def candidates(K: int, itemsize: int, smem_limit: int) -> List[Dict[str, int]]:
+    """Every plan able to run rows of K elements (the rule's choice first)."""
+    vec = 16 // itemsize
+    out = [plan(K, itemsize, smem_limit)]
+    for p in [_warp_plan(K, vec)] + _block_plans(K, vec) + \
+            [_smem_plan(K, itemsize, smem_limit), _online_plan()]:
+        if p is not None and p not in out:
+            out.append(p)
+    return out
 
 
 def softmax(m: Any, x: CudaTensor, log: bool = False,
@@ -108,7 +197,6 @@ def softmax(m: Any, x: CudaTensor, log: bool = False,
 
     dev = x.device_id
     K = x.shape[-1] if x.ndim else 1
-    rows = x.size // K
     plans = _plans.get(m)
     if plans is None:
         plans = _plans.setdefault(m, {})
@@ -116,22 +204,50 @@ def softmax(m: Any, x: CudaTensor, log: bool = False,
     p = plans.get(key)
     if p is None:  # planned once per CudaMath, device, dtype and row length
         info = m.backend.get_device_info(dev)
-        p = plan(K, x.dtype.itemsize, int(info.shared_memory_per_block_optin) - 1024)
-        p["kernel"] = m.kernel(TEMPLATE, dev, **kernel_params(x.dtype, p["mode"], p["nv"])).name
+        p = prepare(m, plan(K, x.dtype.itemsize, int(info.shared_memory_per_block_optin) - 1024),
+                    x.dtype, dev)
         if len(plans) >= 4096:
             plans.clear()
         plans[key] = p
     if out is None:
         out = m.backend.empty(x.shape, x.dtype, dev)
+    launch(m, p, x, out, log)
+    return out
+
+
+def prepare(m: Any, p: Dict[str, int], dtype: CudaDataType, dev: int) -> Dict[str, Any]:
+    """The plan with its compiled kernel's name and, for persistent block mode, the grid
+    size cap (resident blocks per SM x SMs x PERSIST_WAVES)."""
+    params = kernel_params(dtype, p["mode"], p["nv"], p["threads"], bool(p["prefetch"]))
+    q: Dict[str, Any] = dict(p, kernel=m.kernel(TEMPLATE, dev, **params).name, max_grid=0)
+    if p["prefetch"]:
+        sms = int(m.backend.get_device_info(dev).multiprocessor_count)
+        q["max_grid"] = sms * params["min_blocks"] * PERSIST_WAVES
+    return q
+
+
+def launch(m: Any, p: Dict[str, Any], x: CudaTensor, out: CudaTensor, log: bool) -> None:
+    """One launch of a prepared plan over x's rows into out (same shape and dtype)."""
+    K = x.shape[-1] if x.ndim else 1
+    rows = x.size // K
     if p["mode"] == "warp":
         vec_ok = int(K % (16 // x.dtype.itemsize) == 0 and x.ptr % 16 == 0 and out.ptr % 16 == 0)
         grid = -(-rows // (WARP_BLOCK // p["group"]))
     else:  # rows are moved head / 16-byte body / tail, which needs x and y congruent
         vec_ok = int((x.ptr - out.ptr) % 16 == 0 and x.ptr % x.dtype.itemsize == 0)
-        grid = rows
+        grid = min(rows, p["max_grid"]) if p["max_grid"] else rows
     m.backend.launch_kernel(p["kernel"], (grid, 1, 1), x, out, rows, K, p["group"], vec_ok,
                             int(bool(log)), block_size=(p["threads"], 1, 1),
-                            shared_mem=p["smem"], device_id=dev)
+                            shared_mem=p["smem"], device_id=x.device_id)
+
+
+def run_plan(m: Any, p: Dict[str, int], x: CudaTensor, log: bool = False,
+             out: Optional[CudaTensor] = None) -> CudaTensor:
+    """softmax of x (2-D or more, on the GPU) with one given plan from `candidates`, bypassing
+    the rule (tests, perf/sweep_rows.py)."""
+    if out is None:
+        out = m.backend.empty(x.shape, x.dtype, x.device_id)
+    launch(m, prepare(m, p, x.dtype, x.device_id), x, out, log)
     return out
 
 
