@@ -19,9 +19,12 @@ for stage in "${stages[@]}"; do
             # threads...) run on the GPU too; multigpu ones skip on one GPU. The nvcc-only
             # template check and the slow wheel build are CI's.
       xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n ${TEST_WORKERS:-8}"
-      T "${TESTS_LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider -m "not slow" $xd --timeout 300 \
-          -rfE --ignore=tests/test_templates.py ${TEST_ARGS:-tests} \
-          2>&1 | tee -a "$out/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 60 ;;
+      T "${TESTS_LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider -m "not slow and not exclusive" \
+          $xd --timeout 300 -rfE --ignore=tests/test_templates.py ${TEST_ARGS:-tests} \
+          2>&1 | tee -a "$out/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 60
+      # tests that need the GPU to themselves (fill its memory, read the driver's free memory)
+      T 200 python3 -m pytest -q -p no:cacheprovider -m "exclusive" --timeout 180 -rfE tests \
+          2>&1 | tee -a "$out/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 10 ;;
     bench)
       T 120 python3 perf/bench_core.py --out "$out/bench_core.json" 2>&1 | tee -a "$out/bench.log"
       T 200 python3 perf/bench_math.py --out "$out/bench_math.json" 2>&1 | tail -n 25 | tee -a "$out/bench.log"

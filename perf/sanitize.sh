@@ -26,7 +26,7 @@ run_tool() {
     CUDA_BACKEND_FUZZ=sanitize compute-sanitizer --tool "$t" $api \
         --target-processes all --print-limit 20 --error-exitcode 99 \
         python3 -m pytest -q -p no:cacheprovider $xd --timeout "${SANITIZE_TEST_TIMEOUT:-300}" \
-        -m "not multigpu and not planted_fault and not slow" --ignore=tests/test_templates.py \
+        -m "not multigpu and not planted_fault and not slow and not exclusive" --ignore=tests/test_templates.py \
         "$@" >"$log" 2>&1
     local rc=$?
     grep -E "^(FAILED|ERROR) " "$log" | head -20

@@ -150,6 +150,40 @@ def test_pool_oom_ladder_and_limit(backend):
     assert pool.get_limit() == 0
 
 
+@pytest.mark.exclusive
+def test_allocate_until_the_device_is_full(backend):
+    """Fill the device in 1 GiB blocks: a typed error with the numbers; freed blocks kept in
+    the pool's cache are released and retried for a larger request; after freeing, the pool
+    allocates again. Needs the GPU to itself (marker `exclusive`)."""
+    pool = backend.memory_pools[0]
+    gib = 1 << 30
+    ptrs = []
+    try:
+        with pytest.raises(cb.CudaOutOfMemoryError) as info:
+            for _ in range(backend.devices[0].memory_total // gib + 2):
+                ptrs.append(backend.allocate_memory(gib))
+        msg = str(info.value)
+        assert len(ptrs) >= 4, msg
+        assert f"tried to allocate 1.00 GiB ({gib} bytes)" in msg, msg
+        assert "In use by the pool" in msg and "cached free blocks" in msg, msg
+        # two blocks back to the pool's cache: the driver still has them, so a 2 GiB request
+        # succeeds only through the ladder (free cached blocks, collect, retry)
+        for p in (ptrs.pop(), ptrs.pop()):
+            backend.free_memory(p)
+        assert pool.get_stats()["cached_bytes"] >= 2 * gib
+        retries = pool.get_stats()["oom_retries"]
+        ptrs.append(backend.allocate_memory(2 * gib))
+        assert pool.get_stats()["oom_retries"] == retries + 1
+    finally:
+        for p in ptrs:
+            backend.free_memory(p)
+        pool.free_all_blocks()
+    p = backend.allocate_memory(gib)          # usable again
+    backend.free_memory(p)
+    x = np.arange(1000, dtype=np.float32)
+    assert np.array_equal(backend.to_host(backend.to_device(x)), x)
+
+
 # -- copies -------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int32, np.int64,
                                    np.uint8, np.bool_])

@@ -227,6 +227,7 @@ class _StreamCounter:
 
 
 @pytest.mark.gpu
+@pytest.mark.exclusive
 def test_driver_memory_pinned_pool_and_streams_come_back(backend, m, monkeypatch):
     import pycuda.driver as drv
     from cuda_backend import streams
