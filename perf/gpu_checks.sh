@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One batched pass over everything that needs a GPU, for a device session of limited time.
-#   perf/gpu_checks.sh [stage ...]      stages: core tests fuzz bench multigpu report sanitize (default: core tests bench)
+#   perf/gpu_checks.sh [stage ...]      stages: core tests fuzz bench multigpu sweep report sanitize
+#   memcheck racecheck synccheck initcheck (default: core tests bench)
 # Writes at most 8 files into ${OUT:-/tmp/gpu-checks} (the device tool returns 8 at most):
 # tests.log, bench.log, bench_core.json, bench_math.json, bench_matmul.json, bench_ml.json,
 # report.tgz, sanitize.log. Each stage has its own time limit so one slow stage cannot eat the run.
@@ -44,6 +45,13 @@ for stage in "${stages[@]}"; do
       tar -czf "$out/report.tgz" -C /tmp/cb-report . ;;
     sanitize)
       SANITIZE_LOG_DIR=/tmp T 580 perf/sanitize.sh all 2>&1 | tee "$out/sanitize.log" ;;
+    memcheck|racecheck|synccheck|initcheck)   # one tool; its full log lands in $out
+      SANITIZE_LOG_DIR="$out" T "${SANITIZE_LIMIT:-580}" perf/sanitize.sh "$stage" 2>&1 | tail -n 25 ;;
+    sweep)  # kernel-variant sweeps of the row ops and transpose, and the fused linear layer
+      [ -e perf/sweep_rows.py ] && T 200 python3 perf/sweep_rows.py --out "$out/sweep_rows.json" \
+          2>&1 | tee -a "$out/bench.log" | tail -n 60
+      [ -e perf/bench_linear.py ] && T 120 python3 perf/bench_linear.py --out "$out/bench_linear.json" \
+          2>&1 | tee -a "$out/bench.log" | tail -n 20 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
