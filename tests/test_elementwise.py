@@ -139,7 +139,7 @@ def ref_unary(op: str, x: np.ndarray, alpha: float = 0.0) -> np.ndarray:
             z = math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)
             return x / (1 + np.exp(-2 * z))
         if op == "gelu_exact":
-            return 0.5 * x * _erfc(-x / math.sqrt(2)).astype(np.float64)
+            return 0.5 * x * np.asarray(_erfc(-x / math.sqrt(2)), dtype=np.float64)
         if op == "leaky_relu":
             return np.where(x > 0, x, alpha * x)
         if op == "elu":

@@ -275,7 +275,9 @@ def _np_unary(op: str, x: np.ndarray, alpha: float) -> np.ndarray:
     if op == "gelu":
         return x / (one + np.exp(t(-1.5957691216057308) * (x + t(0.044715) * x * x * x)))
     if op == "gelu_exact":
-        return (t(0.5) * x * _erfc(x * t(-0.7071067811865476)).astype(x.dtype)).astype(x.dtype)
+        # np.asarray: frompyfunc gives a plain float (no .astype) for a 0-d input
+        erfc = np.asarray(_erfc(x * t(-0.7071067811865476)), dtype=np.float64).astype(x.dtype)
+        return np.asarray(t(0.5) * x * erfc, dtype=x.dtype)
     if op == "leaky_relu":
         return np.where(x > 0, x, t(alpha) * x)
     if op == "elu":
