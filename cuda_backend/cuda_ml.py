@@ -180,10 +180,12 @@ class CudaML:
 
     # -- layers ---------------------------------------------------------------------------
     def fused_linear_gelu(self, x: CudaTensor, weight: CudaTensor,
-                          bias: Optional[CudaTensor] = None) -> CudaTensor:
-        """GELU(x Wᵀ + b) in one kernel; weight is (out_features, in_features)."""
+                          bias: Optional[CudaTensor] = None,
+                          precision: Optional[str] = None) -> CudaTensor:
+        """GELU(x Wᵀ + b) in one kernel; weight is (out_features, in_features). float32 is
+        true FP32 unless precision="tf32"."""
         from .ops import linear
-        return linear.fused_linear_gelu(self.math, x, weight, bias)
+        return linear.fused_linear_gelu(self.math, x, weight, bias, precision)
 
     def flash_attention(self, q: CudaTensor, k: CudaTensor, v: CudaTensor,
                         scale: Optional[float] = None, causal: bool = False) -> CudaTensor:
