@@ -3,7 +3,8 @@
     python perf/bench_math.py [--out results.json] [--quick]
 
 One run measures: the device-to-device copy bandwidth (bytes read + written, a 2 GiB copy);
-then for each case our median time (CUDA events, after warm-up) and torch's, the achieved
+then for each case our median time (CUDA events, after warm-up, the start event queued behind
+a GPU spin so that host overhead is not timed: see gpu_gap) and torch's, the achieved
 GB/s (the bytes the operation must move), its fraction of the copy bandwidth and the ratio
 torch_time / our_time (>1 means we are faster). Inputs are 1 GiB+ so the 50-60 MB L2 holds
 no useful part of them; small cases rotate among several input sets.
@@ -18,12 +19,24 @@ import time
 import numpy as np
 
 
+GAP_CYCLES = 400_000   # ~0.2 ms of GPU spin at ~2 GHz: longer than any call's host overhead
+
+
+def gpu_gap() -> None:
+    """Keep the GPU busy (a spin kernel on the default stream) while the host queues the
+    start event and the call: the events then time the GPU work, not the Python before the
+    launch, for ours and PyTorch alike."""
+    import torch
+    torch.cuda._sleep(GAP_CYCLES)
+
+
 def event_median(fn, reps, events, sync):
     fn()
     sync()
     times = []
     for _ in range(reps):
         s, e = events()
+        gpu_gap()
         s.record()
         fn()
         e.record()

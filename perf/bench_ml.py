@@ -22,6 +22,8 @@ import statistics
 
 import numpy as np
 
+from bench_math import gpu_gap
+
 FLUSH_BYTES = 256 << 20
 
 
@@ -68,6 +70,7 @@ def main() -> None:
         times = []
         for _ in range(R):
             flush()
+            gpu_gap()
             s, e = events()
             s.record()
             fn()

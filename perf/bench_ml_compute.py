@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from bench_math import gpu_gap
+
 
 def event_median(fn, reps, events, sync, warmup=3):
     for _ in range(warmup):
@@ -27,6 +29,7 @@ def event_median(fn, reps, events, sync, warmup=3):
     times = []
     for _ in range(reps):
         s, e = events()
+        gpu_gap()
         s.record()
         fn()
         e.record()

@@ -1,8 +1,8 @@
 """layer_norm over the last axis against a float64 NumPy reference: every float dtype, row
-lengths around every register capacity (warp-per-row, block-per-row, looping kernel),
-with and without weight/bias, every configuration of the register kernel, poisoned outputs,
-misaligned pointers, errors. GPU tests are marked `gpu`; the rest run in whatever mode the
-backend is in (fallback here)."""
+lengths around every register capacity (warp-per-row, block-per-row, persistent prefetching
+blocks, looping kernel), with and without weight/bias, every configuration of the register
+kernel, poisoned outputs, misaligned pointers, errors. GPU tests are marked `gpu`; the rest
+run in whatever mode the backend is in (fallback here)."""
 from __future__ import annotations
 
 import numpy as np
@@ -58,7 +58,8 @@ def check(out, a, w, b, eps, dtype, what=""):
     assert not bad.any(), (what, int(bad.sum()), float(np.max(err / bound)))
 
 
-def case(m, rows, D, dtype, rng, affine=(True, True), eps=1e-5, offset=0.5, cfg=None):
+def case(m, rows, D, dtype, rng, affine=(True, True), eps=1e-5, offset=0.5, cfg=None,
+         max_grid=0):
     shape = rows + (D,) if isinstance(rows, tuple) else (rows, D)
     x, a = to_dev(m, rng.standard_normal(shape) * 2 + offset, dtype)
     wt, w = to_dev(m, rng.standard_normal(D), dtype) if affine[0] else (None, None)
@@ -67,8 +68,9 @@ def case(m, rows, D, dtype, rng, affine=(True, True), eps=1e-5, offset=0.5, cfg=
     if cfg is None:
         nm.layer_norm(m, x, wt, bt, eps, out=out)
     else:
-        nm._ln_launch(m, cfg, x, out, wt, bt, x.size // D, D, eps)
-    check(m.to_numpy(out), a, w, b, eps, dtype, f"{shape} {dtype.name_str} {affine} {cfg}")
+        nm._ln_launch(m, cfg, x, out, wt, bt, x.size // D, D, eps, max_grid)
+    check(m.to_numpy(out), a, w, b, eps, dtype,
+          f"{shape} {dtype.name_str} {affine} {cfg} grid<={max_grid}")
     for t in (x, wt, bt, out):
         if t is not None:
             t.free()
@@ -97,9 +99,49 @@ def test_every_register_config_float32(m, vec):
     for tpr, vpt, block in configs:
         cap = tpr * vpt * v
         for D in sorted({cap, cap - v, cap // 2 + v, v}):
-            case(m, 5, D, DT.FLOAT32, rng, cfg=(tpr, vpt, block, v))
+            case(m, 5, D, DT.FLOAT32, rng, cfg=(tpr, vpt, block, v, 0))
     for D in [v, 1000 * v, 9001 * v]:  # the looping kernel
-        case(m, 3, D, DT.FLOAT32, rng, cfg=(nm.LN_LOOP_BLOCK, 0, nm.LN_LOOP_BLOCK, v))
+        case(m, 3, D, DT.FLOAT32, rng, cfg=(nm.LN_LOOP_BLOCK, 0, nm.LN_LOOP_BLOCK, v, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
+def test_prefetch_configs(m, dtype):
+    """Each persistent prefetching config at capacity - 1 vector, capacity and just over half
+    of it, with 1, 2 and 3 blocks looping over 7 rows (both register sets, odd and even row
+    counts per block), with and without weight and bias, and at its real grid over a little
+    more than two rows per block."""
+    rng = np.random.default_rng()
+    v = 16 // dtype.itemsize
+    sms = m.backend.get_device_info(0).multiprocessor_count
+    for tpr, vpt, block in nm.LN_PREFETCH_CONFIGS:
+        cap = tpr * vpt * v
+        cfg = (tpr, vpt, block, v, 1)
+        for D in (cap - v, cap, cap // 2 + v):
+            for grid in (1, 2, 3):
+                case(m, 7, D, dtype, rng, cfg=cfg, max_grid=grid)
+        case(m, 7, cap, dtype, rng, affine=(False, False), cfg=cfg, max_grid=2)
+        case(m, 7, cap, dtype, rng, affine=(True, False), cfg=cfg, max_grid=3)
+        resident = sms * nm._ln_params(dtype, tpr, vpt, block, v, True)["min_blocks"]
+        case(m, 2 * resident + 1, cap - v, dtype, rng, cfg=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
+def test_every_candidate_at_boundaries(m, dtype):
+    """Every candidate `_ln_candidates` offers, at D = capacity - 1 vector, capacity,
+    capacity + 1 vector of each block-per-row config (and primes, scalar configs)."""
+    rng = np.random.default_rng()
+    v = 16 // dtype.itemsize
+    dims = {1031, 4099, 8191}
+    for tpr, vpt, _ in nm.LN_VEC_CONFIGS + nm.LN_PREFETCH_CONFIGS:
+        if tpr > 32:
+            cap = tpr * vpt * v
+            dims |= {cap - v, cap, cap + v}
+    for D in sorted(dims):
+        use_vec = D % v == 0
+        for cfg in nm._ln_candidates(D, dtype, use_vec):
+            case(m, 5, D, dtype, rng, cfg=cfg, max_grid=2)
 
 
 @pytest.mark.gpu
@@ -172,12 +214,36 @@ def test_candidates():
                 if use_vec and D % vec:
                     continue
                 cands = nm._ln_candidates(D, dtype, use_vec)
-                for tpr, vpt, block, v in cands:
+                for tpr, vpt, block, v, pf in cands:
                     assert v == (vec if use_vec else 1)
                     assert vpt == 0 or tpr * vpt * v >= D
                     assert block % tpr == 0
-    assert nm._ln_candidates(4096, DT.FLOAT32, True) == [(128, 8, 128, 4), (256, 4, 256, 4)]
+                    assert not pf or (tpr == block and use_vec)
+    assert nm._ln_candidates(4096, DT.FLOAT32, True) == [
+        (128, 8, 128, 4, 0), (256, 4, 256, 4, 0), (512, 2, 512, 4, 0), (256, 4, 256, 4, 1),
+        (512, 2, 512, 4, 1)]
+    assert nm._ln_candidates(1024, DT.FLOAT32, True) == [(32, 8, 256, 4, 0)]
+    assert nm._ln_candidates(4096, DT.BFLOAT16, True) == [
+        (128, 4, 128, 8, 0), (256, 2, 256, 8, 0), (128, 4, 128, 8, 1), (256, 2, 256, 8, 1)]
     assert nm._ln_candidates(1 << 20, DT.FLOAT32, True)[0][1] == 0
+
+
+def test_register_budgets():
+    """Warp-per-row and looping kernels keep 1024 threads per SM; block-per-row ones fit
+    their vectors (x2 with prefetch) in the register file; prefetch only with one row per
+    block."""
+    for dt in FLOATS:
+        v = 16 // dt.itemsize
+        for tpr, vpt, block in nm.LN_VEC_CONFIGS:
+            p = nm._ln_params(dt, tpr, vpt, block, v)
+            if tpr == 32:
+                assert p["min_blocks"] == 1024 // block
+            else:
+                assert 65536 // (block * p["min_blocks"]) >= vpt * 4 + 16
+        for tpr, vpt, block in nm.LN_PREFETCH_CONFIGS:
+            assert tpr == block
+            p = nm._ln_params(dt, tpr, vpt, block, v, True)
+            assert p["prefetch"] and 65536 // (block * p["min_blocks"]) >= 2 * vpt * 4 + 16
 
 
 def test_zero_size(m):

@@ -1,7 +1,8 @@
 """softmax / log_softmax over the last axis against a stable float64 NumPy reference: every
-float dtype, short (warp), shared-memory and online rows, -inf/+inf/NaN rows, huge values,
-poisoned outputs, misaligned pointers, errors; GPU tests are marked `gpu`, the rest run in
-whatever mode the backend is in (fallback here) and test the mode planning."""
+float dtype, short (warp), register-block, shared-memory and online rows, every candidate
+plan around the modes' boundaries, -inf/+inf/NaN rows, huge values, poisoned outputs,
+misaligned pointers, errors; GPU tests are marked `gpu`, the rest run in whatever mode the
+backend is in (fallback here) and test the mode planning."""
 from __future__ import annotations
 
 import numpy as np
@@ -170,6 +171,100 @@ def test_misaligned_pointers(m, dtype):
         base.free(), obase.free()
 
 
+LIMIT = 227 * 1024 - 1024  # the smem limit plan() gets on Hopper
+
+
+def boundary_lengths(itemsize):
+    """Row lengths at and around every mode and block-config boundary, plus primes."""
+    vec = 16 // itemsize
+    caps = {32 * vec * sm.WARP_NV[-1]} | {blk * nv * vec for blk, nv, _ in sm.BLOCK_CONFIGS}
+    ks = {1, 2, 3, 997, 1031, 2053, 4099, 8191, 16381}
+    for c in caps:
+        ks |= {c - 1, c, c + 1}
+    return sorted(k for k in ks if k <= 1024 * 4 * vec + 1)
+
+
+def run_candidate(m, p, x, log, out, max_grid=None):
+    """One candidate plan, launched directly; max_grid caps a persistent grid so that each
+    block loops over several rows (both prefetch buffers, odd and even row counts)."""
+    q = sm.prepare(m, p, x.dtype, x.device_id)
+    if max_grid is not None and q["max_grid"]:
+        q["max_grid"] = max_grid
+    sm.launch(m, q, x, out, log)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
+def test_every_candidate_at_boundaries(m, dtype):
+    """Every plan `candidates` offers, at K = boundary - 1, boundary, boundary + 1 and primes,
+    against float64 NumPy; outputs poisoned; persistent plans with 1, 2 and 3 blocks over 7
+    rows; softmax and log_softmax."""
+    rng = np.random.default_rng()
+    for K in boundary_lengths(dtype.itemsize):
+        x, a = make(m, (7, K), dtype, rng)
+        for p in sm.candidates(K, dtype.itemsize, LIMIT):
+            for log in (False, True):
+                for max_grid in ((1, 2, 3) if p["prefetch"] else (None,)):
+                    out = poisoned(m, (7, K), dtype)
+                    run_candidate(m, p, x, log, out, max_grid)
+                    check(m.to_numpy(out), a, dtype, log, f"K={K} {p} log={log} grid={max_grid}")
+                    out.free()
+        x.free()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
+def test_block_configs_misaligned_and_special(m, dtype):
+    """Each block config at its full and near-empty capacity, with x one element past a
+    16-byte boundary and out congruent with it (vectors after a head) or not (the scalar
+    path), on rows holding -inf / +inf / NaN / huge values."""
+    rng = np.random.default_rng()
+    vec = 16 // dtype.itemsize
+    for blk, nv, pf in sm.BLOCK_CONFIGS:
+        p = {"mode": "block", "nv": nv, "group": 0, "threads": blk, "smem": 0, "prefetch": int(pf)}
+        cap = blk * nv * vec
+        for K in (cap, cap - 3, cap // 2 + 1):
+            h = special_rows(dtype, K, rng)
+            n = h.size
+            base = m.from_numpy(np.concatenate([[0.0], h.ravel()]).astype(host_dtype(dtype)),
+                                dtype=dtype)
+            x = CudaTensor(h.shape, dtype, base.device_id, base.ptr + dtype.itemsize, owner=base)
+            a = m.to_numpy(base)[1:].reshape(h.shape)
+            obase = poisoned(m, (n + 2,), dtype)
+            for shift in (1, 2):
+                out = CudaTensor(h.shape, dtype, obase.device_id,
+                                 obase.ptr + shift * dtype.itemsize, owner=obase)
+                for log in (False, True):
+                    run_candidate(m, p, x, log, out, max_grid=2)
+                    o = m.to_numpy(out).astype(np.float64)
+                    ref = reference(a, log)
+                    what = f"{p} K={K} shift={shift} log={log}"
+                    np.testing.assert_array_equal(np.isnan(o), np.isnan(ref), err_msg=what)
+                    assert np.all(np.isnan(o[:3])), what
+                    ok = np.isfinite(ref)
+                    np.testing.assert_array_equal(o[~ok], ref[~ok], err_msg=what)
+                    assert_close(o[ok], ref[ok], dtype, log, what)
+            base.free(), obase.free()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 8192), (1024, 16384), (2000, 4096)])
+def test_large_block_rows_float32(m, shape):
+    """The targets of block mode through the public path, and persistent plans over many
+    rows at their real grid."""
+    rng = np.random.default_rng()
+    x, a = make(m, shape, DT.FLOAT32, rng)
+    check(m.to_numpy(m.softmax(x)), a, DT.FLOAT32, False, str(shape))
+    for p in sm.candidates(shape[1], 4, LIMIT):
+        if p["prefetch"]:
+            out = poisoned(m, shape, DT.FLOAT32)
+            check(m.to_numpy(run_candidate(m, p, x, True, out)), a, DT.FLOAT32, True,
+                  f"{shape} {p}")
+            out.free()
+    x.free()
+
+
 @pytest.mark.gpu
 @settings(max_examples=examples(40), deadline=None)
 @given(rows=st.integers(1, 50), K=st.integers(1, 6000), log=st.booleans(),
@@ -226,9 +321,9 @@ def test_errors(m):
 
 
 def test_plan_modes():
-    limit = 227 * 1024 - 1024
+    limit = LIMIT
     assert sm.plan(1, 4, limit) == {"mode": "warp", "nv": 4, "group": 1, "threads": 256,
-                                    "smem": 0}
+                                    "smem": 0, "prefetch": 0}
     assert sm.plan(7, 4, limit)["group"] == 1       # one lane holds 16 elements
     assert sm.plan(64, 4, limit)["group"] == 4      # 4 vectors per lane in flight
     p = sm.plan(512, 4, limit)
@@ -237,9 +332,17 @@ def test_plan_modes():
     p = sm.plan(1024, 4, limit)
     assert p["mode"] == "warp" and p["nv"] == 8 and p["group"] == 32
     assert sm.plan(2048, 2, limit)["mode"] == "warp"
-    assert sm.plan(1025, 4, limit)["mode"] == "smem"
-    assert sm.plan(4096, 4, limit) == {"mode": "smem", "nv": 0, "group": 0, "threads": 256,
-                                       "smem": 4100 * 4}
+    # block mode: BLOCK_NV vectors per thread on the fewest threads holding the row
+    assert sm.plan(1025, 4, limit) == {"mode": "block", "nv": 4, "group": 0, "threads": 128,
+                                       "smem": 0, "prefetch": 0}
+    assert sm.plan(4096, 4, limit)["threads"] == 256
+    assert sm.plan(4097, 4, limit)["threads"] == 512
+    assert sm.plan(8192, 4, limit)["threads"] == 512
+    assert sm.plan(16384, 4, limit)["threads"] == 1024
+    assert sm.plan(4096, 2, limit)["threads"] == 128
+    assert sm.plan(4096, 8, limit)["threads"] == 512
+    assert sm.plan(16385, 4, limit) == {"mode": "smem", "nv": 0, "group": 0, "threads": 1024,
+                                        "smem": 16389 * 4, "prefetch": 0}
     assert sm.plan(33000, 4, limit)["threads"] == 1024
     assert sm.plan(60000, 4, limit)["mode"] == "online"
     for K in range(1, 3000, 7):
@@ -250,7 +353,40 @@ def test_plan_modes():
                 assert p["nv"] in sm.WARP_NV
 
 
+def test_candidates_hold_the_row():
+    """Each candidate can run K (block mode: capacity >= K, more than half used), the rule's
+    plan comes first, no duplicates; 4096 float32 offers both block sizes with and without
+    prefetch, then smem and online."""
+    for itemsize in (2, 4, 8):
+        vec = 16 // itemsize
+        for K in boundary_lengths(itemsize) + [20000, 70000]:
+            cands = sm.candidates(K, itemsize, LIMIT)
+            assert cands[0] == sm.plan(K, itemsize, LIMIT)
+            assert len({tuple(sorted(c.items())) for c in cands}) == len(cands)
+            for c in cands:
+                if c["mode"] == "block":
+                    cap = c["threads"] * c["nv"] * vec
+                    assert K <= cap < 2 * K
+                    assert (c["threads"], c["nv"], bool(c["prefetch"])) in sm.BLOCK_CONFIGS
+                elif c["mode"] == "warp":
+                    assert K <= 32 * vec * sm.WARP_NV[-1]
+            assert cands[-1]["mode"] == "online"
+    got = [(c["mode"], c["threads"], c["nv"], c["prefetch"]) for c in sm.candidates(4096, 4, LIMIT)]
+    assert got == [("block", 256, 4, 0), ("block", 512, 2, 0), ("block", 256, 4, 1),
+                   ("block", 512, 2, 1), ("smem", 256, 0, 0), ("online", 512, 0, 0)]
+
+
+def test_block_register_budget():
+    """Resident blocks per SM fit the register file for the data slots (x2 with prefetch)."""
+    for dt in FLOATS:
+        for blk, nv, pf in sm.BLOCK_CONFIGS:
+            mb = sm.block_min_blocks(dt, blk, nv, pf)
+            assert 1 <= mb <= 2048 // blk
+            assert 65536 // (blk * mb) >= 4 * nv * (2 if pf else 1) + 16
+
+
 def test_template_variants():
     sets = sm.template_variants()["softmax.cu.j2"]
-    assert len(sets) == 16
-    assert {p["mode"] for p in sets} == {"warp", "smem", "online"}
+    assert len(sets) == 4 * (len(sm.WARP_NV) + len(sm.BLOCK_CONFIGS) + 2)
+    assert {p["mode"] for p in sets} == {"warp", "block", "smem", "online"}
+    assert all("prefetch" in p and "nv" in p for p in sets if p["mode"] == "block")

@@ -1,4 +1,6 @@
-"""matrix_transpose against NumPy: every dtype, odd shapes, batches, errors, fallback."""
+"""matrix_transpose against NumPy: every dtype, every config of both kernels (16-byte, 8-byte
+and single-element accesses, block orders), odd shapes around the tile and vector edges,
+batches, misaligned views, errors, fallback."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +12,7 @@ import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
 from cuda_backend.cuda_math import CudaMath
 from cuda_backend.ops import transpose as tr
+from cuda_backend.tensor import CudaTensor
 
 SHAPES = [(1, 1), (1, 7), (7, 1), (13, 17), (31, 33), (32, 32), (63, 65), (64, 64),
           (129, 257), (1000, 3), (2, 5, 7), (3, 64, 65)]
@@ -48,6 +51,108 @@ def test_transpose_every_config(m, shape, dtype, cfg):
     x.free(); out.free()
 
 
+def poison(m, shape, dtype):
+    return m.from_numpy(np.full(shape, np.nan if dtype.is_floating else -7,
+                                np.float32 if dtype is DT.BFLOAT16 else dtype.numpy_dtype),
+                        dtype=dtype)
+
+
+def vec_cases():
+    """(dtype, config) for every "vec" kernel variant the module renders."""
+    out = []
+    for dt in DTYPES:
+        for (size, vb), tiles in tr.VEC_CONFIGS.items():
+            if size == dt.itemsize:
+                for tile, threads in tiles:
+                    out.append((dt, {"kernel": "vec", "vec_bytes": vb, "tile": tile,
+                                     "threads": threads, "group": tr.GROUP}))
+    return out
+
+
+def vec_shapes(sv, tile):
+    """Shapes (multiples of sv where sv > 1) at and around the tile edge, several tiles with
+    partial ones, a batch, and primes (times sv)."""
+    shapes = [(sv, sv), (tile - sv, tile), (tile, tile + sv), (2 * tile + sv, tile - sv),
+              (sv * 3, sv * 61), (sv * 67, sv * 5), (2, tile + sv, 3 * tile - sv)]
+    if sv == 1:
+        shapes += [(1, 1), (13, 17), (tile + 1, 2 * tile - 1), (3, 31, 67), (97, 1)]
+    return shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, cfg", vec_cases(),
+                         ids=[f"{d.name_str}-{c['vec_bytes']}B-t{c['tile']}-n{c['threads']}"
+                              for d, c in vec_cases()])
+def test_vec_kernel_every_variant(m, dtype, cfg):
+    """Each "vec" variant, band orders 0 (row-major), 1, 3 and the default, against NumPy;
+    outputs poisoned."""
+    rng = np.random.default_rng()
+    sv = cfg["vec_bytes"] // dtype.itemsize
+    for shape in vec_shapes(sv, cfg["tile"]):
+        x, ref = make(m, shape, dtype, rng)
+        out_shape = shape[:-2] + (shape[-1], shape[-2])
+        batch = shape[0] if len(shape) == 3 else 1
+        for group in (0, 1, 3, tr.GROUP):
+            out = poison(m, out_shape, dtype)
+            tr._launch(m, dict(cfg, group=group), x, out, batch, shape[-2], shape[-1])
+            np.testing.assert_array_equal(m.to_numpy(out), np.swapaxes(ref, -1, -2),
+                                          err_msg=f"{shape} {cfg} group={group}")
+            out.free()
+        x.free()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name_str)
+def test_candidates_and_misaligned_views(m, dtype):
+    """Every candidate for aligned, 8-byte-only and odd shapes, and views one element past
+    an aligned pointer (the access width drops to what the pointers allow)."""
+    rng = np.random.default_rng()
+    for shape in [(64, 128), (130, 66), (63, 65), (2, 96, 32)]:
+        x, ref = make(m, shape, dtype, rng)
+        out_shape = shape[:-2] + (shape[-1], shape[-2])
+        batch = shape[0] if len(shape) == 3 else 1
+        out = poison(m, out_shape, dtype)
+        for cfg in tr.candidates(dtype, shape[-2], shape[-1], x.ptr, out.ptr):
+            out2 = poison(m, out_shape, dtype)
+            tr._launch(m, cfg, x, out2, batch, shape[-2], shape[-1])
+            np.testing.assert_array_equal(m.to_numpy(out2), np.swapaxes(ref, -1, -2),
+                                          err_msg=f"{shape} {cfg}")
+            out2.free()
+        out.free(), x.free()
+    for shape in [(64, 64), (8, 24)]:
+        n = shape[0] * shape[1]
+        base, b = make(m, (n + 1,), dtype, rng)
+        x = CudaTensor(shape, dtype, base.device_id, base.ptr + dtype.itemsize, owner=base)
+        obase = poison(m, (n + 1,), dtype)
+        out = CudaTensor(shape[::-1], dtype, obase.device_id, obase.ptr + dtype.itemsize,
+                         owner=obase)
+        assert tr.vec_width(dtype, *shape, x.ptr, out.ptr) < 16
+        tr.transpose(m, x, out=out)
+        np.testing.assert_array_equal(m.to_numpy(out), b[1:].reshape(shape).T)
+        base.free(), obase.free()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, shape", [
+    (DT.FLOAT32, (4096, 4096)), (DT.FLOAT32, (4095, 4097)), (DT.BFLOAT16, (4096, 4096)),
+    (DT.FLOAT64, (2, 1024, 2048))])
+def test_transpose_large_every_candidate(m, dtype, shape):
+    """Large planes (many bands of tiles) through every candidate and the autotuned path."""
+    rng = np.random.default_rng()
+    x, ref = make(m, shape, dtype, rng)
+    want = np.ascontiguousarray(np.swapaxes(ref, -1, -2))
+    out_shape = shape[:-2] + (shape[-1], shape[-2])
+    batch = shape[0] if len(shape) == 3 else 1
+    pois = poison(m, out_shape, dtype)
+    out = m.create_tensor(out_shape, dtype)
+    for cfg in tr.candidates(dtype, shape[-2], shape[-1], x.ptr, out.ptr):
+        m.backend.copy_device_to_device(out, pois)
+        tr._launch(m, cfg, x, out, batch, shape[-2], shape[-1])
+        np.testing.assert_array_equal(m.to_numpy(out), want, err_msg=str(cfg))
+    np.testing.assert_array_equal(m.to_numpy(m.matrix_transpose(x)), want)
+    x.free(), out.free(), pois.free()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 4097), (3, 1025, 2049)])
 def test_transpose_large_autotuned(m, shape):
@@ -83,6 +188,37 @@ def test_transpose_errors(m):
         m.matrix_transpose(y)
     with pytest.raises(cb.InvalidArgumentError, match="CudaTensor"):
         m.matrix_transpose(np.ones((2, 2)))
+
+
+def test_vec_width_and_candidates():
+    """Access width from shape and pointers; candidate lists start with the default."""
+    F32, BF16, F64 = DT.FLOAT32, DT.BFLOAT16, DT.FLOAT64
+    assert tr.vec_width(F32, 8192, 8192, 0, 1 << 20) == 16
+    assert tr.vec_width(F32, 8190, 8194, 0, 256) == 8
+    assert tr.vec_width(F32, 8191, 8193, 0, 256) == 4
+    assert tr.vec_width(F32, 64, 64, 4, 256) == 4
+    assert tr.vec_width(F32, 64, 64, 8, 256) == 8
+    assert tr.vec_width(BF16, 64, 64, 0, 0) == 16
+    assert tr.vec_width(BF16, 60, 64, 0, 0) == 8
+    assert tr.vec_width(F64, 64, 64, 0, 0) == 16
+    assert tr.vec_width(F64, 63, 64, 0, 0) == 8
+    c = tr.candidates(F32, 8192, 8192, 0, 0)
+    assert c[0] == {"kernel": "vec", "vec_bytes": 16, "tile": 64, "threads": 256,
+                    "group": tr.GROUP}
+    assert {"kernel": "vec", "vec_bytes": 8, "tile": 64, "threads": 256,
+            "group": tr.GROUP} in c
+    assert dict(c[0], group=0) in c
+    assert [x for x in c if x["kernel"] == "tile"] == [dict(x) for x in tr.CONFIGS]
+    assert all(x["vec_bytes"] == 4 for x in tr.candidates(F32, 7, 9, 0, 0) if x["kernel"] == "vec")
+    for dt in DTYPES:
+        for shape in [(64, 64), (63, 65), (6, 10)]:
+            for cfg in tr.candidates(dt, *shape, 0, 0):
+                p = tr.config_params(dt, cfg)
+                if cfg["kernel"] == "vec":
+                    sv = cfg["vec_bytes"] // dt.itemsize
+                    assert shape[0] % sv == 0 and shape[1] % sv == 0
+                    assert (cfg["tile"] // sv) ** 2 % cfg["threads"] == 0
+                    assert 1 <= p["min_blocks"] <= 16
 
 
 def test_transpose_zero_size_and_host_path(m):

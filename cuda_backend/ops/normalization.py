@@ -14,7 +14,9 @@ register configs that hold a row equally tightly, the autotuner picks for large 
 """
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -47,6 +49,8 @@ LN_LOOP_BLOCK = 512
 LN_PERSIST_WAVES = 1  # persistent grid: this many times the resident blocks per SM
 LN_WORK_REGS = 24     # registers besides the row's vectors (block per row; float64: next)
 LN_WORK_REGS_F64 = 32
+# layer_norm candidate lists already compiled, per CudaMath: (device, dtype, D, use_vec)
+_ln_compiled: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
 
 
 def _vec(dtype: CudaDataType) -> int:
@@ -65,6 +69,7 @@ def _bn_params(dtype: CudaDataType, kernel: str, layout: str = "",
     return p
 
 
+@functools.lru_cache(maxsize=None)
 def _ln_min_blocks(dtype: CudaDataType, tpr: int, vpt: int, block: int, vec: int,
                    prefetch: bool) -> int:
     """Resident blocks per SM the kernel's register budget allows (__launch_bounds__).
@@ -327,6 +332,11 @@ def _ln_pick(m: Any, x: CudaTensor, out: CudaTensor, weight: Optional[CudaTensor
     names = ("threads_per_row", "vpt", "block", "vec", "prefetch")
     keys = [dict(zip(names, c)) for c in cands]
     size_class = (x.dtype.name_str, D, "large" if x.size >= 1 << 25 else "medium")
+    done = _ln_compiled.setdefault(m, set())
+    if (x.device_id, x.dtype, D, use_vec) not in done:  # compile them all at once
+        common.compile_all(m, [(LN_TEMPLATE, _ln_params(x.dtype, tpr, vpt, blk, vec, bool(pf)))
+                               for tpr, vpt, blk, vec, pf in cands], x.device_id)
+        done.add((x.device_id, x.dtype, D, use_vec))
     best = m.autotuner.pick("layer_norm", size_class, keys,
                             lambda k: _ln_launch(m, tuple(k[n] for n in names), x, out, weight,
                                                  bias, rows, D, eps),
@@ -336,7 +346,9 @@ def _ln_pick(m: Any, x: CudaTensor, out: CudaTensor, weight: Optional[CudaTensor
 
 def _ln_launch(m: Any, cfg: LnConfig, x: CudaTensor, out: CudaTensor,
                weight: Optional[CudaTensor], bias: Optional[CudaTensor], rows: int, D: int,
-               eps: float) -> None:
+               eps: float, max_grid: int = 0) -> None:
+    """One launch of cfg; max_grid (tests) caps a persistent grid below its default of
+    resident blocks per SM x SMs x LN_PERSIST_WAVES."""
     tpr, vpt, block, vec, prefetch = cfg
     dev = x.device_id
     params = _ln_params(x.dtype, tpr, vpt, block, vec, bool(prefetch))
@@ -345,7 +357,7 @@ def _ln_launch(m: Any, cfg: LnConfig, x: CudaTensor, out: CudaTensor,
     grid = -(-rows // rows_per_block)
     if prefetch:
         sms = int(m.backend.get_device_info(dev).multiprocessor_count)
-        grid = min(grid, sms * params["min_blocks"] * LN_PERSIST_WAVES)
+        grid = min(grid, max_grid or sms * params["min_blocks"] * LN_PERSIST_WAVES)
     if grid > 2**31 - 1:
         raise InvalidArgumentError(f"layer_norm supports under 2^31 row blocks, got {rows} rows")
     m.backend.launch_kernel(kernel.name, (grid, 1, 1), x, out,

@@ -37,7 +37,7 @@ WARP_BLOCK = 256        # threads per block in warp mode
 SMEM_BLOCK = 1024       # most threads per block in smem mode
 ONLINE_BLOCK = 512      # threads per block in online mode (1024 would cap double at 64 regs)
 WARP_NV = (4, 8)        # register-cached vectors per lane that warp mode is compiled for
-# block mode (threads, nv, prefetch): the rule takes nv = BLOCK_NV, without prefetch
+# block mode (threads, nv, prefetch); the rule prefers nv == BLOCK_NV and BLOCK_PREFETCH
 BLOCK_CONFIGS = ((128, 4, False), (256, 2, False), (256, 4, False), (512, 2, False),
                  (512, 4, False), (1024, 2, False), (1024, 4, False),
                  (256, 2, True), (256, 4, True), (512, 2, True), (512, 4, True),
@@ -52,9 +52,9 @@ _plans: "weakref.WeakKeyDictionary[Any, Dict[tuple, Dict[str, Any]]]" = \
 
 def block_min_blocks(dtype: CudaDataType, block: int, nv: int, prefetch: bool) -> int:
     """Resident blocks per SM a block-mode kernel is compiled for: as many as the register
-    file allows (64K per SM) for its 16-byte slots plus the working registers (float32 16,
-    with prefetch 24; 16-bit types 24, with prefetch 40; float64 36), rounded the way ptxas allocates (multiples of 8).
-    Every variant compiles spill-free (checked with ptxas -v)."""
+    file (64K per SM) allows for its 16-byte slots plus the working registers (float32 16,
+    with prefetch 24; 16-bit types 24, with prefetch 40; float64 36), rounded the way ptxas
+    allocates (multiples of 8). Every variant compiles spill-free (checked with ptxas -v)."""
     data = 4 * nv * (2 if prefetch else 1)
     if dtype is CudaDataType.FLOAT64:
         need = data + 36
@@ -151,15 +151,18 @@ def _online_plan() -> Dict[str, int]:
 def plan(K: int, itemsize: int, smem_limit: int) -> Dict[str, int]:
     """Mode and launch sizing for rows of K elements: {"mode", "nv", "group", "threads",
     "smem", "prefetch"}. smem_limit: the dynamic shared memory one block may use. The rule:
-    warp mode when the row fits a warp; else block mode with BLOCK_NV vectors per thread on
-    the fewest threads that hold the row; else smem, else online."""
+    warp mode when the row fits a warp; else block mode on the fewest threads that hold the
+    row with BLOCK_NV vectors per thread and BLOCK_PREFETCH (or the first config that holds
+    it); else smem, else online."""
     vec = 16 // itemsize
     p = _warp_plan(K, vec)
     if p is not None:
         return p
-    for b in _block_plans(K, vec):
-        if b["nv"] == BLOCK_NV and b["prefetch"] == int(BLOCK_PREFETCH):
-            return b
+    blocks = _block_plans(K, vec)
+    if blocks:
+        preferred = [b for b in blocks
+                     if b["nv"] == BLOCK_NV and b["prefetch"] == int(BLOCK_PREFETCH)]
+        return (preferred or blocks)[0]
     return _smem_plan(K, itemsize, smem_limit) or _online_plan()
 
 
@@ -239,16 +242,6 @@ def launch(m: Any, p: Dict[str, Any], x: CudaTensor, out: CudaTensor, log: bool)
     m.backend.launch_kernel(p["kernel"], (grid, 1, 1), x, out, rows, K, p["group"], vec_ok,
                             int(bool(log)), block_size=(p["threads"], 1, 1),
                             shared_mem=p["smem"], device_id=x.device_id)
-
-
-def run_plan(m: Any, p: Dict[str, int], x: CudaTensor, log: bool = False,
-             out: Optional[CudaTensor] = None) -> CudaTensor:
-    """softmax of x (2-D or more, on the GPU) with one given plan from `candidates`, bypassing
-    the rule (tests, perf/sweep_rows.py)."""
-    if out is None:
-        out = m.backend.empty(x.shape, x.dtype, x.device_id)
-    launch(m, prepare(m, p, x.dtype, x.device_id), x, out, log)
-    return out
 
 
 def _host_softmax(a: np.ndarray, log: bool) -> np.ndarray:

@@ -1,6 +1,16 @@
-"""Matrix transpose (2-D, or the last two axes of a 3-D tensor) through a shared-memory tile."""
+"""Matrix transpose (2-D, or the last two axes of a 3-D tensor) through a shared-memory tile.
+
+Two kernels (`transpose.cu.j2`): "tile" moves one element per access (32 x block_rows
+threads); "vec" moves 16- or 8-byte vectors on both sides (each thread transposes sv x sv
+sub-blocks in registers) when rows and cols are multiples of the vector's elements and both
+pointers are aligned, else single elements, and orders its blocks in bands of `group` tile
+rows. Large problems are autotuned among the candidates (`candidates`), small ones take a
+fixed config.
+"""
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -14,12 +24,78 @@ from . import common
 TEMPLATE = "transpose.cu.j2"
 DTYPES = (CudaDataType.FLOAT32, CudaDataType.FLOAT64, CudaDataType.FLOAT16,
           CudaDataType.BFLOAT16, CudaDataType.INT32, CudaDataType.INT64)
-CONFIGS = ({"tile": 32, "block_rows": 8}, {"tile": 64, "block_rows": 8},
-           {"tile": 64, "block_rows": 16})
+CONFIGS = ({"kernel": "tile", "tile": 32, "block_rows": 8},
+           {"kernel": "tile", "tile": 64, "block_rows": 8},
+           {"kernel": "tile", "tile": 64, "block_rows": 16})
+# "vec" kernel (tile, threads) per element size and bytes per access; the first is the default
+VEC_CONFIGS = {
+    (4, 16): ((64, 256), (64, 128), (32, 64)),
+    (4, 8): ((64, 256),),
+    (4, 4): ((64, 256), (32, 256)),
+    (2, 16): ((64, 64), (128, 256)),
+    (2, 8): ((64, 256),),
+    (2, 2): ((64, 256),),
+    (8, 16): ((32, 256), (64, 256)),
+    (8, 8): ((32, 256), (64, 256)),
+}
+GROUP = 16        # default band height (tile rows) of the "vec" kernel's block order
+SMEM_PER_SM = 227 * 1024
+# candidate lists already compiled, per CudaMath: (device, dtype, access width)
+_compiled: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
+
+
+def vec_params(dtype: CudaDataType, vec_bytes: int, tile: int, threads: int) -> Dict[str, Any]:
+    """Template parameters of one "vec" kernel."""
+    return {**dtype_params(dtype), "kernel": "vec", "tile": tile, "vec_bytes": vec_bytes,
+            "threads": threads, "min_blocks": _vec_min_blocks(dtype, vec_bytes, tile, threads)}
+
+
+@functools.lru_cache(maxsize=None)
+def _vec_min_blocks(dtype: CudaDataType, vec_bytes: int, tile: int, threads: int) -> int:
+    """Resident blocks per SM (at most 16) as 2048 threads, the shared memory of the tile
+    and the registers allow: the loaded sub-blocks (passes x sv vectors) plus 32 working
+    registers (48 for the 8 x 8 sub-blocks of 16-bit types), rounded to multiples of 8 the
+    way ptxas allocates (every variant compiles spill-free)."""
+    sv = vec_bytes // dtype.itemsize
+    pad = 1 if sv == 1 else 0
+    smem = tile * (tile + pad) * dtype.itemsize
+    passes = (tile // sv) ** 2 // threads
+    regs = -(-(passes * sv * max(1, vec_bytes // 4) + (48 if sv == 8 else 32)) // 8) * 8
+    return max(1, min(2048 // threads, SMEM_PER_SM // smem, 16, 65536 // (threads * regs)))
 
 
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
-    return {TEMPLATE: [{**dtype_params(dt), **cfg} for dt in DTYPES for cfg in CONFIGS]}
+    sets = []
+    for dt in DTYPES:
+        sets += [{**dtype_params(dt), **cfg} for cfg in CONFIGS]
+        for (size, vb), tiles in VEC_CONFIGS.items():
+            if size == dt.itemsize:
+                sets += [vec_params(dt, vb, tile, threads) for tile, threads in tiles]
+    return {TEMPLATE: sets}
+
+
+def vec_width(dtype: CudaDataType, rows: int, cols: int, *ptrs: int) -> int:
+    """The widest access (16, 8 or the element size, bytes) the "vec" kernel may use."""
+    for vb in (16, 8):
+        sv = vb // dtype.itemsize
+        if vb > dtype.itemsize and rows % sv == 0 and cols % sv == 0 and \
+                all(p % vb == 0 for p in ptrs):
+            return vb
+    return dtype.itemsize
+
+
+def candidates(dtype: CudaDataType, rows: int, cols: int, *ptrs: int) -> List[Dict[str, int]]:
+    """Every config able to run this transpose: the "vec" kernel at the widest access (each
+    tile, default group), at 8 bytes where 16 is possible, in row-major block order, then
+    the "tile" configs. The first is the default."""
+    vb = vec_width(dtype, rows, cols, *ptrs)
+    out: List[Dict[str, int]] = [{"kernel": "vec", "vec_bytes": vb, "tile": t, "threads": n,
+                                  "group": GROUP} for t, n in VEC_CONFIGS[(dtype.itemsize, vb)]]
+    if vb == 16 and dtype.itemsize < 8:
+        t, n = VEC_CONFIGS[(dtype.itemsize, 8)][0]
+        out.append({"kernel": "vec", "vec_bytes": 8, "tile": t, "threads": n, "group": GROUP})
+    out.append(dict(out[0], group=0))
+    return out + [dict(c) for c in CONFIGS]
 
 
 def transpose(m: Any, x: CudaTensor, out: Optional[CudaTensor] = None) -> CudaTensor:
@@ -58,22 +134,44 @@ def transpose(m: Any, x: CudaTensor, out: Optional[CudaTensor] = None) -> CudaTe
     return out
 
 
+def config_params(dtype: CudaDataType, cfg: Dict[str, int]) -> Dict[str, Any]:
+    """The template parameters of a config from `candidates` or CONFIGS."""
+    if cfg["kernel"] == "tile":
+        return {**dtype_params(dtype), "kernel": "tile", "tile": cfg["tile"],
+                "block_rows": cfg["block_rows"]}
+    return vec_params(dtype, cfg["vec_bytes"], cfg["tile"], cfg["threads"])
+
+
 def _launch(m: Any, cfg: Dict[str, int], x: CudaTensor, out: CudaTensor, batch: int,
             rows: int, cols: int) -> None:
-    kernel = m.kernel(TEMPLATE, x.device_id, **dtype_params(x.dtype), **cfg)
+    """One launch of a config from `candidates` (or CONFIGS) over x into out."""
     tile = cfg["tile"]
-    grid = ((cols + tile - 1) // tile, (rows + tile - 1) // tile, batch)
-    m.backend.launch_kernel(kernel.name, grid, x, out, rows, cols,
-                            block_size=(32, cfg["block_rows"], 1), device_id=x.device_id)
+    tiles = ((cols + tile - 1) // tile, (rows + tile - 1) // tile)
+    kernel = m.kernel(TEMPLATE, x.device_id, **config_params(x.dtype, cfg))
+    if cfg["kernel"] == "tile":
+        m.backend.launch_kernel(kernel.name, (tiles[0], tiles[1], batch), x, out, rows, cols,
+                                block_size=(32, cfg["block_rows"], 1), device_id=x.device_id)
+    else:
+        m.backend.launch_kernel(kernel.name, (tiles[0] * tiles[1], 1, batch), x, out, rows,
+                                cols, cfg["group"], block_size=(cfg["threads"], 1, 1),
+                                device_id=x.device_id)
 
 
 def _pick(m: Any, x: CudaTensor, out: CudaTensor, batch: int, rows: int,
           cols: int) -> Dict[str, int]:
-    """Autotuned tile per (dtype, size class); small problems take the 32 tile untimed."""
+    """Autotuned config per (dtype, access width, size class); small problems take the
+    default "vec" config untimed."""
+    cands = candidates(x.dtype, rows, cols, x.ptr, out.ptr)
     if rows * cols * batch < 1 << 20:
-        return dict(CONFIGS[0])
-    size_class = (x.dtype.name_str, "large" if rows * cols * batch >= 1 << 24 else "medium")
-    return m.autotuner.pick("matrix_transpose", size_class, list(CONFIGS),
+        return cands[0]
+    size_class = (x.dtype.name_str, cands[0]["vec_bytes"],
+                  "large" if rows * cols * batch >= 1 << 24 else "medium")
+    done = _compiled.setdefault(m, set())
+    if (x.device_id, size_class[:2]) not in done:  # the first timing compiles them all at once
+        common.compile_all(m, [(TEMPLATE, config_params(x.dtype, c)) for c in cands],
+                           x.device_id)
+        done.add((x.device_id, size_class[:2]))
+    return m.autotuner.pick("matrix_transpose", size_class, cands,
                             lambda cfg: _launch(m, cfg, x, out, batch, rows, cols),
                             device_id=x.device_id)
 
