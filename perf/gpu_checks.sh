@@ -37,7 +37,7 @@ for stage in "${stages[@]}"; do
       CUDA_BACKEND_FUZZ=full T "${FUZZ_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider $xd \
           --timeout 280 -rfE -k "property" --hypothesis-show-statistics tests \
           2>&1 | tee -a "$out/fuzz.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 30
-      grep -E "^tests/.*::.*:$|passing examples" "$out/fuzz.log" | tail -n 60 ;;
+      grep -E "^tests/.*::.*:$|passing, [0-9]+ failing" "$out/fuzz.log" | paste - - | tail -n 30 ;;
     multigpu) # issue 6's figures: overlap, matmul split over GPUs, all_reduce (needs 2 GPUs for the last two)
       T 150 python3 perf/bench_multigpu.py 2>&1 | tail -n 25 | tee -a "$out/bench.log" ;;
     report)
@@ -46,7 +46,9 @@ for stage in "${stages[@]}"; do
     sanitize)
       SANITIZE_LOG_DIR=/tmp T 580 perf/sanitize.sh all 2>&1 | tee "$out/sanitize.log" ;;
     memcheck|racecheck|synccheck|initcheck)   # one tool; its full log lands in $out
-      SANITIZE_LOG_DIR="$out" T "${SANITIZE_LIMIT:-580}" perf/sanitize.sh "$stage" 2>&1 | tail -n 25 ;;
+      lim_var="LIMIT_$stage"; lim="${!lim_var:-${SANITIZE_LIMIT:-580}}"   # e.g. LIMIT_memcheck
+      SANITIZE_LOG_DIR="$out" SANITIZE_SHARD_LIMIT=$(( lim - 25 )) \
+          T "$lim" perf/sanitize.sh "$stage" 2>&1 | tail -n 25 ;;
     sweep)  # kernel-variant sweeps of the row ops and transpose, and the fused linear layer
       [ -e perf/sweep_rows.py ] && T 200 python3 perf/sweep_rows.py --out "$out/sweep_rows.json" \
           2>&1 | tee -a "$out/bench.log" | tail -n 60

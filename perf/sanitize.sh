@@ -10,30 +10,46 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 tool="${1:-all}"; shift || true
 SHARED_TESTS="tests/test_transpose.py tests/test_reduce.py tests/test_softmax.py tests/test_matmul.py tests/test_layer_norm.py tests/test_batch_norm.py tests/test_conv2d.py tests/test_flash_attention.py tests/test_pooling.py"
 existing() { for f in "$@"; do [ -e "$f" ] && printf '%s ' "$f"; done; }
+MARK="not multigpu and not planted_fault and not slow and not exclusive"
 run_tool() {
     local t="$1"; shift
     local log="${SANITIZE_LOG_DIR:-/tmp}/sanitize-$t.log"
-    echo "== compute-sanitizer --tool $t: $*"
-    # Hypothesis examples and large sizes make sanitized runs slow; keep them small.
-    # pytest-xdist workers (when installed) are child processes: the sanitizer follows them
-    # (--target-processes all) and prints one summary per process.
-    local xd=""; python3 -c "import xdist" 2>/dev/null && xd="-n ${SANITIZE_WORKERS:-8}"
+    local n="${SANITIZE_WORKERS:-8}" dir; dir=$(mktemp -d)
     # The bad-input tests provoke CUDA API errors on purpose (out of memory, launch limits):
-    # count device-side errors only. The one test that plants an out-of-bounds kernel is
-    # marked planted_fault and left out.
+    # count device-side errors only. The test that plants an out-of-bounds kernel (marker
+    # planted_fault) and those that need the GPU alone (exclusive) are left out.
     local api=""
     compute-sanitizer --report-api-errors no true >/dev/null 2>&1 && api="--report-api-errors no"
-    CUDA_BACKEND_FUZZ=sanitize compute-sanitizer --tool "$t" $api \
-        --target-processes all --print-limit 20 --error-exitcode 99 \
-        python3 -m pytest -q -p no:cacheprovider $xd --timeout "${SANITIZE_TEST_TIMEOUT:-300}" \
-        -m "not multigpu and not planted_fault and not slow and not exclusive" --ignore=tests/test_templates.py \
-        "$@" >"$log" 2>&1
-    local rc=$?
-    grep -E "^(FAILED|ERROR) " "$log" | head -20
-    grep -E "passed|failed" "$log" | tail -1
+    # The selected tests' node ids, dealt round-robin into n shards: one sanitized pytest per
+    # shard, the sanitizer's reports in their own files (%p: one per process) so that tests
+    # reading a child's output see only the child's.
+    python3 -m pytest -q -p no:cacheprovider --collect-only -m "$MARK" \
+        --ignore=tests/test_templates.py "$@" 2>/dev/null | grep "::" |
+        awk -v n="$n" -v d="$dir" '{ print > (d "/shard" (NR % n)) }'
+    echo "== compute-sanitizer --tool $t: $(cat "$dir"/shard* | wc -l) tests in $n shards: $*"
+    local to=""; python3 -c "import pytest_timeout" 2>/dev/null && to="--timeout ${SANITIZE_TEST_TIMEOUT:-300}"
+    local pids=() f
+    for f in "$dir"/shard*; do
+        # SANITIZE_SHARD_LIMIT: stop a shard with SIGINT (pytest then reports what ran and
+        # the sanitizer its summary) before an outer time limit would kill everything
+        CUDA_BACKEND_FUZZ=sanitize timeout -s INT -k 20 "${SANITIZE_SHARD_LIMIT:-7200}" \
+            compute-sanitizer --tool "$t" $api \
+            --target-processes all --print-limit 20 --error-exitcode 99 \
+            --log-file "$f.cs-%p.txt" \
+            python3 perf/pytest_shard.py "$f" -q -p no:cacheprovider $to >"$f.out" 2>&1 &
+        pids+=($!)
+    done
+    local rc=0 p
+    for p in "${pids[@]}"; do wait "$p" || rc=1; done
+    { for f in "$dir"/shard*.out; do echo "--- $f"; cat "$f"; done
+      for f in "$dir"/*.cs-*; do echo "--- $f"; cat "$f"; done; } >"$log" 2>&1
+    grep -hE "^(FAILED|ERROR) " "$dir"/shard*.out | head -20
+    grep -hE "[0-9]+ (passed|failed)" "$dir"/shard*.out | tail -n "$n"
     # one summary line per sanitized process: add them up
-    grep -hoE "(ERROR|RACECHECK|SYNCCHECK|INITCHECK) SUMMARY: [0-9]+ (errors?|hazards?)" "$log" |
+    grep -hoE "(ERROR|RACECHECK|SYNCCHECK|INITCHECK) SUMMARY: [0-9]+ (errors?|hazards?)" \
+        "$dir"/*.cs-* 2>/dev/null |
         awk -v t="$t" '{n += $3; p += 1} END {printf "%s: %d processes, %d errors/hazards in all\n", t, p, n}'
+    rm -rf "$dir"
     return $rc
 }
 status=0

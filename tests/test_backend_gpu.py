@@ -2,6 +2,7 @@
 profiling, interop and clean exit. Marked `gpu`; skipped without PyCUDA or a GPU."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -166,13 +167,27 @@ def test_allocate_until_the_device_is_full(backend):
         assert len(ptrs) >= 4, msg
         assert f"tried to allocate 1.00 GiB ({gib} bytes)" in msg, msg
         assert "In use by the pool" in msg and "cached free blocks" in msg, msg
-        # two blocks back to the pool's cache: the driver still has them, so a 2 GiB request
-        # succeeds only through the ladder (free cached blocks, collect, retry)
+        # two blocks back to the pool's cache: the driver still holds them, so a 2 GiB
+        # request succeeds only by releasing cached blocks and retrying
         for p in (ptrs.pop(), ptrs.pop()):
             backend.free_memory(p)
         assert pool.get_stats()["cached_bytes"] >= 2 * gib
-        retries = pool.get_stats()["oom_retries"]
         ptrs.append(backend.allocate_memory(2 * gib))
+        assert pool.get_stats()["cached_bytes"] < 2 * gib
+        # a tensor in a reference cycle holds 1 GiB until garbage collection: the ladder's
+        # collect-and-retry step frees it for the next request
+        backend.free_memory(ptrs.pop(0))
+        pool.free_all_blocks()
+        gc.disable()
+        try:
+            t = backend.empty((gib // 4,), DT.FLOAT32)
+            cycle = [t]
+            cycle.append(cycle)
+            del t, cycle
+            retries = pool.get_stats()["oom_retries"]
+            ptrs.append(backend.allocate_memory(gib))
+        finally:
+            gc.enable()
         assert pool.get_stats()["oom_retries"] == retries + 1
     finally:
         for p in ptrs:

@@ -71,7 +71,7 @@ def test_from_any(value, expected):
 
 @pytest.mark.parametrize("value", ["complex64", "float128x", "uint16", np.uint16, np.int8,
                                    np.complex128, "foo", "f4,f4", object()],
-                         ids=repr)
+                         ids=lambda v: "object()" if type(v) is object else repr(v))
 def test_from_any_unsupported_names_the_supported_ones(value):
     with pytest.raises(DTypeMismatchError) as info:
         CudaDataType.from_any(value)

@@ -121,7 +121,7 @@ LINEAR_SIMT_F32 = {
 LINEAR_SIMT_F64 = {"large": [D_64x64x8], "medium": [D_64x64x8], "skinny": [D_32x64x8],
                    "small": [D_32x64x8]}
 LINEAR_MMA_F16 = {
-    "large": [H_256x128x64, H_128x128x32],
+    "large": [H_256x128x64, H_128x256x64, H_256x128x32, H_128x128x32],
     "medium": [H_128x128x32, H_64x64x32],
     "skinny": [H_64x64x32],
     "small": [H_64x64x32],

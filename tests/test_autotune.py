@@ -1,0 +1,113 @@
+"""The autotuner with a stand-in backend whose "GPU" times are set by the test: the fastest
+config wins, a failing config loses instead of crashing, choices are kept in memory and on
+disk (atomically written JSON), and a repeated call does not time again."""
+from __future__ import annotations
+
+import contextlib
+import json
+import types
+
+import pytest
+
+from cuda_backend.autotune import Autotuner
+from cuda_backend.errors import CudaBackendError
+
+
+class _Clock:
+    """Fake driver: events read a clock that run(cfg) advances by the config's cost."""
+
+    def __init__(self):
+        self.now = 0.0
+        drv = self
+
+        class Event:
+            def record(self, stream=None):
+                self.t = drv.now
+
+            def synchronize(self):
+                pass
+
+            def time_since(self, other):
+                return self.t - other.t
+
+        self.Event = Event
+        self.Context = types.SimpleNamespace(synchronize=lambda: None)
+
+
+class _Backend:
+    is_available = True
+
+    def __init__(self):
+        self._drv = _Clock()
+        self.devices = [types.SimpleNamespace(name="Fake GPU")]
+
+    @contextlib.contextmanager
+    def activate(self, device_id):
+        yield
+
+
+CANDS = [{"tile": 32}, {"tile": 64}, {"tile": 128}]
+COST = {32: 3.0, 64: 1.0, 128: 2.0}
+
+
+def make(tmp_path):
+    b = _Backend()
+    calls = []
+
+    def run(cfg):
+        calls.append(cfg["tile"])
+        if COST[cfg["tile"]] is None:
+            raise RuntimeError("launch failed")
+        b._drv.now += COST[cfg["tile"]]
+
+    return Autotuner(b, path=str(tmp_path / "tune.json")), run, calls
+
+
+def test_fastest_wins_and_is_remembered(tmp_path):
+    tuner, run, calls = make(tmp_path)
+    assert tuner.pick("op", ("f32", "large"), CANDS, run) == {"tile": 64}
+    timed = len(calls)
+    assert timed == 3 * 4           # warm-up + 3 repeats per candidate
+    choice = tuner.pick("op", ("f32", "large"), CANDS, run)
+    assert choice == {"tile": 64} and len(calls) == timed      # no second timing
+    choice["tile"] = 1                                          # callers get a copy
+    assert tuner.pick("op", ("f32", "large"), CANDS, run) == {"tile": 64}
+    doc = json.loads((tmp_path / "tune.json").read_text())
+    (key, entry), = doc["choices"].items()
+    assert "Fake GPU|op|" in key and entry["config"] == {"tile": 64}
+
+
+def test_saved_choice_is_used_by_a_new_tuner(tmp_path):
+    tuner, run, calls = make(tmp_path)
+    tuner.pick("op", "medium", CANDS, run)
+    fresh, run2, calls2 = make(tmp_path)
+    assert fresh.pick("op", "medium", CANDS, run2) == {"tile": 64} and calls2 == []
+
+
+def test_another_candidate_list_is_timed_again(tmp_path):
+    tuner, run, calls = make(tmp_path)
+    tuner.pick("op", "c", CANDS, run)
+    n = len(calls)
+    assert tuner.pick("op", "c", CANDS[:1] + CANDS[2:], run) == {"tile": 128}
+    assert len(calls) > n
+
+
+def test_a_failing_config_loses(tmp_path, monkeypatch):
+    monkeypatch.setitem(COST, 64, None)
+    tuner, run, _ = make(tmp_path)
+    assert tuner.pick("op", "x", CANDS, run) == {"tile": 128}
+
+
+def test_every_config_failing_is_a_typed_error(tmp_path, monkeypatch):
+    for t in COST:
+        monkeypatch.setitem(COST, t, None)
+    tuner, run, _ = make(tmp_path)
+    with pytest.raises(CudaBackendError, match="every candidate"):
+        tuner.pick("op", "x", CANDS, run)
+
+
+def test_unhashable_shape_class_still_works(tmp_path):
+    tuner, run, calls = make(tmp_path)
+    assert tuner.pick("op", ["list", 1], CANDS, run) == {"tile": 64}
+    n = len(calls)
+    assert tuner.pick("op", ["list", 1], CANDS, run) == {"tile": 64} and len(calls) == n
