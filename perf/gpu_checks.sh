@@ -38,6 +38,8 @@ for stage in "${stages[@]}"; do
           --timeout 280 -rfE -k "property" --hypothesis-show-statistics tests \
           2>&1 | tee -a "$out/fuzz.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 30
       grep -E "^tests/.*::.*:$|passing, [0-9]+ failing" "$out/fuzz.log" | paste - - | tail -n 30 ;;
+    bench_math)   # the CudaMath table alone (copy bandwidth, elementwise, rows, transpose, small call)
+      T 200 python3 perf/bench_math.py --out "$out/bench_math.json" 2>&1 | tee -a "$out/bench.log" | tail -n 25 ;;
     multigpu) # issue 6's figures: overlap, matmul split over GPUs, all_reduce (needs 2 GPUs for the last two)
       T 150 python3 perf/bench_multigpu.py 2>&1 | tail -n 25 | tee -a "$out/bench.log" ;;
     report)
