@@ -335,10 +335,13 @@ def device_slug(name: str) -> str:
 
 def git_commit() -> Optional[str]:
     """HEAD of the checkout this package runs from ('+dirty' with local changes), or None.
-    A copy of the tree without .git (a remote GPU machine) can name it in CUDA_BACKEND_GIT_COMMIT."""
+    CUDA_BACKEND_GIT_COMMIT names it instead (a copy of the tree on a remote GPU machine)."""
+    named = os.environ.get("CUDA_BACKEND_GIT_COMMIT")
+    if named:
+        return named
     root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
-        return os.environ.get("CUDA_BACKEND_GIT_COMMIT") or None
+        return None
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
                               capture_output=True, text=True, timeout=10)
