@@ -211,8 +211,18 @@ class KernelCompiler:
             nvcc_arch, code = "compute_" + arch[3:], arch
         with self._contexts.activate(device_id):
             try:
-                module = SourceModule(source, options=list(options), arch=nvcc_arch, code=code,
-                                      no_extern_c=True, cache_dir=self.cache_dir())
+                try:
+                    module = SourceModule(source, options=list(options), arch=nvcc_arch,
+                                          code=code, no_extern_c=True,
+                                          cache_dir=self.cache_dir())
+                except self._drv.LogicError as exc:
+                    # PyCUDA writes its disk cache in place: a process that reads a file
+                    # another process is still writing gets a truncated image. Compile
+                    # afresh without the cache rather than fail.
+                    if "image" not in str(exc) or not self.cache_dir():
+                        raise
+                    module = SourceModule(source, options=list(options), arch=nvcc_arch,
+                                          code=code, no_extern_c=True, cache_dir=False)
             except self._drv.CompileError as exc:
                 log = "\n".join(x for x in (getattr(exc, "stdout", ""), getattr(exc, "stderr", ""))
                                 if x) or str(exc)

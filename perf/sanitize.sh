@@ -29,8 +29,12 @@ run_tool() {
         awk -v n="$n" -v d="$dir" '{ print > (d "/shard" (NR % n)) }'
     echo "== compute-sanitizer --tool $t: $(cat "$dir"/shard* | wc -l) tests in $n shards: $*"
     local to=""; python3 -c "import pytest_timeout" 2>/dev/null && to="--timeout ${SANITIZE_TEST_TIMEOUT:-300}"
+    # SANITIZE_GPUS="0 1": deal the shards over these GPUs (CUDA_VISIBLE_DEVICES per shard)
+    local gpus=(${SANITIZE_GPUS:-}) i=0
     local pids=() f
     for f in "$dir"/shard*; do
+        [ ${#gpus[@]} -gt 0 ] && export CUDA_VISIBLE_DEVICES="${gpus[$((i % ${#gpus[@]}))]}"
+        i=$((i + 1))
         # SANITIZE_SHARD_LIMIT: stop a shard with SIGINT (pytest then reports what ran and
         # the sanitizer its summary) before an outer time limit would kill everything
         CUDA_BACKEND_FUZZ=sanitize timeout -s INT -k 20 "${SANITIZE_SHARD_LIMIT:-7200}" \

