@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One batched pass over everything that needs a GPU, for a device session of limited time.
-#   perf/gpu_checks.sh [stage ...]      stages: core tests fuzz bench multigpu sweep report sanitize
-#   memcheck racecheck synccheck initcheck (default: core tests bench)
-# Writes at most 8 files into ${OUT:-/tmp/gpu-checks} (the device tool returns 8 at most):
-# tests.log, bench.log, bench_core.json, bench_math.json, bench_matmul.json, bench_ml.json,
-# report.tgz, sanitize.log. Each stage has its own time limit so one slow stage cannot eat the run.
+#   perf/gpu_checks.sh [stage ...]      stages: core tests fuzz bench bench_math multigpu sweep
+#   report sanitize memcheck racecheck synccheck initcheck (default: core tests bench)
+# Writes into ${OUT:-/tmp/gpu-checks}: tests.log, fuzz.log, bench.log, bench_*.json,
+# sweep_rows.json, report.tgz, sanitize-<tool>.log. The device tool returns 8 files at most: pick
+# stages accordingly. Each stage has its own time limit (TESTS_LIMIT, FUZZ_LIMIT, LIMIT_<tool>)
+# so one slow stage cannot eat the run; TEST_ARGS narrows the tests stage.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-/tmp/gpu-checks}"; mkdir -p "$out"
