@@ -436,3 +436,40 @@ def test_linear_variants_are_the_configs_it_launches():
                     mm.linear_params(template, dtype, cfg, vec, "bias_gelu").items()))))
     assert linear == want
     assert sum(len(v) for v in variants.values()) <= 80
+
+
+# -- property test (issue 7's fuzzing: the linear-layer family) -------------------------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+from fuzzing import examples  # noqa: E402
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(lead=st.lists(st.integers(1, 9), min_size=0, max_size=2), k=st.integers(1, 150),
+       n=st.integers(1, 150), fam=st.sampled_from(list(FAMS)), with_bias=st.booleans(),
+       terms=st.integers(1, 4), rank=st.integers(1, 24), seed=st.integers(0, 2**32 - 1))
+def test_property_linear(ml, lead, k, n, fam, with_bias, terms, rank, seed):
+    """fused_linear_gelu on random leading dims, K and N (tails of every tile), every family,
+    with and without a bias; and sketched_linear on random terms and rank, against float64."""
+    m = ml.math
+    dtype, prec, bound = FAMS[fam]
+    rng = np.random.default_rng(seed)
+    x_shape = tuple(lead) + (k,)
+    (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, x_shape, n, with_bias)
+    y = lin.fused_linear_gelu(m, tx, tw, tb, precision=prec)
+    ref, scale = _reference(xr, wr, br)
+    assert _err(m.to_numpy(y), ref, scale) <= bound
+    if prec is None:   # the sketched layer: composed from matmul, so the same GEMM bound
+        rows = int(np.prod(lead)) if lead else 1
+        work = np.float64 if dtype is DT.FLOAT64 else np.float32
+        x2 = rng.standard_normal((rows, k))
+        U = rng.standard_normal((terms, k, rank)) / np.sqrt(k)
+        V = rng.standard_normal((terms, rank, n)) / np.sqrt(rank)
+        dx, dU, dV = (m.from_numpy(v.astype(work), dtype=dtype) for v in (x2, U, V))
+        xr2, Ur, Vr = (m.to_numpy(t).astype(np.float64) for t in (dx, dU, dV))
+        bias = tb if with_bias else None
+        out = lin.sketched_linear(m, dx, dU, dV, bias)
+        ref2 = sum((xr2 @ Ur[i]) @ Vr[i] for i in range(terms)) / terms + br
+        scale2 = sum((np.abs(xr2) @ np.abs(Ur[i])) @ np.abs(Vr[i]) for i in range(terms)) \
+            / terms + np.abs(br)
+        tol = 4 * bound if dtype in (DT.FLOAT16, DT.BFLOAT16) else 2 * bound
+        assert _err(m.to_numpy(out), ref2, scale2) <= tol
