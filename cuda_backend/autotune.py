@@ -3,7 +3,9 @@ keeps the winner in memory and in a JSON file (written atomically).
 
 A config is a dict of template parameters (hashable once frozen); one that fails to compile
 or launch scores infinity and loses instead of crashing. Set `CUDA_BACKEND_AUTOTUNE=0` to
-skip timing and take the first candidate; `CUDA_BACKEND_AUTOTUNE_PATH` moves the file.
+skip timing and take the first candidate; `CUDA_BACKEND_AUTOTUNE_PATH` moves the file;
+`CUDA_BACKEND_AUTOTUNE_REPEATS=n` caps the timed runs per candidate (perf/sanitize.sh sets 1:
+under compute-sanitizer every candidate still runs, at a fraction of the instrumented time).
 """
 from __future__ import annotations
 
@@ -63,6 +65,8 @@ class Autotuner:
         self._memo: Dict[Any, Dict[str, Any]] = {}
         self._loaded = False
         self.enabled = os.environ.get("CUDA_BACKEND_AUTOTUNE", "1") not in ("0", "")
+        cap = os.environ.get("CUDA_BACKEND_AUTOTUNE_REPEATS", "")
+        self.max_repeats = max(1, int(cap)) if cap.strip().isdigit() else None
 
     def _load(self) -> None:
         if self._loaded:
@@ -114,6 +118,8 @@ class Autotuner:
             for c in candidates:
                 if config_key(c) == config_key(wanted):
                     return dict(c)
+        if self.max_repeats is not None:
+            repeats = min(repeats, self.max_repeats)
         timings = self._time_all(candidates, run, device_id, repeats)
         best = min(range(len(candidates)), key=lambda i: timings[i])
         if math.isinf(timings[best]):

@@ -2,6 +2,8 @@
 
 The markers themselves are declared in pyproject.toml.
 """
+import os
+
 import pytest
 from hypothesis import settings
 
@@ -13,7 +15,31 @@ settings.register_profile("ci", deadline=None)
 settings.load_profile("ci")
 
 
+# Tests at the issues' full sizes (4096^2 matmul, 2^26-element reductions, 8192x4096 rows,
+# seq 16384 attention...), marked `large` here so the sanitizer runs can leave them out:
+# racecheck and synccheck check hazards inside a block, and every kernel config these run is
+# also run by a small, odd-sized test in the same file (the "every config" tests).
+LARGE = {
+    "test_matmul.py": {"test_gpu_fp32_4096_is_true_fp32"},
+    "test_transpose.py": {"test_transpose_large_every_candidate", "test_transpose_large_autotuned"},
+    "test_softmax.py": {"test_large_float32", "test_large_block_rows_float32"},
+    "test_reduce.py": {"test_float32_sum_accuracy_2p26"},
+    "test_layer_norm.py": {"test_large_float32"},
+    "test_batch_norm.py": {"test_large_float32"},
+    "test_flash_attention.py": {"test_peak_memory_seq_16384"},
+    "test_conv2d.py": {"test_medium_resnet_layer"},
+}
+
+
+def _mark_large(items):
+    for item in items:
+        names = LARGE.get(os.path.basename(str(item.fspath)), ())
+        if getattr(item, "originalname", item.name) in names:
+            item.add_marker(pytest.mark.large)
+
+
 def pytest_collection_modifyitems(config, items):
+    _mark_large(items)
     needs_gpu = [it for it in items
                  if it.get_closest_marker("gpu") or it.get_closest_marker("multigpu")]
     if not needs_gpu:

@@ -50,6 +50,11 @@ CANDS = [{"tile": 32}, {"tile": 64}, {"tile": 128}]
 COST = {32: 3.0, 64: 1.0, 128: 2.0}
 
 
+@pytest.fixture(autouse=True)
+def _no_repeat_cap(monkeypatch):
+    monkeypatch.delenv("CUDA_BACKEND_AUTOTUNE_REPEATS", raising=False)
+
+
 def make(tmp_path):
     b = _Backend()
     calls = []
@@ -111,3 +116,11 @@ def test_unhashable_shape_class_still_works(tmp_path):
     assert tuner.pick("op", ["list", 1], CANDS, run) == {"tile": 64}
     n = len(calls)
     assert tuner.pick("op", ["list", 1], CANDS, run) == {"tile": 64} and len(calls) == n
+
+
+def test_repeat_cap_from_the_environment(tmp_path, monkeypatch):
+    """CUDA_BACKEND_AUTOTUNE_REPEATS=1 (sanitizer runs): each candidate runs warm-up + 1."""
+    monkeypatch.setenv("CUDA_BACKEND_AUTOTUNE_REPEATS", "1")
+    tuner, run, calls = make(tmp_path)
+    assert tuner.pick("op", "cls", CANDS, run, repeats=10) == {"tile": 64}
+    assert len(calls) == 3 * 2
