@@ -155,7 +155,7 @@ def test_every_config(m, dtype, cfg, causal):
     rng = np.random.default_rng()
     hd = cfg["hd"]
     for d in (hd, hd - 24):
-        check(m, (2, 2, 3 * 16 * cfg["nw"] + 5, 2 * cfg["bc"] + 7, d), dtype, causal, rng,
+        check(m, (2, 2, 3 * fa.block_rows(cfg) + 5, 2 * cfg["bc"] + 7, d), dtype, causal, rng,
               cfg=cfg)
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from cuda_backend import CudaBackendError
+from census import live_tensors
 
 GPU_OPS = 10_000
 FALLBACK_OPS = 10_000      # about 1.5 s in fallback mode (NumPy), so the full count runs here too
@@ -184,7 +185,8 @@ def test_mixed_operations_leave_active_memory_unchanged(backend, m):
     finally:
         mix.close()
     assert after == baseline, (
-        f"{n} mixed operations: pool (active bytes, blocks) {baseline} -> {after}")
+        f"{n} mixed operations: pool (active bytes, blocks) {baseline} -> {after}; "
+        f"{live_tensors()}")
     assert peak - baseline[0] < PEAK_SLACK, (
         f"temporaries piled up: peak {peak} bytes against a baseline of {baseline[0]}")
 
@@ -201,7 +203,7 @@ def test_freeing_everything_returns_to_the_start(backend, m):
     mix.close()
     del mix
     gc.collect()
-    assert usage(pool) == start
+    assert usage(pool) == start, live_tensors()
 
 
 class _StreamCounter:

@@ -18,6 +18,7 @@ import traceback
 
 import numpy as np
 import pytest
+from census import live_tensors
 
 N_THREADS = 8
 GPU_OPS = 1_000
@@ -167,7 +168,9 @@ def test_eight_threads_one_device(backend, m, fast_switching):
     _check_errors(errors)
     assert done == [n] * N_THREADS
     gc.collect()
-    assert usage(pool) == start, "pool usage did not come back after the threads"
+    assert usage(pool) == start, (
+        f"pool usage did not come back after the threads: {start} -> {usage(pool)}; "
+        f"{live_tensors()}")
 
 
 def test_tensors_freed_by_another_thread(backend, m, fast_switching):
@@ -206,7 +209,9 @@ def test_tensors_freed_by_another_thread(backend, m, fast_switching):
     _check_errors(errors)
     assert q.empty()
     gc.collect()
-    assert usage(pool) == start, "pool usage did not come back after the threads"
+    assert usage(pool) == start, (
+        f"pool usage did not come back after the threads: {start} -> {usage(pool)}; "
+        f"{live_tensors()}")
 
 
 def test_device_blocks_in_threads(backend, m, fast_switching):

@@ -32,19 +32,27 @@ MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 
 
-def _cfg(hd: int, bc: int, nw: int, q_regs: bool, min_blocks: int) -> Dict[str, Any]:
-    return {"hd": hd, "bc": bc, "nw": nw, "q_regs": q_regs, "min_blocks": min_blocks}
+def _cfg(hd: int, bc: int, nw: int, q_regs: bool, min_blocks: int,
+         wm: int = 1) -> Dict[str, Any]:
+    """A kernel config: nw warps of 16 * wm query rows each (block rows 16 * wm * nw), K/V
+    tiles of bc keys, Q fragments in registers or not, a __launch_bounds__ blocks hint."""
+    return {"hd": hd, "bc": bc, "nw": nw, "wm": wm, "q_regs": q_regs, "min_blocks": min_blocks}
 
 
 # Configs by padded head_dim; the first is the default, the autotuner picks among the rest.
+# wm=2 (32 query rows per warp, FlashAttention-2's split) halves the K/V fragment loads per
+# tensor-core op and, with 128 rows per block, the K/V traffic from L2 per query.
 HALF_CONFIGS = {
-    64: [_cfg(64, 64, 4, True, 4), _cfg(64, 128, 4, True, 2), _cfg(64, 64, 8, True, 2)],
-    128: [_cfg(128, 64, 4, True, 2), _cfg(128, 32, 4, True, 2), _cfg(128, 64, 8, True, 1)],
+    64: [_cfg(64, 64, 4, True, 3), _cfg(64, 128, 4, True, 2), _cfg(64, 64, 8, True, 1),
+         _cfg(64, 64, 4, True, 2, wm=2)],
+    128: [_cfg(128, 32, 4, False, 2, wm=2), _cfg(128, 64, 4, False, 2, wm=2),
+          _cfg(128, 64, 4, True, 2), _cfg(128, 32, 4, True, 2), _cfg(128, 64, 8, True, 1)],
     256: [_cfg(256, 32, 4, False, 1)],
 }
 F32_CONFIGS = {
     64: [_cfg(64, 64, 4, False, 2), _cfg(64, 32, 4, False, 2)],
-    128: [_cfg(128, 32, 4, False, 2), _cfg(128, 64, 4, False, 1)],
+    128: [_cfg(128, 32, 4, False, 2), _cfg(128, 64, 4, False, 1), _cfg(128, 32, 8, False, 1),
+          _cfg(128, 16, 4, False, 3)],
     256: [_cfg(256, 32, 4, False, 1)],
 }
 
@@ -70,8 +78,14 @@ def padded_head_dim(d: int) -> int:
     return 64 if d <= 64 else (128 if d <= 128 else 256)
 
 
+def block_rows(cfg: Dict[str, Any]) -> int:
+    """Query rows per block: nw warps of 16 * wm rows."""
+    return 16 * cfg.get("wm", 1) * cfg["nw"]
+
+
 def shared_bytes(cfg: Dict[str, Any], dtype: CudaDataType) -> int:
-    return (16 * cfg["nw"] + 4 * cfg["bc"]) * cfg["hd"] * dtype.itemsize
+    """Q tile, plus two K and two V tiles (double buffered)."""
+    return (block_rows(cfg) + 4 * cfg["bc"]) * cfg["hd"] * dtype.itemsize
 
 
 # -- checks ---------------------------------------------------------------------------------
@@ -222,7 +236,7 @@ def run_config(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor, v: Cud
     if padded_head_dim(D) > cfg["hd"]:
         raise InvalidArgumentError(f"config hd={cfg['hd']} is too small for head_dim {D}")
     kernel = _kernel(m, TEMPLATE, dev, {**dtype_params(dtype), **cfg})
-    br = 16 * cfg["nw"]
+    br = block_rows(cfg)
     blocks = B * Hh * -(-Sq // br)
     epc = 16 // dtype.itemsize
     vec = int(D % epc == 0 and all(t.ptr % 16 == 0 for t in (q, k, v)))
