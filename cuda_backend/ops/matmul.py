@@ -41,8 +41,11 @@ REDUCE_BLOCK = 256
 _PRECISIONS = {None: None, "fp32": "fp32", "highest": "fp32", "ieee": "fp32", "tf32": "tf32"}
 
 
-def _simt(bm: int, bn: int, bk: int, tm: int, tn: int, wtm: int, min_blocks: int) -> Dict[str, int]:
-    return {"bm": bm, "bn": bn, "bk": bk, "tm": tm, "tn": tn, "wtm": wtm,
+def _simt(bm: int, bn: int, bk: int, tm: int, tn: int, wtm: int, min_blocks: int,
+          qa: int = 0) -> Dict[str, int]:
+    """SIMT tile config; qa > 0: quarter-warp lane layout (qa rows x 8 / qa columns of the
+    warp's lane grid per 8 lanes), 0: row-major lanes."""
+    return {"bm": bm, "bn": bn, "bk": bk, "tm": tm, "tn": tn, "wtm": wtm, "qa": qa,
             "min_blocks": min_blocks}
 
 
@@ -54,21 +57,36 @@ def _mma(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int,
 
 # -- tile configs ------------------------------------------------------------------------
 # SIMT, float32. Threads = (bm / tm) * (bn / tn); warp tile = (wtm * tm) x ((32 / wtm) * tn).
-# 16x8 per thread loads 6 shared vectors per 128 FMA (8x8: 4 per 64), which is what lets
-# the large tiles get past the shared-memory load rate on Hopper.
-S_128x128x8_16x8 = _simt(128, 128, 8, 16, 8, 4, 2)   # 128 threads, 244 registers
-S_256x128x8_16x8 = _simt(256, 128, 8, 16, 8, 4, 1)   # 256 threads
+# A 16-byte shared load is served per quarter-warp (8 lanes, 128 bytes); quarter-warps that
+# read the same addresses share a wavefront. Row-major lanes on a 4 x 8 lane grid put one
+# row in each quarter: A fragment loads take 4 wavefronts, B's 1 (ncu: ~3 per load on the
+# 16x8 tile). qa=2 (2 rows x 4 columns per quarter) gives 2 and 2: per k step 12 wavefronts
+# instead of 18 on 16x8, 8 instead of 10 on 8x8. qa=4 gives 1 and 4 (also 12 on 16x8).
+S_128x128x8_16x8 = _simt(128, 128, 8, 16, 8, 4, 2)   # 128 threads, row-major lanes (old best)
+S_256x128x8_16x8 = _simt(256, 128, 8, 16, 8, 4, 1)   # 256 threads, row-major lanes
 S_64x128x16 = _simt(64, 128, 16, 8, 8, 4, 2)         # 128 threads, 8x8 per thread
 S_128x64x8 = _simt(128, 64, 8, 8, 8, 8, 2)           # 128 threads, 8x8 per thread
 S_64x64x8 = _simt(64, 64, 8, 8, 4, 4, 4)             # 128 threads, 8x4 per thread
 S_64x64x16 = _simt(64, 64, 16, 4, 4, 4, 2)           # 256 threads, 4x4 per thread
 S_32x64x16 = _simt(32, 64, 16, 4, 4, 4, 4)           # 128 threads (small / skinny)
+S_128x128x8_16x8_q2 = _simt(128, 128, 8, 16, 8, 4, 2, 2)   # 128 threads
+S_128x128x8_16x8_q4 = _simt(128, 128, 8, 16, 8, 4, 2, 4)   # 128 threads
+S_128x128x8_8x8_q2 = _simt(128, 128, 8, 8, 8, 4, 2, 2)     # 256 threads, warp 32x64
+S_128x256x8_16x8_q2 = _simt(128, 256, 8, 16, 8, 4, 1, 2)   # 256 threads, warp 64x64
+S_128x64x8_q2 = _simt(128, 64, 8, 8, 8, 4, 2, 2)           # 128 threads, warp 32x64
+S_64x128x8_q2 = _simt(64, 128, 8, 8, 8, 4, 2, 2)           # 128 threads, warp 32x64
+S_64x64x8_q2 = _simt(64, 64, 8, 8, 4, 4, 4, 2)             # 128 threads, 8x4, warp 32x32
 SIMT_F32 = {
-    "large": [S_128x128x8_16x8, S_256x128x8_16x8, S_64x128x16, S_128x64x8],
-    "medium": [S_128x64x8, S_64x64x8, S_64x64x16, S_64x128x16],
-    "skinny": [S_64x64x8, S_64x64x16, S_32x64x16],
+    "large": [S_128x128x8_16x8_q2, S_128x128x8_16x8_q4, S_128x128x8_8x8_q2,
+              S_128x256x8_16x8_q2],
+    "medium": [S_128x64x8_q2, S_64x128x8_q2, S_64x64x8_q2, S_128x128x8_8x8_q2],
+    "skinny": [S_64x64x8_q2, S_64x128x8_q2, S_32x64x16],
     "small": [S_32x64x16],
 }
+# Earlier SIMT float32 configs, no longer candidates (perf/sweep_matmul.py times them as
+# baselines).
+SIMT_F32_OLD = [S_128x128x8_16x8, S_256x128x8_16x8, S_64x128x16, S_128x64x8, S_64x64x8,
+                S_64x64x16]
 # SIMT, float64 (8-byte elements: half the tile depth keeps static shared memory < 48 KB).
 D_128x64x8 = _simt(128, 64, 8, 8, 4, 8, 1)       # 256 threads
 D_64x64x8 = _simt(64, 64, 8, 8, 4, 4, 2)         # 128 threads
@@ -91,31 +109,40 @@ MMA_F16 = {
     "skinny": [H_64x64x32, H_128x128x32],
     "small": [H_64x64x32],
 }
-# mma.sync, TF32 (bk 16: 64-byte shared rows). With 64x64 warp tiles the fragment double
-# buffering needs more than 255 registers (scalar B loads + cvt), so those load per k-step.
-T_128x256x16 = _mma(128, 256, 16, 64, 64, 3, 1, False)  # 256 threads, 72 KB
-T_256x128x16 = _mma(256, 128, 16, 64, 64, 3, 1, False)  # 256 threads, 72 KB
-T_128x128x16 = _mma(128, 128, 16, 64, 64, 4, 2, False)  # 128 threads, 64 KB
+# mma.sync, TF32. B fragments are 16-byte shared loads (n permuted inside the warp tile)
+# and the rounding is one integer add per fragment register (ptxas drops the mask: the mma
+# reads only the TF32 bits), so 64x64 warp tiles fit without fragment double buffering
+# (ptxas: 210-214 registers, no spills; with it they spill), one barrier per bk = 32 tile.
+T_128x256x32 = _mma(128, 256, 32, 64, 64, 3, 1, False)  # 256 threads, 144 KB, 210 regs
+T_256x128x32 = _mma(256, 128, 32, 64, 64, 3, 1, False)  # 256 threads, 144 KB, 214 regs
+T_128x128x32 = _mma(128, 128, 32, 64, 64, 3, 2, False)  # 128 threads, 96 KB, 214 regs
 T_128x128x16_w8 = _mma(128, 128, 16, 32, 64, 4, 1)      # 256 threads, 64 KB, pipelined
 T_64x64x16 = _mma(64, 64, 16, 32, 32, 4, 4)             # 128 threads, 32 KB
 MMA_TF32 = {
-    "large": [T_128x256x16, T_256x128x16, T_128x128x16, T_128x128x16_w8],
-    "medium": [T_128x128x16, T_64x64x16],
-    "skinny": [T_64x64x16, T_128x128x16],
+    "large": [T_128x256x32, T_256x128x32, T_128x128x32, T_128x128x16_w8],
+    "medium": [T_128x128x32, T_64x64x16],
+    "skinny": [T_64x64x16, T_128x128x32],
     "small": [T_64x64x16],
 }
+# More TF32 configs, not candidates (CI does not compile them): perf/sweep_matmul.py times
+# them as well, to decide what the tables should hold.
+T_128x256x32_s4 = _mma(128, 256, 32, 64, 64, 4, 1, False)   # 192 KB, 210 regs
+T_128x256x16_s4 = _mma(128, 256, 16, 64, 64, 4, 1)          # 96 KB, pipelined, 255 regs
+T_128x128x16 = _mma(128, 128, 16, 64, 64, 4, 2, False)      # the earlier 64x64-warp config
+MMA_TF32_EXTRA = [T_128x256x32_s4, T_128x256x16_s4, T_128x128x16]
 # Configs also rendered for unaligned operands (element loads need more registers; the
-# rest would spill or gain nothing there).
-SCALAR_OK = (S_256x128x8_16x8, S_64x128x16, S_128x64x8, S_64x64x8, S_64x64x16, S_32x64x16,
+# rest would spill or gain nothing there: 16x8 on 128 threads spills 88 bytes, 8x8 on 256
+# threads with 2 blocks per SM 84).
+SCALAR_OK = (S_128x256x8_16x8_q2, S_128x64x8_q2, S_64x128x8_q2, S_64x64x8_q2, S_32x64x16,
              D_128x64x8, D_64x64x8, D_32x64x8,
-             H_128x128x32, H_64x64x32, T_128x128x16, T_64x64x16)
+             H_128x128x32, H_64x64x32, T_128x128x32, T_64x64x16)
 # The one-kernel linear layer (x @ Wᵀ with an epilogue) chooses from these subsets of the
 # GEMM tables: the best configs of each class, without split-K, few enough that rendering
 # them for every family keeps the variant list short.
 LINEAR_SIMT_F32 = {
-    "large": [S_128x128x8_16x8, S_256x128x8_16x8],
-    "medium": [S_128x64x8, S_64x64x8],
-    "skinny": [S_64x64x8, S_32x64x16],
+    "large": [S_128x128x8_16x8_q2, S_128x256x8_16x8_q2],
+    "medium": [S_128x64x8_q2, S_64x64x8_q2],
+    "skinny": [S_64x64x8_q2, S_32x64x16],
     "small": [S_32x64x16],
 }
 LINEAR_SIMT_F64 = {"large": [D_64x64x8], "medium": [D_64x64x8], "skinny": [D_32x64x8],
@@ -127,8 +154,8 @@ LINEAR_MMA_F16 = {
     "small": [H_64x64x32],
 }
 LINEAR_MMA_TF32 = {
-    "large": [T_256x128x16, T_128x128x16],
-    "medium": [T_128x128x16, T_64x64x16],
+    "large": [T_256x128x32, T_128x128x32],
+    "medium": [T_128x128x32, T_64x64x16],
     "skinny": [T_64x64x16],
     "small": [T_64x64x16],
 }
@@ -528,18 +555,48 @@ def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
     run_config(m, hit[0], hit[1], a, b, out, p, dtype, vec, dev, epilogue=epilogue, bias=bias)
 
 
-def split_count(cfg: Dict[str, int], p: Plan, sm_count: int, max_z: int = 65535) -> int:
-    """Split-K factor for the SIMT kernel: enough blocks for ~2 per SM, >= 256 of K each."""
+def blocks_per_sm(cfg: Dict[str, int], regs: int = 0) -> int:
+    """Resident blocks of a SIMT config per SM (Hopper: 64K registers, 2048 threads, 32
+    blocks); regs = 0: the config's __launch_bounds__ minimum."""
+    threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"])
+    if regs <= 0:
+        return cfg["min_blocks"]
+    per_warp = -(-regs * 32 // 256) * 256
+    return max(1, min(65536 // (per_warp * (threads // 32)), 2048 // threads, 32))
+
+
+def split_count(cfg: Dict[str, int], p: Plan, sm_count: int, max_z: int = 65535,
+                per_sm: int = 0) -> int:
+    """Split-K factor for the SIMT kernel (chunks >= 256 of K, at most 16): the one with the
+    least modelled time. Model: the busiest SM runs ceil(blocks / SMs) blocks of
+    (K / splits + 64) k-steps each, at full rate from 8 resident warps on (less below), plus
+    the reduce pass (partials written and read: 2 * splits * M * N words at ~3 TB/s, +4 us).
+    per_sm: resident blocks per SM (0: the config's min_blocks)."""
+    if p.K < 512:
+        return 1
+    per_sm = per_sm or cfg["min_blocks"]
+    threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"])
     blocks = p.batch * -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"])
-    target = 2 * sm_count
-    if blocks >= target or p.K < 512:
-        return 1
-    splits = min(-(-target // blocks), p.K // 256, 16, max(1, max_z // p.batch))
-    if splits <= 1:
-        return 1
-    chunk = -(-p.K // splits)
-    chunk = -(-chunk // cfg["bk"]) * cfg["bk"]
-    return -(-p.K // chunk)
+    most = min(p.K // 256, 16, max(1, max_z // p.batch))
+    # seconds per k-step of one block at the SM's full FFMA rate (~60 % of 256 flop/clk/SM
+    # at 1.98 GHz); the model's absolute scale only matters against the reduce cost
+    step_s = 2.0 * cfg["bm"] * cfg["bn"] / (0.6 * 256 * 1.98e9)
+    best, best_t = 1, float("inf")
+    for s in range(1, max(1, most) + 1):
+        chunk = -(-p.K // s)
+        chunk = -(-chunk // cfg["bk"]) * cfg["bk"]
+        s_eff = -(-p.K // chunk)
+        if s_eff != s:
+            continue
+        n_max = -(-blocks * s // sm_count)
+        warps = min(n_max, per_sm) * threads // 32
+        rate = min(1.0, warps / 8.0)
+        t = n_max * (chunk + 64) * step_s / rate
+        if s > 1:
+            t += 2.0 * s * p.batch * p.M * p.N * 4 / 3e12 + 4e-6
+        if t < best_t * 0.97:   # a split must win by 3 % (the model is rough)
+            best, best_t = s, t
+    return best
 
 
 def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: CudaTensor,
@@ -569,7 +626,8 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
         kernel = _kernel(m, SIMT_TEMPLATE, dev, params)
         threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"])
         if splits is None:
-            splits = split_count(cfg, p, info.multiprocessor_count, max_z)
+            splits = split_count(cfg, p, info.multiprocessor_count, max_z,
+                                 blocks_per_sm(cfg, getattr(kernel, "num_regs", 0)))
         if splits > 1:
             chunk = -(-p.K // splits)
             chunk = -(-chunk // cfg["bk"]) * cfg["bk"]
