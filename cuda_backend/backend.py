@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import gc
 import logging
+import math
 import platform
 import subprocess
 import threading
@@ -27,10 +28,13 @@ from .errors import (CudaNotAvailableError, DTypeMismatchError, InvalidDeviceErr
                      InvalidPointerError, TransferError, driver_failure)
 from .memory import HostBinnedPool, MemoryPool, PinnedHostPool
 from .profiling import Profiler, write_json_atomic
-from .tensor import CudaTensor, normalize_shape
+from .tensor import CudaTensor, normalize_shape, pool_tensor
 from .transfers import host_contiguous
 
 logger = logging.getLogger("cuda_backend")
+_prod = math.prod
+# item size by member name: an Enum member's own __hash__ is Python code, its name's is not
+_ITEMSIZE = {dt._name_: dt.itemsize for dt in CudaDataType}
 FALLBACK_MESSAGE = "PyCUDA not available. CUDA backend will use fallback mode."
 
 
@@ -222,6 +226,11 @@ class CudaBackend:
         """empty() for a shape tuple, dtype and device that are already valid (the ops'
         per-call fast paths take them from live operands)."""
         pool = self.memory_pools[dev]
+        if self.is_available:
+            size = _prod(shape)
+            nbytes = size * _ITEMSIZE[dtype._name_]
+            if nbytes:
+                return pool_tensor(shape, dtype, dev, pool.allocate(nbytes), pool, size, nbytes)
         t = CudaTensor(shape, dtype, dev, 0)
         t.on_host = not self.is_available
         if t.nbytes == 0:

@@ -34,6 +34,9 @@ class CudaMath:
         self.backend = backend or get_cuda_backend()
         self.generator = KernelGenerator(self.backend)
         self._autotuner = None
+        self._ew_binary_plans: dict = {}   # elementwise per-call plans (ops/elementwise.py)
+        self._ew_unary_plans: dict = {}
+        self._ew_scalar_plans: dict = {}
 
     @property
     def gpu(self) -> bool:
@@ -107,8 +110,15 @@ class CudaMath:
     # -- elementwise --------------------------------------------------------------------
     def vector_add(self, a: CudaTensor, b: CudaTensor) -> CudaTensor:
         """a + b for same-shape tensors (the seed's API); `add` broadcasts."""
-        if type(a) is CudaTensor and type(b) is CudaTensor and a.shape == b.shape:
-            return ew.binary(self, "add", a, b)   # binary checks liveness, dtype, device
+        if type(a) is CudaTensor and type(b) is CudaTensor:
+            # the common call: binary()'s plan, looked up here (one call less)
+            plan = self._ew_binary_plans.get(("add", a.dtype._name_, a.device_id))
+            if plan is not None:
+                res = plan(a, b)
+                if res is not None:
+                    return res
+            if a.shape == b.shape:
+                return ew.binary(self, "add", a, b)   # binary checks liveness, dtype, device
         common.check_tensor(a, "a"), common.check_tensor(b, "b")
         if a.shape != b.shape:
             from .errors import ShapeMismatchError

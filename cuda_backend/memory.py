@@ -192,13 +192,13 @@ class MemoryPool:
 
     def reset_counters(self) -> None:
         self._total_requested = 0
-        self._allocation_count = 0
         self._explicit_frees = 0
         self._hits = 0
         self._misses = 0
         self._oom_retries = 0
         self._peak = self._pool.active_bytes
         self._base_blocks = self._pool.active_blocks
+        self._managed = self._pool.managed_bytes
 
     # -- allocation -----------------------------------------------------------------
     def allocate(self, nbytes: int) -> Any:
@@ -216,33 +216,45 @@ class MemoryPool:
         return self._allocate_locked(nbytes)
 
     def _allocate_locked(self, nbytes: int) -> Any:
+        """allocate() for an int nbytes > 0 with the pool's device context current (the
+        ops' fast paths check both and call this directly).
+
+        Two reads of the pool per call (its counters are C++ getters behind Boost.Python on
+        a GPU): managed_bytes tells a hit from a miss, since only a new underlying allocation
+        changes it (every free_held() of ours re-reads it; after an out-of-memory retry the
+        call counts as a miss), and active_bytes keeps the peak. The allocation count is
+        hits + misses."""
         pool = self._pool
         with self._lock:
             if self._limit:
                 self._check_limit(nbytes)
-            held = pool.held_blocks
             try:
                 block = pool.allocate(nbytes)
-                hit = pool.held_blocks < held
             except self._oom_errors:
                 block = self._retry_after_oom(nbytes)
-                hit = False
-            if hit:
+                self._managed = -1                     # a miss, whatever the bytes say
+            managed = pool.managed_bytes
+            if managed == self._managed:
                 self._hits += 1
             else:
                 self._misses += 1
+                self._managed = managed
             self._total_requested += nbytes
-            self._allocation_count += 1
             active = pool.active_bytes
             if active > self._peak:
                 self._peak = active
             return block
 
+    def _free_held(self) -> None:
+        """The pool's free_held(), then the managed bytes a hit leaves unchanged."""
+        self._pool.free_held()
+        self._managed = self._pool.managed_bytes
+
     def _retry_after_oom(self, nbytes: int) -> Any:
         self._oom_retries += 1
-        self._pool.free_held()
+        self._free_held()
         gc.collect()
-        self._pool.free_held()
+        self._free_held()
         try:
             return self._pool.allocate(nbytes)
         except self._oom_errors:
@@ -256,7 +268,7 @@ class MemoryPool:
         size = self._alloc_size(nbytes)
         if self._pool.managed_bytes + size <= self._limit:
             return
-        self._pool.free_held()
+        self._free_held()
         if self._pool.active_bytes + size > self._limit:
             raise CudaOutOfMemoryError(
                 nbytes, self.device_id, self._pool.active_bytes, self.free_bytes(),
@@ -323,7 +335,7 @@ class MemoryPool:
     def free_all_blocks(self) -> None:
         """Return every cached (unused) block to the driver."""
         with self._activate(), self._lock:
-            self._pool.free_held()
+            self._free_held()
 
     def set_limit(self, size: Optional[int] = None, fraction: Optional[float] = None) -> None:
         """Cap the pool's total bytes (in use + cached); no arguments or 0 removes the cap."""
@@ -353,15 +365,15 @@ class MemoryPool:
     def get_stats(self) -> Dict[str, int]:
         """The seed's keys plus cache and hit statistics."""
         pool = self._pool
+        count = self._hits + self._misses
         return {
             "total_allocated": self._total_requested,
             "active_memory": int(pool.active_bytes),
             "peak_allocated": int(self._peak),
-            "allocation_count": self._allocation_count,
+            "allocation_count": count,
             "active_blocks": int(pool.active_blocks),
             "cached_bytes": self.free_bytes(),
-            "free_count": max(self._allocation_count
-                              - (int(pool.active_blocks) - self._base_blocks), 0),
+            "free_count": max(count - (int(pool.active_blocks) - self._base_blocks), 0),
             "n_free_blocks": int(pool.held_blocks),
             "hits": self._hits,
             "misses": self._misses,

@@ -243,6 +243,31 @@ class CudaTensor:
         return self.shape[0]
 
 
+_new = object.__new__
+
+
+def pool_tensor(shape: Tuple[int, ...], dtype: CudaDataType, device_id: int, block: Any,
+                pool: Any, size: int, nbytes: int) -> CudaTensor:
+    """A device tensor owning `block` of `pool`, for the allocation fast paths: shape is a
+    valid tuple, size and nbytes are its element and byte counts, block is live. Sets every
+    slot as __init__ does (tests/test_elementwise.py checks that they agree), without its
+    conversions and arithmetic."""
+    t = _new(CudaTensor)
+    t.shape = shape
+    t.dtype = dtype
+    t.device_id = device_id
+    t._ptr = int(block)
+    t._block = block
+    t._pool = pool
+    t._owner = None
+    t._host = None
+    t.on_host = False
+    t.stream = None
+    t.size = size
+    t.nbytes = nbytes
+    return t
+
+
 def _math() -> Any:
     from .cuda_math import get_cuda_math
     return get_cuda_math()

@@ -21,6 +21,7 @@ dtype (rounded to it first, as NumPy does).
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -146,12 +147,146 @@ def _kernel_name(m: Any, cache: _DeviceCache, dev: int, kind: str, op: str,
     return k[0], k[1]
 
 
-def _fast_entry(m: Any, dev: int, kind: str, op: str, dtype: CudaDataType) -> Optional[tuple]:
-    """The memoized kernel entry if this (kind, op, dtype) was compiled for dev, else None."""
-    try:
-        return m._elementwise_cache[dev].kernels[(kind, op, dtype)]
-    except (AttributeError, KeyError):
+# -- per-call plans ---------------------------------------------------------------------------
+# A plan is a closure made once per (CudaMath, kind, op, dtype, device) after the general path
+# launched that kernel: it holds the kernel's launch function, a compiled struct packer for its
+# arguments, the launch block (validated then), the pool and what the grid needs, so that a
+# repeat call costs the operand checks, one allocation and the launch. It returns None, and
+# the general path runs, whenever anything is not the common case: operands that differ in
+# shape, dtype or device, a freed operand, an empty tensor, the device's context not current
+# in this thread, a `with stream:` block, or profiling on.
+
+def _remember_plan(m: Any, attr: str, key: tuple, kind: str, op: str, dtype: CudaDataType,
+                   dev: int) -> None:
+    plans = m.__dict__.get(attr)
+    if plans is None:
+        plans = m.__dict__.setdefault(attr, {})
+    if key not in plans:
+        plan = _make_plan(m, kind, op, dtype, dev)
+        if plan is not None:
+            plans[key] = plan
+
+
+def _make_plan(m: Any, kind: str, op: str, dtype: CudaDataType, dev: int) -> Optional[Callable]:
+    backend = m.backend
+    launcher = getattr(backend, "_launcher", None)
+    if launcher is None or not m.gpu:
         return None
+    from .. import streams
+    from ..errors import driver_failure
+    from ..tensor import pool_tensor
+    name, per_block, vec, zero, cap = m._elementwise_cache[dev].kernels[
+        ("binary" if kind == "scalar" else kind, op, dtype)]
+    kernel = backend._compiler.get(name, dev)
+    fmt = kernel.arg_format
+    launcher._validate(kernel, dev, 1, _BLOCK_DIMS, 0)   # the block, once (grid x <= cap)
+    cap = min(cap, backend.devices[dev].max_grid_dims[0])
+    pack = struct.Struct(fmt).pack
+    sample = (1, 2, 4, zero) if kind == "unary" else (1, 2, 3, zero, 4, 0)
+    try:
+        if pack(*sample) != launcher._pack(fmt, *sample):
+            return None     # a layout the standard packer does not reproduce: general path
+    except Exception:
+        return None
+    launch = kernel.function._launch_kernel
+    pool = backend.memory_pools[dev]
+    alloc = pool._allocate_locked
+    ctx_local = backend._contexts._local
+    stream_local = streams._local   # .__dict__.get: a missing attribute of a thread-local
+                                    # costs a raised and caught AttributeError (~1 us)
+    itemsize = dtype.itemsize
+    block = _BLOCK_DIMS
+    drv_error = backend._drv.Error
+    what = f"launch of kernel '{name}'"
+
+    if kind == "binary":
+        def plan(a: CudaTensor, b: CudaTensor) -> Optional[CudaTensor]:
+            # a.dtype is dtype and a.device_id == dev: the plan's key says so
+            pa, pb, shape = a._ptr, b._ptr, a.shape
+            if pa is None or pb is None or b.dtype is not dtype or b.device_id != dev or \
+                    b.shape != shape:
+                return None
+            n = a.size
+            st = getattr(ctx_local, "state", None)
+            if not n or st is None or not st.stack or st.stack[-1][0] != dev or \
+                    launcher.profiler is not None or stream_local.__dict__.get("stack"):
+                return None
+            nbytes = n * itemsize
+            res = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, n, nbytes)
+            po = res._ptr
+            grid = -(-(n // vec if not ((po | pa | pb) & 15) else n) // per_block) or 1
+            try:
+                launch((grid if grid < cap else cap, 1, 1), block, pack(po, pa, pb, zero, n, 0),
+                       0, None)
+            except drv_error as exc:
+                raise driver_failure(what, exc, dev) from None
+            return res
+        return plan
+
+    if kind == "scalar":
+        # The scalar in the tensor's dtype as _scalar() makes it: floats rounded to float32
+        # or float16 by the struct codes (round to nearest even, as NumPy; a value that
+        # overflows raises, and the general path makes it inf); ints range-checked.
+        commutes = op in COMMUTATIVE
+        if dtype.is_floating:
+            code = {DT.FLOAT32: "f", DT.FLOAT16: "e"}.get(dtype)
+            rnd = struct.Struct(code) if code else None
+            lo = hi = None
+        else:
+            rnd = None
+            lo, hi = _INT_RANGE[dtype]
+
+        def plan(t: CudaTensor, s: Any, mode: int) -> Optional[CudaTensor]:
+            # t.dtype is dtype and t.device_id == dev; s is a float or an int (not a bool)
+            pt = t._ptr
+            n = t.size
+            st = getattr(ctx_local, "state", None)
+            if pt is None or not n or st is None or not st.stack or st.stack[-1][0] != dev or \
+                    launcher.profiler is not None or stream_local.__dict__.get("stack"):
+                return None
+            if lo is None:
+                try:
+                    v = float(s)
+                    if rnd is not None:
+                        v = rnd.unpack(rnd.pack(v))[0]
+                except OverflowError:
+                    return None
+            elif type(s) is int and lo <= s <= hi:
+                v = s
+            else:
+                return None
+            nbytes = n * itemsize
+            res = pool_tensor(t.shape, dtype, dev, alloc(nbytes), pool, n, nbytes)
+            po = res._ptr
+            grid = -(-(n // vec if not ((po | pt) & 15) else n) // per_block) or 1
+            if mode == 1 or commutes:
+                buf = pack(po, pt, 0, v, n, 1)
+            else:
+                buf = pack(po, 0, pt, v, n, 2)
+            try:
+                launch((grid if grid < cap else cap, 1, 1), block, buf, 0, None)
+            except drv_error as exc:
+                raise driver_failure(what, exc, dev) from None
+            return res
+        return plan
+
+    def plan(x: CudaTensor) -> Optional[CudaTensor]:   # unary
+        px = x._ptr
+        n = x.size
+        st = getattr(ctx_local, "state", None)
+        if px is None or not n or st is None or not st.stack or st.stack[-1][0] != dev or \
+                launcher.profiler is not None or stream_local.__dict__.get("stack"):
+            return None
+        nbytes = n * itemsize
+        res = pool_tensor(x.shape, dtype, dev, alloc(nbytes), pool, n, nbytes)
+        po = res._ptr
+        grid = -(-(n // vec if not ((po | px) & 15) else n) // per_block) or 1
+        try:
+            launch((grid if grid < cap else cap, 1, 1), block, pack(po, px, n, zero), 0, None)
+        except drv_error as exc:
+            raise driver_failure(what, exc, dev) from None
+        return res
+    return plan
 
 
 def _grid(items: int, per_block: int, sm_count: int) -> int:
@@ -291,22 +426,26 @@ def binary(m: Any, op: str, a: Any, b: Any, out: Optional[CudaTensor] = None) ->
     scalars (at least one tensor). The result has the tensors' dtype. `out`, if given, must
     have the result's shape, dtype and device (it may be an input of that same shape)."""
     if out is None and type(a) is CudaTensor and type(b) is CudaTensor:
-        # Fast path for small calls: two live tensors of one shape, dtype and device whose
-        # kernel is already compiled (so op and dtype were validated before); the checks are
-        # the general path's, inlined.
-        shape, dtype, dev = a.shape, a.dtype, a.device_id
-        if shape == b.shape and dtype is b.dtype and dev == b.device_id and \
-                a._ptr is not None and b._ptr is not None and a.size:
-            entry = _fast_entry(m, dev, "binary", op, dtype)
-            if entry is not None:
-                name, per_block, vec, zero, cap = entry
-                backend = m.backend
-                res = backend._empty_checked(shape, dtype, dev)
-                n = res.size
-                grid = -(-(n // vec if not ((res._ptr | a._ptr | b._ptr) & 15) else n)
-                         // per_block) or 1
-                backend.launch_kernel(name, grid if grid < cap else cap, res, a, b, zero, n, 0,
-                                      block_size=_BLOCK_DIMS, device_id=dev)
+        # Fast path for small calls: a plan made by an earlier call of this op, dtype and
+        # device (so op and dtype were validated) checks the rest and launches, or says no.
+        try:
+            plan = m._ew_binary_plans.get((op, a.dtype._name_, a.device_id))
+        except AttributeError:
+            plan = None
+        if plan is not None:
+            res = plan(a, b)
+            if res is not None:
+                return res
+    elif out is None and (type(a) is CudaTensor or type(b) is CudaTensor):
+        # tensor op Python scalar, either side: the scalar plan (it converts the scalar)
+        t, sc, mode = (a, b, 1) if type(a) is CudaTensor else (b, a, 2)
+        try:
+            plan = m._ew_scalar_plans.get((op, t.dtype._name_, t.device_id))
+        except AttributeError:
+            plan = None
+        if plan is not None and (type(sc) is float or type(sc) is int):
+            res = plan(t, sc, mode)
+            if res is not None:
                 return res
     dtypes = BINARY_OPS.get(op)
     if dtypes is None:
@@ -364,6 +503,13 @@ def binary(m: Any, op: str, a: Any, b: Any, out: Optional[CudaTensor] = None) ->
         args = (res, 0, b, sv, n, 2)
     grid = _grid(n // vec if aligned else n, per_block, cache.sm_count)
     m.backend.launch_kernel(name, grid, *args, block_size=_BLOCK_DIMS, device_id=dev)
+    if out is None:
+        if mode == 0:
+            _remember_plan(m, "_ew_binary_plans", (op, dtype._name_, dev), "binary", op,
+                           dtype, dev)
+        elif dtype is not DT.BFLOAT16:
+            _remember_plan(m, "_ew_scalar_plans", (op, dtype._name_, dev), "scalar", op,
+                           dtype, dev)
     return res
 
 
@@ -483,18 +629,16 @@ def unary(m: Any, op: str, x: CudaTensor, out: Optional[CudaTensor] = None,
           **params: Any) -> CudaTensor:
     """op(x) elementwise. Ops with a parameter (leaky_relu, elu: alpha) take it by keyword,
     with PyTorch's default when omitted. `out` as for binary()."""
-    if out is None and not params and type(x) is CudaTensor and x._ptr is not None and x.size:
-        # Fast path, as in binary(): a compiled kernel means op and dtype were validated.
-        entry = _fast_entry(m, x.device_id, "unary", op, x.dtype)
-        if entry is not None:
-            name, per_block, vec, alpha, cap = entry
-            backend = m.backend
-            res = backend.empty(x.shape, x.dtype, x.device_id)
-            n = res.size
-            grid = -(-(n // vec if not ((res._ptr | x._ptr) & 15) else n) // per_block) or 1
-            backend.launch_kernel(name, grid if grid < cap else cap, res, x, n, alpha,
-                                  block_size=_BLOCK_DIMS, device_id=x.device_id)
-            return res
+    if out is None and not params and type(x) is CudaTensor:
+        # Fast path, as in binary().
+        try:
+            plan = m._ew_unary_plans.get((op, x.dtype._name_, x.device_id))
+        except AttributeError:
+            plan = None
+        if plan is not None:
+            res = plan(x)
+            if res is not None:
+                return res
     spec = UNARY_OPS.get(op)
     if spec is None:
         raise InvalidArgumentError(
@@ -526,6 +670,9 @@ def unary(m: Any, op: str, x: CudaTensor, out: Optional[CudaTensor] = None,
     grid = _grid(n // (16 // x.dtype.itemsize) if aligned else n, per_block, cache.sm_count)
     m.backend.launch_kernel(name, grid, res, x, n, alpha, block_size=_BLOCK_DIMS,
                             device_id=dev)
+    if out is None and not params:
+        _remember_plan(m, "_ew_unary_plans", (op, x.dtype._name_, dev), "unary", op, x.dtype,
+                       dev)
     return res
 
 
