@@ -17,7 +17,7 @@ legacy default stream, which torch also uses, with the L2 flushed before each ca
 --reps after 3 warm-up calls). Checking: each variant's output, first poisoned with NaN bits,
 is compared on sampled (batch, head) slices with a float64 NumPy reference: rel_err =
 ||out - ref|| / ||ref|| (Frobenius), the largest over the slices; BAD marks one over the
-tolerance (1e-2 for 16-bit types, 1e-5 for float32) or a non-finite output.
+tolerance (1e-2 for 16-bit types, 3e-6 for float32) or a non-finite output.
 
 Columns: variant (hd/bc/nw/wm/q_regs/min_blocks; `*` = the default path's choice), ms,
 TFLOP/s (4 B H S^2 D, halved when causal), torch_ms / ms, rel_err, registers per thread and
@@ -39,7 +39,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 SHAPES = {"long": (4, 16, 4096, 128), "short": (4, 8, 512, 64)}
-TOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
+# float32: float32-level accuracy at 4096 keys (the kernel sums each key tile in fresh MMA
+# accumulators; ~1e-6 modelled, torch ~7.5e-7), as tests/test_flash_attention.py checks.
+TOL = {"float32": 3e-6, "float16": 1e-2, "bfloat16": 1e-2}
 
 
 def cfg_name(cfg: Dict[str, Any]) -> str:

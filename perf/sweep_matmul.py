@@ -6,10 +6,11 @@
 For each family and target shape (M x K x N: 4096^3, 8192^3, 1000^3, 8192x64x8192,
 64x8192x8192, 1023x1025x997) it times every config of the family's tables (all shape
 classes, not only the shape's own: a config of another class may win), for fp32 also the
-earlier configs (`SIMT_F32_OLD`, baselines), for tf32 the configs outside the tables
-(`MMA_TF32_EXTRA`; --no-old drops both), each launched directly
-through `matmul.run_config` with the split count the op would use (SIMT), and for shapes
-where split-K is in play also at other split counts; then the default public path
+earlier configs (`SIMT_F32_OLD`, baselines) and the multistage ones outside the tables
+(`SIMT_F32_EXTRA`), for tf32 the configs outside the tables (`MMA_TF32_EXTRA`; --no-old
+drops them), each launched directly through `matmul.run_config` with the modelled split
+count (SIMT), and for shapes where split-K is in play also at other split counts (those the
+autotuner tries, `matmul.split_options`, and EXTRA_SPLITS); then the default public path
 (`CudaMath.matrix_multiply`, autotuned on its first call, outside the timing) and
 `torch.matmul` (TF32 off for fp32, on for tf32), all in the same process.
 
@@ -19,9 +20,10 @@ first, in parallel threads. Each output is first poisoned (NaN bits), then check
 NumPy float64 reference on sampled rows (64 evenly spaced rows, all rows when M <= 1100):
 rel_err = max |out - ref| / max |ref|.
 
-Columns: config (bm x bn x bk, per-thread tm x tn, wtm, qa lane layout, min_blocks),
-split count, ms, TFLOP/s, torch_ms / ms, rel_err, registers per thread (local bytes if any).
-`*` marks the config the default path chose; `!` a split other than the op's. Each shape
+Columns: config (bm x bn x bk, per-thread tm x tn, wtm, qa lane layout, s<stages> for the
+multistage loader, min_blocks), split count, ms, TFLOP/s, torch_ms / ms, rel_err, registers
+per thread (local bytes if any). `*` marks the (config, split) the default path chose (the
+autotuner picks the split too); `!` a split other than the modelled one. Each shape
 ends with a summary line: torch, default path, best config, and the goal. --out writes JSON
 after every shape. Needs PyCUDA and PyTorch on a GPU machine (torch is imported lazily, so
 --help works anywhere).
@@ -64,16 +66,17 @@ HOST_THREADS = max(1, min(16, os.cpu_count() or 1))
 def cfg_name(cfg: Dict[str, Any]) -> str:
     if "tm" in cfg:
         return f"{cfg['bm']}x{cfg['bn']}x{cfg['bk']} t{cfg['tm']}x{cfg['tn']} w{cfg['wtm']} " \
-               f"q{cfg['qa']} b{cfg['min_blocks']}"
+               f"q{cfg['qa']}{' s%d' % cfg['stages'] if cfg.get('stages') else ''} " \
+               f"b{cfg['min_blocks']}"
     return f"{cfg['bm']}x{cfg['bn']}x{cfg['bk']} w{cfg['wm']}x{cfg['wn']} s{cfg['stages']}" \
-           f"{'' if cfg.get('frag_pipe', True) else ' nopipe'} b{cfg['min_blocks']}"
+           f"{'' if cfg.get('frag_pipe', True) else ' nopipe'}" \
+           f"{' truncA' if cfg.get('tf32_trunc_a') else ''} b{cfg['min_blocks']}"
 
 
 def kernel_params(template: str, dtype: DT, cfg: Dict[str, Any], vec: bool) -> Dict[str, Any]:
-    params = {**dtype_params(dtype), **cfg, "vec": vec}
     if template == mm.SIMT_TEMPLATE:
-        params["kind"] = "gemm"
-    return params
+        return mm.simt_params(dtype, cfg, vec)
+    return {**dtype_params(dtype), **cfg, "vec": vec}
 
 
 def host_values(shape: Tuple[int, ...], dtype: DT, seed: int) -> np.ndarray:
@@ -135,9 +138,10 @@ def family_configs(fam: str, old: bool) -> Tuple[str, List[Dict[str, Any]]]:
     dtype, prec, _ = FAMILIES[fam]
     template, _ = mm._family(dtype, prec)
     cfgs = list(mm.all_configs(dtype, prec))
-    extra = {"fp32": "SIMT_F32_OLD", "tf32": "MMA_TF32_EXTRA"}.get(fam)
-    if old and extra:
-        cfgs += [c for c in getattr(mm, extra, []) if c not in cfgs]
+    extras = {"fp32": ("SIMT_F32_OLD", "SIMT_F32_EXTRA"), "tf32": ("MMA_TF32_EXTRA",)}
+    if old:
+        for name in extras.get(fam, ()):
+            cfgs += [c for c in getattr(mm, name, []) if c not in cfgs]
     return template, cfgs
 
 
@@ -277,7 +281,8 @@ def main() -> None:
                 mm.matmul(m, a, bt, prec, out=out)
             default_launch()
             hit = mm._cache(m).get((p, dtype, prec, 0, vec))
-            chosen = hit[1] if hit else None
+            chosen = dict(hit[1]) if hit else None
+            chosen_split = chosen.pop("split", None) if chosen else None
             check_and_time("default path (matmul, out=)", default_launch, {})
             # the public call allocates its result (pool) each time; checked above via out=
             public_ms = med(lambda: m.matrix_multiply(a, bt, prec), lambda r: r.free())
@@ -296,15 +301,27 @@ def main() -> None:
                                           mm.blocks_per_sm(cfg, kern.num_regs)) \
                     if hasattr(mm, "blocks_per_sm") else mm.split_count(cfg, p, sms, max_z)
                 splits = [op_split]
-                if not args.no_splits and K >= 512 and \
-                        p.batch * -(-M // cfg["bm"]) * -(-N // cfg["bn"]) < 4 * sms:
-                    splits += [s_ for s_ in EXTRA_SPLITS
-                               if s_ != op_split and s_ <= max(1, K // 256)]
+                if not args.no_splits:
+                    tuned = mm.split_options(cfg, p, cls, sms, max_z,
+                                             mm.blocks_per_sm(cfg, kern.num_regs)) \
+                        if hasattr(mm, "split_options") else []
+                    more = list(tuned)
+                    if K >= 512 and p.batch * -(-M // cfg["bm"]) * -(-N // cfg["bn"]) < 4 * sms:
+                        more += [s_ for s_ in EXTRA_SPLITS if s_ <= max(1, K // 256)]
+                    for s_ in more:
+                        if all(mm.effective_split(cfg, K, s_) != mm.effective_split(cfg, K, t)
+                               for t in splits):
+                            splits.append(s_)
+                if extra["chosen"] and chosen_split and all(
+                        mm.effective_split(cfg, K, chosen_split) != mm.effective_split(cfg, K, t)
+                        for t in splits):
+                    splits.append(chosen_split)
                 for sp in splits:
+                    is_chosen = extra["chosen"] and (chosen_split is None or mm.effective_split(
+                        cfg, K, sp) == mm.effective_split(cfg, K, chosen_split))
                     check_and_time(cfg_name(cfg), lambda cfg=cfg, sp=sp: mm.run_config(
                         m, template, cfg, a, bt, out, p, dtype, vec, 0, splits=sp),
-                        dict(extra, split=sp, other_split=sp != op_split,
-                             chosen=extra["chosen"] and sp == op_split))
+                        dict(extra, split=sp, other_split=sp != op_split, chosen=is_chosen))
             ok = [r for r in rows_out if "ms" in r]
             cands = [r for r in ok if "config" in r]
             best = min(cands, key=lambda r: r["ms"]) if cands else None
@@ -318,7 +335,8 @@ def main() -> None:
                     "goal": goal,
                     "default_ms": dflt and dflt["ms"], "default_vs_torch": dflt and
                     dflt["vs_torch"], "public_ms": public_ms,
-                    "chosen": chosen and cfg_name(chosen),
+                    "chosen": chosen and (cfg_name(chosen) + (
+                        f" split {chosen_split}" if chosen_split else "")),
                     "best": best and f"{best['variant']} split {best.get('split', '-')}",
                     "best_ms": best and best["ms"], "best_vs_torch": best and best["vs_torch"],
                     "best_at_op_split": best_op and

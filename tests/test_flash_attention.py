@@ -181,6 +181,36 @@ def test_longer_sequences(m, dtype):
     check(m, (2, 2, 512, 700, 64), dtype, False, rng)
 
 
+# float32 error at long key lengths. mma.sync truncates (rounds toward zero) the sum it adds
+# into its accumulator, so O kept in the MMA accumulators across all key tiles drifted by a
+# bias ~7e-9 per key (2.9e-5 at 4096 keys, 7.9e-6 at 1024). The kernel sums each tile's P V in
+# fresh accumulators and adds it to O in round-to-nearest FMAs; a model of the MMA rounding
+# gives ~1e-6 at any key length (PyTorch's float32 SDPA: 7.5e-7 at 4096).
+F32_LONG_BOUND = 3e-6
+
+
+@gpu
+@pytest.mark.parametrize("cfg", [c for cfgs in fa.F32_CONFIGS.values() for c in cfgs],
+                         ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_float32_error_flat_in_key_length(m, cfg):
+    """64 queries (a cheap float64 reference) against 4096 keys, non-causal, every float32
+    config: the error stays at float32 level instead of growing with the key count."""
+    rng = np.random.default_rng(4096)
+    errs = {}
+    for skv in (256, 4096):
+        errs[skv] = check(m, (1, 1, 64, skv, cfg["hd"]), DT.FLOAT32, False, rng, cfg=cfg)
+    assert errs[4096] <= F32_LONG_BOUND, errs
+    # no linear growth: 16x the keys, not 16x the error (the old kernel: ~16x)
+    assert errs[4096] <= 4 * errs[256] + 1e-6, errs
+
+
+@gpu
+def test_float32_long_keys_public_path(m):
+    rng = np.random.default_rng(7)
+    err = check(m, (1, 2, 64, 4096, 128), DT.FLOAT32, False, rng)
+    assert err <= F32_LONG_BOUND, err
+
+
 @gpu
 def test_zero_sizes(m, ml):
     rng = np.random.default_rng()

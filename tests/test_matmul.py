@@ -199,6 +199,106 @@ def test_shape_class_and_split_count():
     assert mm.shape_class(mm.plan_shapes((7, 13), (13, 5)), 132) == "small"
 
 
+def test_split_candidates_expand_where_split_k_is_in_play():
+    """The SIMT GEMM's autotuner candidates are (config, split) pairs: the modelled split
+    first, then 1, 2, 3, 4, 6, 8 capped by K // 256, 16 and max_z // batch, one per
+    effective split; where split-K is out of play only the modelled count."""
+    for shape, cls_want in ((((1000, 1000), (1000, 1000)), "medium"),
+                            (((64, 8192), (8192, 8192)), "skinny"),
+                            (((1023, 1025), (1025, 997)), "medium")):
+        p = mm.plan_shapes(*shape)
+        cls = mm.shape_class(p, 132)
+        assert cls == cls_want
+        for vec in (True, False):
+            cands = mm.candidates(DT.FLOAT32, None, cls, vec)
+            pairs = mm.split_candidates(cands, p, cls, 132)
+            for c in cands:
+                splits = [x["split"] for x in pairs if {k: v for k, v in x.items()
+                                                        if k != "split"} == c]
+                assert splits[0] == mm.split_count(c, p, 132)
+                assert len(splits) > 1 and 1 in splits
+                assert len(set(mm.effective_split(c, p.K, s) for s in splits)) == len(splits)
+                assert max(splits) <= min(p.K // 256, 16)
+    p = mm.plan_shapes((1000, 1000), (1000, 1000))
+    assert {x["split"] for x in mm.split_candidates([mm.S_128x64x8_q2], p, "medium", 132)} \
+        == {1, 2, 3}
+    # max_z // batch caps the count (split z and batch share the grid's z)
+    p = mm.plan_shapes((3, 300, 8192), (3, 8192, 300))
+    assert max(mm.split_options(mm.S_64x64x8_q2, p, "medium", 132, max_z=6)) <= 2
+    # 4096^3 fills the GPU: no split-K, one candidate per config
+    p = mm.plan_shapes((4096, 4096), (4096, 4096))
+    cands = mm.candidates(DT.FLOAT32, None, "large", True)
+    assert mm.split_candidates(cands, p, "large", 132) == [{**c, "split": 1} for c in cands]
+    # K < 512: never split
+    p = mm.plan_shapes((64, 500), (500, 64))
+    assert mm.split_options(mm.S_32x64x16, p, "small", 132) == [1]
+
+
+def test_split_key_is_not_a_template_parameter():
+    """run_config takes the autotuner's "split" out before rendering: the kernel is the
+    config's own, template_variants is unchanged, and the split count is the launched one."""
+    import types
+    launches, rendered = [], []
+
+    class Backend:
+        def get_device_info(self, dev):
+            return types.SimpleNamespace(multiprocessor_count=132,
+                                         max_grid_dims=(2**31 - 1, 65535, 65535))
+
+        def launch_kernel(self, name, grid, *args, block_size=None, shared_mem=0,
+                          device_id=0):
+            launches.append((name, grid, args, shared_mem))
+
+        def empty(self, shape, dtype, dev):
+            return types.SimpleNamespace(free=lambda: None, shape=shape)
+
+    class Math:
+        backend = Backend()
+
+        def kernel(self, template, dev, **params):
+            rendered.append(params)
+            return types.SimpleNamespace(name=f"k{len(rendered)}", num_regs=128)
+
+    before = mm.template_variants()
+    m = Math()
+    p = mm.plan_shapes((1000, 1000), (1000, 1000))
+    keys = {tuple(sorted(v.items())) for v in before[mm.SIMT_TEMPLATE]}
+    for cfg in (mm.S_128x64x8_q2, mm.S_128x64x16_s3):
+        for split in (1, 3):
+            launches.clear()
+            mm.run_config(m, mm.SIMT_TEMPLATE, {**cfg, "split": split}, "a", "b", "out", p,
+                          DT.FLOAT32, True, 0)
+            gemm = [r for r in rendered if r.get("kind") == "gemm"]
+            assert all("split" not in r for r in gemm)
+            assert tuple(sorted(mm.simt_params(DT.FLOAT32, cfg, True).items())) in keys
+            grid, smem = launches[0][1], launches[0][3]
+            assert grid[2] == split
+            assert smem == mm.simt_smem(cfg) and (smem > 0) == (cfg["stages"] > 0)
+            assert len(launches) == (2 if split > 1 else 1)   # + the split-K reduce
+    assert mm.template_variants() == before
+
+
+def test_multistage_configs():
+    """Multistage SIMT configs: vec float32 GEMM only (never unaligned or in the linear
+    layer), shared memory within the opt-in limit, copies tiling the block."""
+    ms = [c for c in mm.all_configs(DT.FLOAT32, None) + mm.SIMT_F32_EXTRA if c["stages"]]
+    assert len(ms) >= 3 and any(c in mm.SIMT_F32["large"] for c in ms)
+    assert mm.SIMT_F32["large"][0]["stages"]      # the swept winner comes first
+    for c in ms:
+        assert c not in mm.SCALAR_OK
+        assert all(c not in v for v in mm.LINEAR_SIMT_F32.values())
+        threads = (c["bm"] // c["tm"]) * (c["bn"] // c["tn"])
+        assert c["bk"] % 8 == 0 and (threads // 32) % (c["bk"] // 8) == 0
+        assert mm.simt_smem(c) == c["stages"] * c["bk"] * (c["bm"] + 4 + c["bn"]) * 4
+        assert mm.simt_smem(c) * c["min_blocks"] <= 227 * 1024
+    for vec in (True, False):
+        for cls in mm.SIMT_F32:
+            cands = mm.candidates(DT.FLOAT32, None, cls, vec)
+            assert cands
+            if not vec:
+                assert not any(c.get("stages") for c in cands)
+
+
 def test_round_tf32_matches_rna():
     x = np.array([1.0, 1.0 + 2**-11, 1.0 + 2**-10 + 2**-11, -1.0 - 2**-11, np.inf, 3e38],
                  np.float32)

@@ -42,17 +42,30 @@ _PRECISIONS = {None: None, "fp32": "fp32", "highest": "fp32", "ieee": "fp32", "t
 
 
 def _simt(bm: int, bn: int, bk: int, tm: int, tn: int, wtm: int, min_blocks: int,
-          qa: int = 0) -> Dict[str, int]:
+          qa: int = 0, stages: int = 0) -> Dict[str, int]:
     """SIMT tile config; qa > 0: quarter-warp lane layout (qa rows x 8 / qa columns of the
-    warp's lane grid per 8 lanes), 0: row-major lanes."""
+    warp's lane grid per 8 lanes), 0: row-major lanes; stages >= 2: the multistage cp.async
+    loader (float32, vec, plain GEMM only), 0: the register-staged one."""
     return {"bm": bm, "bn": bn, "bk": bk, "tm": tm, "tn": tn, "wtm": wtm, "qa": qa,
-            "min_blocks": min_blocks}
+            "stages": stages, "min_blocks": min_blocks}
+
+
+def simt_smem(cfg: Dict[str, Any], esize: int = 4) -> int:
+    """Dynamic shared memory of a SIMT config's launch (0: static, the 2-buffer loader)."""
+    stages = cfg.get("stages", 0)
+    return stages * cfg["bk"] * (cfg["bm"] + 4 + cfg["bn"]) * esize if stages else 0
 
 
 def _mma(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int,
-         min_blocks: int, frag_pipe: bool = True) -> Dict[str, Any]:
-    return {"bm": bm, "bn": bn, "bk": bk, "wm": wm, "wn": wn, "stages": stages,
-            "frag_pipe": frag_pipe, "min_blocks": min_blocks}
+         min_blocks: int, frag_pipe: bool = True, trunc_a: bool = False) -> Dict[str, Any]:
+    """mma.sync tile config; trunc_a (TF32 only): A's fragments go to the mma unrounded
+    (truncated to TF32, relative error < 2^-10 instead of <= 2^-11; B stays rounded), one
+    integer add less per A fragment register. The key is present only when set."""
+    cfg: Dict[str, Any] = {"bm": bm, "bn": bn, "bk": bk, "wm": wm, "wn": wn, "stages": stages,
+                           "frag_pipe": frag_pipe, "min_blocks": min_blocks}
+    if trunc_a:
+        cfg["tf32_trunc_a"] = True
+    return cfg
 
 
 # -- tile configs ------------------------------------------------------------------------
@@ -76,17 +89,31 @@ S_128x256x8_16x8_q2 = _simt(128, 256, 8, 16, 8, 4, 1, 2)   # 256 threads, warp 6
 S_128x64x8_q2 = _simt(128, 64, 8, 8, 8, 4, 2, 2)           # 128 threads, warp 32x64
 S_64x128x8_q2 = _simt(64, 128, 8, 8, 8, 4, 2, 2)           # 128 threads, warp 32x64
 S_64x64x8_q2 = _simt(64, 64, 8, 8, 4, 4, 4, 2)             # 128 threads, 8x4, warp 32x32
+# Multistage (stages >= 2): cp.async ring of `stages` bk = 16 tiles in dynamic shared memory,
+# one barrier per tile, no staging registers (vec float32 GEMM only; ptxas sm_90: registers,
+# dynamic shared bytes per block, no spills).
+S_128x128x16_16x8_s3 = _simt(128, 128, 16, 16, 8, 4, 2, 0, 3)  # 128 thr, 255 regs, 49920 B
+S_128x128x16_8x8_s3 = _simt(128, 128, 16, 8, 8, 4, 2, 2, 3)    # 256 thr, 128 regs, 49920 B
+S_128x64x16_s3 = _simt(128, 64, 16, 8, 8, 4, 3, 2, 3)          # 128 thr, 151 regs, 37632 B
+S_64x128x16_s3 = _simt(64, 128, 16, 8, 8, 4, 3, 2, 3)             # 128 thr, 149 regs, 37632 B
+# Swept on the H200 (perf/NOTES.md, session 3): the multistage 64x128x16 is the fastest at
+# 4096^3 (0.93x cuBLAS), 8192^3 (0.96x) and, split 6, 64x8192x8192 (0.98x).
 SIMT_F32 = {
-    "large": [S_128x128x8_16x8_q2, S_128x128x8_16x8_q4, S_128x128x8_8x8_q2,
-              S_128x256x8_16x8_q2],
-    "medium": [S_128x64x8_q2, S_64x128x8_q2, S_64x64x8_q2, S_128x128x8_8x8_q2],
-    "skinny": [S_64x64x8_q2, S_64x128x8_q2, S_32x64x16],
+    "large": [S_64x128x16_s3, S_128x128x16_16x8_s3, S_128x128x8_16x8, S_128x256x8_16x8_q2],
+    "medium": [S_64x128x16_s3, S_128x64x16_s3, S_128x64x8_q2, S_64x64x8_q2, S_32x64x16],
+    "skinny": [S_64x128x16_s3, S_64x64x8_q2, S_64x128x8_q2, S_32x64x16],
     "small": [S_32x64x16],
 }
 # Earlier SIMT float32 configs, no longer candidates (perf/sweep_matmul.py times them as
 # baselines).
-SIMT_F32_OLD = [S_128x128x8_16x8, S_256x128x8_16x8, S_64x128x16, S_128x64x8, S_64x64x8,
-                S_64x64x16]
+SIMT_F32_OLD = [S_256x128x8_16x8, S_64x128x16, S_128x64x8, S_64x64x8, S_64x64x16,
+                S_128x128x8_16x8_q4, S_128x128x8_8x8_q2]
+# More multistage configs, not candidates (CI does not compile them): the sweep times them.
+S_128x128x16_16x8_s4 = _simt(128, 128, 16, 16, 8, 4, 2, 0, 4)     # 255 regs, 66560 B
+S_128x128x16_16x8_q2_s3 = _simt(128, 128, 16, 16, 8, 4, 2, 2, 3)  # 255 regs, 49920 B
+S_128x256x16_16x8_s3 = _simt(128, 256, 16, 16, 8, 4, 1, 2, 3)     # 256 thr, 255 regs, 74496 B
+SIMT_F32_EXTRA = [S_128x128x16_16x8_s4, S_128x128x16_16x8_q2_s3, S_128x256x16_16x8_s3,
+                  S_128x128x16_8x8_s3, S_128x128x8_16x8_q2]
 # SIMT, float64 (8-byte elements: half the tile depth keeps static shared memory < 48 KB).
 D_128x64x8 = _simt(128, 64, 8, 8, 4, 8, 1)       # 256 threads
 D_64x64x8 = _simt(64, 64, 8, 8, 4, 4, 2)         # 128 threads
@@ -112,10 +139,13 @@ MMA_F16 = {
 # mma.sync, TF32. B fragments are 16-byte shared loads (n permuted inside the warp tile)
 # and the rounding is one integer add per fragment register (ptxas drops the mask: the mma
 # reads only the TF32 bits), so 64x64 warp tiles fit without fragment double buffering
-# (ptxas: 210-214 registers, no spills; with it they spill), one barrier per bk = 32 tile.
-T_128x256x32 = _mma(128, 256, 32, 64, 64, 3, 1, False)  # 256 threads, 144 KB, 210 regs
-T_256x128x32 = _mma(256, 128, 32, 64, 64, 3, 1, False)  # 256 threads, 144 KB, 214 regs
-T_128x128x32 = _mma(128, 128, 32, 64, 64, 3, 2, False)  # 128 threads, 96 KB, 214 regs
+# (ptxas: 216-218 registers, no spills), one barrier per bk = 32 tile. The tile copy is
+# branch-free and issued after the first fragment loads, so it interleaves with the mma
+# (per 32-deep tile of 256x128: 370 instructions, 128 HMMA; it was 461 with the copy's
+# address arithmetic redone per chunk in front of the first mma).
+T_128x256x32 = _mma(128, 256, 32, 64, 64, 3, 1, False)  # 256 threads, 144 KB, 216 regs
+T_256x128x32 = _mma(256, 128, 32, 64, 64, 3, 1, False)  # 256 threads, 144 KB, 218 regs
+T_128x128x32 = _mma(128, 128, 32, 64, 64, 3, 2, False)  # 128 threads, 96 KB, 216 regs
 T_128x128x16_w8 = _mma(128, 128, 16, 32, 64, 4, 1)      # 256 threads, 64 KB, pipelined
 T_64x64x16 = _mma(64, 64, 16, 32, 32, 4, 4)             # 128 threads, 32 KB
 MMA_TF32 = {
@@ -126,10 +156,17 @@ MMA_TF32 = {
 }
 # More TF32 configs, not candidates (CI does not compile them): perf/sweep_matmul.py times
 # them as well, to decide what the tables should hold.
-T_128x256x32_s4 = _mma(128, 256, 32, 64, 64, 4, 1, False)   # 192 KB, 210 regs
-T_128x256x16_s4 = _mma(128, 256, 16, 64, 64, 4, 1)          # 96 KB, pipelined, 255 regs
+T_128x256x32_s4 = _mma(128, 256, 32, 64, 64, 4, 1, False)   # 192 KB, 216 regs
+T_128x256x16_s4 = _mma(128, 256, 16, 64, 64, 4, 1)          # 96 KB, pipelined, 248 regs
 T_128x128x16 = _mma(128, 128, 16, 64, 64, 4, 2, False)      # the earlier 64x64-warp config
-MMA_TF32_EXTRA = [T_128x256x32_s4, T_128x256x16_s4, T_128x128x16]
+# A truncated instead of rounded (trunc_a; 306 instead of 370 instructions per 32-deep tile
+# of 256x128, 220 regs): timed to see what the 64 adds per tile cost.
+T_256x128x32_ta = _mma(256, 128, 32, 64, 64, 3, 1, False, trunc_a=True)
+T_128x256x32_ta = _mma(128, 256, 32, 64, 64, 3, 1, False, trunc_a=True)
+T_128x128x32_ta = _mma(128, 128, 32, 64, 64, 3, 2, False, trunc_a=True)
+T_128x256x16_s4_ta = _mma(128, 256, 16, 64, 64, 4, 1, trunc_a=True)   # 250 regs
+MMA_TF32_EXTRA = [T_128x256x32_s4, T_128x256x16_s4, T_128x128x16, T_256x128x32_ta,
+                  T_128x256x32_ta, T_128x128x32_ta, T_128x256x16_s4_ta]
 # Configs also rendered for unaligned operands (element loads need more registers; the
 # rest would spill or gain nothing there: 16x8 on 128 threads spills 88 bytes, 8x8 on 256
 # threads with 2 blocks per SM 84).
@@ -538,6 +575,15 @@ def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
         is_linear = epilogue is not None
         template, _ = _family(dtype, prec)
         cands = candidates(dtype, prec, cls, vec, linear=is_linear)
+        if template == SIMT_TEMPLATE and not is_linear:
+            # (config, split) pairs: split-K counts are measured, not only modelled
+            max_z = m.backend.get_device_info(dev).max_grid_dims[2]
+
+            def per_sm(c: Dict[str, Any]) -> int:
+                kern = _kernel(m, SIMT_TEMPLATE, dev, simt_params(dtype, c, vec))
+                return blocks_per_sm(c, getattr(kern, "num_regs", 0))
+
+            cands = split_candidates(cands, p, cls, sms, max_z, per_sm)
         op = f"{'linear' if is_linear else 'matmul'}_" \
              f"{'simt' if template == SIMT_TEMPLATE else 'mma'}_{dtype.name_str}" \
              f"{'_tf32' if prec == 'tf32' else ''}"
@@ -562,7 +608,64 @@ def blocks_per_sm(cfg: Dict[str, int], regs: int = 0) -> int:
     if regs <= 0:
         return cfg["min_blocks"]
     per_warp = -(-regs * 32 // 256) * 256
-    return max(1, min(65536 // (per_warp * (threads // 32)), 2048 // threads, 32))
+    smem = simt_smem(cfg)
+    by_smem = 233472 // (smem + 1024) if smem else 32   # 228 KB per SM, 1 KB reserved per block
+    return max(1, min(65536 // (per_warp * (threads // 32)), 2048 // threads, 32, by_smem))
+
+
+def simt_params(dtype: CudaDataType, cfg: Dict[str, Any], vec: bool) -> Dict[str, Any]:
+    """Template parameters of a SIMT GEMM config (a "split" key is not one: dropped)."""
+    params = {**dtype_params(dtype), **cfg, "vec": vec, "kind": "gemm"}
+    params.pop("split", None)
+    return params
+
+
+# Split-K counts the autotuner times besides the modelled one, where split-K is in play.
+SPLIT_TRIES = (1, 2, 3, 4, 6, 8)
+
+
+def effective_split(cfg: Dict[str, Any], K: int, splits: int) -> int:
+    """The number of K chunks run_config launches for a requested split count."""
+    chunk = -(-K // max(1, splits))
+    chunk = -(-chunk // cfg["bk"]) * cfg["bk"]
+    return -(-K // chunk)
+
+
+def split_options(cfg: Dict[str, Any], p: Plan, shape_cls: str, sm_count: int,
+                  max_z: int = 65535, per_sm: int = 0) -> List[int]:
+    """Split-K counts to time for a SIMT config: the modelled one (split_count) first; where
+    split-K is in play (K >= 512 and a skinny / medium / small class, a modelled split > 1,
+    or fewer blocks than 2 waves) also SPLIT_TRIES, capped by K // 256, 16 and
+    max_z // batch, one per effective split."""
+    per_sm = per_sm or cfg["min_blocks"]
+    modelled = split_count(cfg, p, sm_count, max_z, per_sm)
+    blocks = p.batch * -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"])
+    in_play = p.K >= 512 and (shape_cls in ("skinny", "medium", "small") or modelled > 1
+                              or blocks < 2 * sm_count * per_sm)
+    if not in_play:
+        return [modelled]
+    most = max(1, min(p.K // 256, 16, max_z // max(1, p.batch)))
+    out: List[int] = []
+    for s in (modelled,) + SPLIT_TRIES:
+        if s <= most:
+            eff = effective_split(cfg, p.K, s)
+            if eff not in out:
+                out.append(eff)
+    return out
+
+
+def split_candidates(cands: Sequence[Dict[str, Any]], p: Plan, shape_cls: str,
+                     sm_count: int, max_z: int = 65535,
+                     per_sm: Any = None) -> List[Dict[str, Any]]:
+    """The autotuner's (config, split) candidates of the SIMT GEMM: each config with a
+    "split" key per split_options count (run_config takes it out before rendering).
+    per_sm(cfg): resident blocks per SM (None: the configs' min_blocks)."""
+    out: List[Dict[str, Any]] = []
+    for c in cands:
+        ps = per_sm(c) if per_sm is not None else 0
+        for s in split_options(c, p, shape_cls, sm_count, max_z, ps):
+            out.append({**c, "split": s})
+    return out
 
 
 def split_count(cfg: Dict[str, int], p: Plan, sm_count: int, max_z: int = 65535,
@@ -609,14 +712,19 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
     backend = m.backend
     info = backend.get_device_info(dev)
     max_z = info.max_grid_dims[2]
+    if "split" in cfg:   # the autotuner's (config, split) pair: not a template parameter
+        cfg = dict(cfg)
+        tuned = cfg.pop("split")
+        if splits is None:
+            # chosen for a shape bucket: batch (hence the grid's z) may differ in it
+            splits = max(1, min(tuned, max_z // max(1, p.batch)))
     tiles = -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"])
     if tiles > info.max_grid_dims[0]:
         raise InvalidArgumentError(f"matmul output {p.M}x{p.N} needs too many tiles ({tiles})")
     extra: Tuple[Any, ...] = ()
     if epilogue is None:
-        params = {**dtype_params(dtype), **cfg, "vec": vec}
-        if template == SIMT_TEMPLATE:
-            params["kind"] = "gemm"
+        params = simt_params(dtype, cfg, vec) if template == SIMT_TEMPLATE else \
+            {**dtype_params(dtype), **cfg, "vec": vec}
     else:
         params = linear_params(template, dtype, cfg, vec, epilogue)
         extra = (0 if bias is None else bias,)   # a null bias pointer adds nothing
@@ -625,6 +733,7 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
     if template == SIMT_TEMPLATE:
         kernel = _kernel(m, SIMT_TEMPLATE, dev, params)
         threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"])
+        smem_s = simt_smem(cfg, esize)   # multistage: dynamic shared memory
         if splits is None:
             splits = split_count(cfg, p, info.multiprocessor_count, max_z,
                                  blocks_per_sm(cfg, getattr(kernel, "num_regs", 0)))
@@ -636,7 +745,8 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
             try:
                 backend.launch_kernel(kernel.name, (tiles, 1, p.batch * splits), a, b, work,
                                       p.M, p.N, p.K, p.stride_a, p.stride_b, p.batch, chunk,
-                                      block_size=(threads, 1, 1), device_id=dev)
+                                      block_size=(threads, 1, 1), shared_mem=smem_s,
+                                      device_id=dev)
                 red = _kernel(m, SIMT_TEMPLATE, dev, {"kind": "splitk_reduce",
                                                       "block_size": REDUCE_BLOCK,
                                                       **dtype_params(dtype)})
@@ -652,7 +762,8 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
             pa, pb, pc = _offsets(a, b, out, p, b0, esize)
             backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, *extra, p.M, p.N,
                                   p.K, p.stride_a, p.stride_b, nb, p.K,
-                                  block_size=(threads, 1, 1), device_id=dev)
+                                  block_size=(threads, 1, 1), shared_mem=smem_s,
+                                  device_id=dev)
         return
     kernel = _kernel(m, MMA_TEMPLATE, dev, params)
     threads = (cfg["bm"] // cfg["wm"]) * (cfg["bn"] // cfg["wn"]) * 32
