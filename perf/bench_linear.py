@@ -160,6 +160,10 @@ def main() -> None:
               f"{r['composed_ms']:9.3f} {r['matmul_gelu_ms']:9.3f} {r['torch_ms']:9.3f} "
               f"{r['speedup_vs_composed']:7.2f}x {r['speedup_vs_matmul_gelu']:7.2f}x "
               f"{r['ratio_torch']:9.2f} {r['rel_err']:8.1e}")
+    # the configs the autotuner chose (fused kernel and the plain matmul it is compared with)
+    for key, choice in sorted(res["autotune"].items()):
+        if "linear_" in key or "matmul_" in key:
+            print(f"  {key}: {choice.get('config')} {choice.get('ms', float('nan')):.3f} ms")
 
 
 if __name__ == "__main__":

@@ -279,14 +279,16 @@ def test_split_key_is_not_a_template_parameter():
 
 
 def test_multistage_configs():
-    """Multistage SIMT configs: vec float32 GEMM only (never unaligned or in the linear
+    """Multistage SIMT configs: vec float32 only (never unaligned; the GEMM and the linear
     layer), shared memory within the opt-in limit, copies tiling the block."""
     ms = [c for c in mm.all_configs(DT.FLOAT32, None) + mm.SIMT_F32_EXTRA if c["stages"]]
     assert len(ms) >= 3 and any(c in mm.SIMT_F32["large"] for c in ms)
     assert mm.SIMT_F32["large"][0]["stages"]      # the swept winner comes first
     for c in ms:
         assert c not in mm.SCALAR_OK
-        assert all(c not in v for v in mm.LINEAR_SIMT_F32.values())
+        # the linear layer (b_trans) pads B's k-major rows like A's
+        assert mm.simt_smem(c, 4, True) == c["stages"] * c["bk"] * (c["bm"] + c["bn"] + 8) * 4
+        assert mm.simt_smem(c, 4, True) * c["min_blocks"] <= 227 * 1024
         threads = (c["bm"] // c["tm"]) * (c["bn"] // c["tn"])
         assert c["bk"] % 8 == 0 and (threads // 32) % (c["bk"] // 8) == 0
         assert mm.simt_smem(c) == c["stages"] * c["bk"] * (c["bm"] + 4 + c["bn"]) * 4

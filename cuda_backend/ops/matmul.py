@@ -45,15 +45,17 @@ def _simt(bm: int, bn: int, bk: int, tm: int, tn: int, wtm: int, min_blocks: int
           qa: int = 0, stages: int = 0) -> Dict[str, int]:
     """SIMT tile config; qa > 0: quarter-warp lane layout (qa rows x 8 / qa columns of the
     warp's lane grid per 8 lanes), 0: row-major lanes; stages >= 2: the multistage cp.async
-    loader (float32, vec, plain GEMM only), 0: the register-staged one."""
+    loader (float32 and vec only; GEMM and linear layer), 0: the register-staged one."""
     return {"bm": bm, "bn": bn, "bk": bk, "tm": tm, "tn": tn, "wtm": wtm, "qa": qa,
             "stages": stages, "min_blocks": min_blocks}
 
 
-def simt_smem(cfg: Dict[str, Any], esize: int = 4) -> int:
-    """Dynamic shared memory of a SIMT config's launch (0: static, the 2-buffer loader)."""
+def simt_smem(cfg: Dict[str, Any], esize: int = 4, b_trans: bool = False) -> int:
+    """Dynamic shared memory of a SIMT config's launch (0: static, the 2-buffer loader);
+    b_trans (the linear layer): B's k-major tile rows are padded by 4 like A's."""
     stages = cfg.get("stages", 0)
-    return stages * cfg["bk"] * (cfg["bm"] + 4 + cfg["bn"]) * esize if stages else 0
+    bn = cfg["bn"] + (4 if b_trans else 0)
+    return stages * cfg["bk"] * (cfg["bm"] + 4 + bn) * esize if stages else 0
 
 
 def _mma(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int,
@@ -90,8 +92,11 @@ S_128x64x8_q2 = _simt(128, 64, 8, 8, 8, 4, 2, 2)           # 128 threads, warp 3
 S_64x128x8_q2 = _simt(64, 128, 8, 8, 8, 4, 2, 2)           # 128 threads, warp 32x64
 S_64x64x8_q2 = _simt(64, 64, 8, 8, 4, 4, 4, 2)             # 128 threads, 8x4, warp 32x32
 # Multistage (stages >= 2): cp.async ring of `stages` bk = 16 tiles in dynamic shared memory,
-# one barrier per tile, no staging registers (vec float32 GEMM only; ptxas sm_90: registers,
-# dynamic shared bytes per block, no spills).
+# one barrier per tile, no staging registers (vec float32 only; ptxas sm_90: registers,
+# dynamic shared bytes per block, no spills). In the linear layer (B as (N, K), bias_gelu)
+# B is copied transposed like A (4-byte copies, rows padded by 4; interior tiles without
+# predicates): 64x128 and 128x64 130 regs, 38400 B; 128x128 249 regs, 50688 B; per 16-deep
+# tile of 64x128 ~1164 instructions (1024 FFMA), as the GEMM's 1165.
 S_128x128x16_16x8_s3 = _simt(128, 128, 16, 16, 8, 4, 2, 0, 3)  # 128 thr, 255 regs, 49920 B
 S_128x128x16_8x8_s3 = _simt(128, 128, 16, 8, 8, 4, 2, 2, 3)    # 256 thr, 128 regs, 49920 B
 S_128x64x16_s3 = _simt(128, 64, 16, 8, 8, 4, 3, 2, 3)          # 128 thr, 151 regs, 37632 B
@@ -176,9 +181,12 @@ SCALAR_OK = (S_128x256x8_16x8_q2, S_128x64x8_q2, S_64x128x8_q2, S_64x64x8_q2, S_
 # The one-kernel linear layer (x @ Wᵀ with an epilogue) chooses from these subsets of the
 # GEMM tables: the best configs of each class, without split-K, few enough that rendering
 # them for every family keeps the variant list short.
+# float32: the multistage configs (B as (N, K) copied transposed like A, 4-byte cp.async;
+# ptxas sm_90 with bias_gelu: see the notes at the multistage configs above) first, the
+# register-staged 128x256 q2 kept for large unaligned operands (multistage needs vec).
 LINEAR_SIMT_F32 = {
-    "large": [S_128x128x8_16x8_q2, S_128x256x8_16x8_q2],
-    "medium": [S_128x64x8_q2, S_64x64x8_q2],
+    "large": [S_64x128x16_s3, S_128x128x16_16x8_s3, S_128x256x8_16x8_q2],
+    "medium": [S_64x128x16_s3, S_128x64x16_s3, S_64x64x8_q2],
     "skinny": [S_64x64x8_q2, S_32x64x16],
     "small": [S_32x64x16],
 }
@@ -733,7 +741,7 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
     if template == SIMT_TEMPLATE:
         kernel = _kernel(m, SIMT_TEMPLATE, dev, params)
         threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"])
-        smem_s = simt_smem(cfg, esize)   # multistage: dynamic shared memory
+        smem_s = simt_smem(cfg, esize, epilogue is not None)   # multistage: dynamic
         if splits is None:
             splits = split_count(cfg, p, info.multiprocessor_count, max_z,
                                  blocks_per_sm(cfg, getattr(kernel, "num_regs", 0)))
