@@ -42,7 +42,9 @@ def rel(a, b, floor=0.0):
 
 
 def prel(a, b):
-    """rel for parameters: denominator at least half the norm of n O(1) values."""
+    """rel for parameters and momentum / first-moment buffers (sums of N(0, 1) gradients
+    that can cancel to near 0 at n = 1, while their rounding error stays that of O(1)
+    values): denominator at least half the norm of n O(1) values."""
     return rel(a, b, 0.5 * np.sqrt(b.size))
 
 
@@ -132,7 +134,7 @@ def test_sgd_100_steps(m, dtype, cfg):
         pt, p, bt, b = run_sgd(m, n, dtype, cfg, steps, rng)
         assert prel(m.to_numpy(pt).astype(np.float64), p) < TOL[dtype], (n, cfg)
         if bt is not None:
-            assert rel(m.to_numpy(bt).astype(np.float64), b) < TOL[dtype], (n, cfg)
+            assert prel(m.to_numpy(bt).astype(np.float64), b) < TOL[dtype], (n, cfg)
 
 
 @pytest.mark.gpu
@@ -145,7 +147,7 @@ def test_adam_100_steps(m, dtype, cfg):
         pt, p, mt, mb, vt, vb = run_adam(m, n, dtype, cfg, steps, rng)
         what = (n, cfg)
         assert prel(m.to_numpy(pt).astype(np.float64), p) < TOL[dtype], what
-        assert rel(m.to_numpy(mt).astype(np.float64), mb) < TOL[dtype], what
+        assert prel(m.to_numpy(mt).astype(np.float64), mb) < TOL[dtype], what
         assert rel(m.to_numpy(vt).astype(np.float64), vb) < TOL[dtype], what
 
 
