@@ -30,7 +30,7 @@ run_tool() {
     # which check interpreter teardown rather than kernels, are not instrumented), the
     # sanitizer's reports in their own files (%p: one per process).
     python3 -m pytest -q -p no:cacheprovider --collect-only -m "$mark" \
-        --ignore=tests/test_templates.py --ignore=tests/test_exit.py $* 2>/dev/null | grep "::" |
+        --ignore=tests/test_templates.py --ignore=tests/test_exit.py "$@" 2>/dev/null | grep "::" |
         awk -v n="$n" -v d="$dir" '{ print > (d "/shard" (NR % n)) }'
     echo "== compute-sanitizer --tool $t: $(cat "$dir"/shard* | wc -l) tests in $n shards: $*"
     local to=""; python3 -c "import pytest_timeout" 2>/dev/null && to="--timeout ${SANITIZE_TEST_TIMEOUT:-300}"
