@@ -473,3 +473,27 @@ def test_property_linear(ml, lead, k, n, fam, with_bias, terms, rank, seed):
             / terms + np.abs(br)
         tol = 4 * bound if dtype in (DT.FLOAT16, DT.BFLOAT16) else 2 * bound
         assert _err(m.to_numpy(out), ref2, scale2) <= tol
+
+
+def test_kc_linear_configs():
+    """The k-contiguous multistage configs (kc): float32 linear layer only, vec only, first in
+    the large and medium lists; shared memory stages * (bm + bn) * (bk + 4) * 4 within the
+    opt-in limit at min_blocks; copies tiling the block; rows an odd number of 16-byte units."""
+    kc = [c for c in mm.linear_configs(DT.FLOAT32, None, True) if c.get("kc")]
+    assert len(kc) >= 2 and mm.LINEAR_SIMT_F32["large"][0].get("kc")
+    assert mm.LINEAR_SIMT_F32["medium"][0].get("kc")
+    assert not any(c.get("kc") for c in mm.linear_configs(DT.FLOAT32, None, False))
+    gemm = mm.all_configs(DT.FLOAT32, None) + mm.SIMT_F32_EXTRA
+    gen = KernelGenerator(backend=object())
+    for c in kc:
+        assert c not in gemm and c not in mm.SCALAR_OK and c["stages"] >= 2
+        threads = (c["bm"] // c["tm"]) * (c["bn"] // c["tn"])
+        smem = mm.simt_smem(c, 4, True)
+        assert smem == c["stages"] * (c["bm"] + c["bn"]) * (c["bk"] + 4) * 4
+        assert smem * c["min_blocks"] <= 227 * 1024
+        assert ((c["bk"] + 4) // 4) % 2 == 1 and threads % (c["bk"] // 4) == 0
+        assert c["bm"] % (threads // (c["bk"] // 4)) == 0
+        params = mm.linear_params(mm.SIMT_TEMPLATE, DT.FLOAT32, c, True, "bias_gelu")
+        _, src = gen.render_kernel(mm.SIMT_TEMPLATE, **params)
+        assert "#define KS (BK + 4)" in src and "cp.async.cg.shared.global" in src
+        assert "cp_async4_row" not in src

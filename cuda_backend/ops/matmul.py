@@ -42,18 +42,26 @@ _PRECISIONS = {None: None, "fp32": "fp32", "highest": "fp32", "ieee": "fp32", "t
 
 
 def _simt(bm: int, bn: int, bk: int, tm: int, tn: int, wtm: int, min_blocks: int,
-          qa: int = 0, stages: int = 0) -> Dict[str, int]:
+          qa: int = 0, stages: int = 0, kc: int = 0) -> Dict[str, Any]:
     """SIMT tile config; qa > 0: quarter-warp lane layout (qa rows x 8 / qa columns of the
     warp's lane grid per 8 lanes), 0: row-major lanes; stages >= 2: the multistage cp.async
-    loader (float32 and vec only; GEMM and linear layer), 0: the register-staged one."""
-    return {"bm": bm, "bn": bn, "bk": bk, "tm": tm, "tn": tn, "wtm": wtm, "qa": qa,
-            "stages": stages, "min_blocks": min_blocks}
+    loader (float32 and vec only; GEMM and linear layer), 0: the register-staged one;
+    kc (linear layer only, multistage): x and W tiles k-contiguous in shared memory (16-byte
+    copies, no transposing). The "kc" key is present only when set."""
+    cfg: Dict[str, Any] = {"bm": bm, "bn": bn, "bk": bk, "tm": tm, "tn": tn, "wtm": wtm,
+                           "qa": qa, "stages": stages, "min_blocks": min_blocks}
+    if kc:
+        cfg["kc"] = kc
+    return cfg
 
 
 def simt_smem(cfg: Dict[str, Any], esize: int = 4, b_trans: bool = False) -> int:
     """Dynamic shared memory of a SIMT config's launch (0: static, the 2-buffer loader);
-    b_trans (the linear layer): B's k-major tile rows are padded by 4 like A's."""
+    b_trans (the linear layer): B's k-major tile rows are padded by 4 like A's; kc: both
+    tiles k-contiguous, rows of bk + 4."""
     stages = cfg.get("stages", 0)
+    if cfg.get("kc"):
+        return stages * (cfg["bm"] + cfg["bn"]) * (cfg["bk"] + 4) * esize
     bn = cfg["bn"] + (4 if b_trans else 0)
     return stages * cfg["bk"] * (cfg["bm"] + 4 + bn) * esize if stages else 0
 
@@ -172,6 +180,19 @@ T_128x128x32_ta = _mma(128, 128, 32, 64, 64, 3, 2, False, trunc_a=True)
 T_128x256x16_s4_ta = _mma(128, 256, 16, 64, 64, 4, 1, trunc_a=True)   # 250 regs
 MMA_TF32_EXTRA = [T_128x256x32_s4, T_128x256x16_s4, T_128x128x16, T_256x128x32_ta,
                   T_128x256x32_ta, T_128x128x32_ta, T_128x256x16_s4_ta]
+# Linear layer only (kc: x and W both (rows, K) row-major, so both tiles are stored
+# k-contiguous, rows of bk + 4 floats, by 16-byte cp.async: per 16-deep tile of 64x128 on
+# 128 threads 6 LDGSTS.128 per thread instead of 24 4-byte copies; fragments one LDS.128
+# per owned row of x / of W per 4 k, 64 LDS.128 per 1024 FFMA; the thread owns interleaved
+# rows / columns (stride wtm / 32 / wtm), so each fragment load of a warp reads consecutive
+# rows: conflict-free, one wavefront). ptxas sm_90 with bias_gelu, no spills:
+# kc=2 (fragments loaded per 4-k group): 168 regs (3 blocks per SM), kc=1 (W's fragments
+# prefetched a group ahead): 248 regs (2 blocks per SM). Dynamic shared bytes in comments.
+L_64x128x16_kc = _simt(64, 128, 16, 8, 8, 4, 3, 2, 3, kc=2)      # 168 regs, 46080 B
+L_64x128x16_kc_s4 = _simt(64, 128, 16, 8, 8, 4, 3, 2, 4, kc=2)   # 168 regs, 61440 B
+L_64x128x16_kc1 = _simt(64, 128, 16, 8, 8, 4, 2, 2, 3, kc=1)     # 248 regs, 46080 B
+L_64x128x32_kc = _simt(64, 128, 32, 8, 8, 4, 2, 2, 3, kc=2)      # 168 regs, 82944 B
+L_128x64x16_kc = _simt(128, 64, 16, 8, 8, 4, 3, 2, 3, kc=2)      # 168 regs, 46080 B
 # Configs also rendered for unaligned operands (element loads need more registers; the
 # rest would spill or gain nothing there: 16x8 on 128 threads spills 88 bytes, 8x8 on 256
 # threads with 2 blocks per SM 84).
@@ -181,12 +202,14 @@ SCALAR_OK = (S_128x256x8_16x8_q2, S_128x64x8_q2, S_64x128x8_q2, S_64x64x8_q2, S_
 # The one-kernel linear layer (x @ Wᵀ with an epilogue) chooses from these subsets of the
 # GEMM tables: the best configs of each class, without split-K, few enough that rendering
 # them for every family keeps the variant list short.
-# float32: the multistage configs (B as (N, K) copied transposed like A, 4-byte cp.async;
-# ptxas sm_90 with bias_gelu: see the notes at the multistage configs above) first, the
-# register-staged 128x256 q2 kept for large unaligned operands (multistage needs vec).
+# float32: the k-contiguous multistage configs (L_*_kc, above) first, then the multistage
+# 128x128 with B (N, K) copied transposed like A (4-byte cp.async; 6.48 ms at 8192x4096x4096
+# on the H200, where the 64x128 of that kind was slower), the register-staged 128x256 q2
+# kept for large unaligned operands (multistage needs vec).
 LINEAR_SIMT_F32 = {
-    "large": [S_64x128x16_s3, S_128x128x16_16x8_s3, S_128x256x8_16x8_q2],
-    "medium": [S_64x128x16_s3, S_128x64x16_s3, S_64x64x8_q2],
+    "large": [L_64x128x16_kc, L_64x128x16_kc1, L_64x128x16_kc_s4, L_64x128x32_kc,
+              S_128x128x16_16x8_s3, S_128x256x8_16x8_q2],
+    "medium": [L_64x128x16_kc, L_128x64x16_kc, S_64x64x8_q2],
     "skinny": [S_64x64x8_q2, S_32x64x16],
     "small": [S_32x64x16],
 }
@@ -288,9 +311,12 @@ def linear_configs(dtype: CudaDataType, precision: Optional[str],
 
 def linear_params(template: str, dtype: CudaDataType, cfg: Dict[str, Any], vec: bool,
                   epilogue: str) -> Dict[str, Any]:
-    """Template parameters of the linear-layer kernel (B given as (N, K), an epilogue)."""
+    """Template parameters of the linear-layer kernel (B given as (N, K), an epilogue; SIMT:
+    kc always given, 0 where the config has none)."""
     params = {**dtype_params(dtype), **cfg, "vec": vec, "b_trans": True, "epilogue": epilogue}
-    return {"kind": "gemm", **params} if template == SIMT_TEMPLATE else params
+    if template == SIMT_TEMPLATE:
+        return {"kind": "gemm", "kc": 0, **params}
+    return params
 
 
 # -- shapes -------------------------------------------------------------------------------
