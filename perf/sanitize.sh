@@ -23,6 +23,11 @@ run_tool() {
     # run at small odd sizes
     local mark="$MARK"
     case "$t" in racecheck|synccheck) mark="$MARK and not large" ;; esac
+    # Host backtraces off (device ones kept): collecting them holds a reference to the Python
+    # frame above each kernel launch for the rest of the process (perf/frames_under_sanitizer.py:
+    # 200 of 200 frames kept with the default, 0 with --show-backtrace no), so every tensor a
+    # caller held stays allocated and the pool-accounting tests fail for that reason alone.
+    local bt="--show-backtrace ${SANITIZE_BACKTRACE:-device}"
     local api=""
     compute-sanitizer --help 2>&1 | grep -q -- "--report-api-errors" && api="--report-api-errors no"
     # The selected tests' node ids, dealt round-robin into n shards: one sanitized pytest per
@@ -43,7 +48,7 @@ run_tool() {
         # SANITIZE_SHARD_LIMIT: stop a shard with SIGINT (pytest then reports what ran and
         # the sanitizer its summary) before an outer time limit would kill everything
         CUDA_BACKEND_FUZZ=sanitize CUDA_BACKEND_AUTOTUNE_REPEATS=1 timeout -s INT -k 20 "${SANITIZE_SHARD_LIMIT:-7200}" \
-            compute-sanitizer --tool "$t" $api \
+            compute-sanitizer --tool "$t" $api $bt \
             --target-processes application-only --print-limit 20 --error-exitcode 99 \
             --log-file "$f.cs-%p.txt" \
             python3 perf/pytest_shard.py "$f" -q -p no:cacheprovider --durations=5 $to >"$f.out" 2>&1 &
