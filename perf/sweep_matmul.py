@@ -2,6 +2,15 @@
 
     python3 perf/sweep_matmul.py [--family fp32[,tf32,fp16,bf16]] [--shapes 4096,1000,...]
                                  [--reps 10] [--no-old] [--out sweep_matmul.json]
+    python3 perf/sweep_matmul.py --linear [--linear-shape 8192x4096x4096] [--reps 10]
+                                 [--out sweep_linear.json]
+
+--linear: the float32 linear layer y = GELU(x Wᵀ + b) (x M x K, W N x K, --linear-shape
+MxNxK): every 3xTF32 config (`matmul.LINEAR_MMA_F32X3`, sweep-only) and every float32 SIMT
+linear candidate, each through `matmul.run_config` with epilogue="bias_gelu"; the public
+`fused_linear_gelu` (autotuned first, outside the timing); `matrix_multiply` (W transposed
+beforehand, not timed) + `gelu` (fp32 SIMT, no bias); torch F.gelu(F.linear(x, W, b),
+approximate="tanh") with TF32 off. rel_err as below, against float64 GELU(x Wᵀ + b).
 
 For each family and target shape (M x K x N: 4096^3, 8192^3, 1000^3, 8192x64x8192,
 64x8192x8192, 1023x1025x997) it times every config of the family's tables (all shape
@@ -70,7 +79,8 @@ def cfg_name(cfg: Dict[str, Any]) -> str:
                f"b{cfg['min_blocks']}"
     return f"{cfg['bm']}x{cfg['bn']}x{cfg['bk']} w{cfg['wm']}x{cfg['wn']} s{cfg['stages']}" \
            f"{'' if cfg.get('frag_pipe', True) else ' nopipe'}" \
-           f"{' truncA' if cfg.get('tf32_trunc_a') else ''} b{cfg['min_blocks']}"
+           f"{' truncA' if cfg.get('tf32_trunc_a') else ''}{' x3' if cfg.get('x3') else ''}" \
+           f" b{cfg['min_blocks']}"
 
 
 def kernel_params(template: str, dtype: DT, cfg: Dict[str, Any], vec: bool) -> Dict[str, Any]:
@@ -149,6 +159,144 @@ def usable(cfg: Dict[str, Any], vec: bool) -> bool:
     return vec or cfg in mm.SCALAR_OK
 
 
+def linear_sweep(args: Any) -> None:
+    """--linear: the float32 linear layer, 3xTF32 and SIMT configs against the public op,
+    matmul + gelu and torch (see the module docstring)."""
+    import torch
+    import torch.nn.functional as F
+    from cuda_backend import CudaTensor
+    from cuda_backend.cuda_math import get_cuda_math
+    from cuda_backend.ops import elementwise as ew
+    from cuda_backend.ops import linear as lin
+
+    t_start = time.perf_counter()
+    m = get_cuda_math()
+    b = m.backend
+    assert b.is_available, b.fallback_reason
+    info = b.get_device_info(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    M, N, K = (int(v) for v in args.linear_shape.split("x"))
+    dtype = DT.FLOAT32
+    R = max(3, args.reps)
+    vec = K % 4 == 0 and N % 4 == 0
+    x3 = list(mm.LINEAR_MMA_F32X3)
+    simt = mm.linear_configs(dtype, None, vec)
+    cfgs = [(mm.MMA_TEMPLATE, c) for c in x3 if vec or c in mm.SCALAR_OK] + \
+        [(mm.SIMT_TEMPLATE, c) for c in simt]
+    jobs = [(t, mm.linear_params(t, dtype, c, vec, "bias_gelu")) for t, c in cfgs]
+    p_mm = mm.plan_shapes((M, K), (K, N))
+    cls = mm.shape_class(p_mm, info.multiprocessor_count)
+    for c in mm.candidates(dtype, None, cls, vec):   # matrix_multiply's candidates
+        jobs.append((mm.SIMT_TEMPLATE, mm.simt_params(dtype, c, vec)))
+    jobs.append((mm.SIMT_TEMPLATE, {"kind": "splitk_reduce", "block_size": mm.REDUCE_BLOCK,
+                                    **dtype_params(dtype)}))
+    jobs.append((ew.TEMPLATE, ew._params("unary", "gelu", dtype)))
+    t0 = time.perf_counter()
+    common.compile_all(m, jobs, 0, max(4, min(32, os.cpu_count() or 4)), mm._kernel)
+    compile_s = time.perf_counter() - t0
+    print(f"device {info.name}: linear x ({M}, {K}) W ({N}, {K}) float32; compiled "
+          f"{len(jobs)} kernels in {compile_s:.1f} s", flush=True)
+
+    xh = host_values((M, K), dtype, 1)
+    wh = host_values((N, K), dtype, 2) / np.float32(np.sqrt(K))
+    bh = host_values((N,), dtype, 3)
+    x = torch.from_numpy(xh).cuda()
+    w = torch.from_numpy(wh).cuda()
+    bias = torch.from_numpy(bh).cuda()
+    wt = w.t().contiguous()
+    y = torch.empty(M, N, device="cuda", dtype=torch.float32)
+
+    def wrap(t: "torch.Tensor") -> Any:
+        return CudaTensor(tuple(t.shape), dtype, 0, t.data_ptr(), owner=t)
+
+    cx, cw, cb, cwt, cy = (wrap(t) for t in (x, w, bias, wt, y))
+    rows = sample_rows(M)
+    z = reference(xh, wh.T, rows, None) + bh.astype(np.float64)
+    ref = mm.gelu_tanh(z)
+    p = mm.Plan(1, M, N, K, 0, 0, (M, N))
+    flop = 2.0 * M * N * K
+    timer = DeviceTimer(b, 0, flush_l2=True)
+    torch.cuda.synchronize()
+
+    def med(fn: Any, release: Any = None) -> float:
+        kw = {"release": release} if release is not None else {}
+        return stats(timer.time(fn, warmup=2, iterations=R, **kw))["median"]
+
+    def theirs() -> None:
+        F.gelu(F.linear(x, w, bias), approximate="tanh")
+    torch_ms = med(theirs)
+    res: Dict[str, Any] = {"device": info.name, "torch": torch.__version__, "reps": R,
+                           "M": M, "N": N, "K": K, "vec": vec, "compile_s": compile_s,
+                           "timing": timer.flush_description(), "torch_ms": torch_ms,
+                           "rel_err": "max |out - ref| / max |ref| on sampled rows, NumPy "
+                                      "float64 GELU(x W^T + b)", "rows": []}
+    print(f"{'variant':<44} {'ms':>9} {'TF/s':>7} {'torch':>6} {'rel_err':>8} {'regs':>4}",
+          flush=True)
+
+    def check_and_time(name: str, launch: Any, extra: Dict[str, Any], want: np.ndarray,
+                       release: Any = None) -> None:
+        row: Dict[str, Any] = {"variant": name, **extra}
+        try:
+            y.fill_(float("nan"))
+            torch.cuda.synchronize()
+            launch()
+            torch.cuda.synchronize()
+            got = y[torch.from_numpy(rows).cuda()].double().cpu().numpy()
+            row["rel_err"] = rel_err(got, want)
+            row["ms"] = med(launch, release)
+            row["tflops"] = flop / (row["ms"] * 1e-3) / 1e12
+            row["vs_torch"] = torch_ms / row["ms"]
+            regs = str(row.get("regs", ""))
+            if row.get("local_bytes"):
+                regs += f"+{row['local_bytes']}L"
+            bad = "  BAD" if not row["rel_err"] <= FAMILIES["fp32"][2] else ""
+            print(f"{name:<44} {row['ms']:9.4f} {row['tflops']:7.1f} {row['vs_torch']:6.2f} "
+                  f"{row['rel_err']:8.1e} {regs:>4}{bad}", flush=True)
+        except Exception as exc:  # report and go on
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"{name:<44} FAILED {row['error']}", flush=True)
+        res["rows"].append(row)
+        if args.out:
+            write_json_atomic(args.out, res)
+
+    for template, cfg in cfgs:
+        params = mm.linear_params(template, dtype, cfg, vec, "bias_gelu")
+        kern = mm._kernel(m, template, 0, params)
+        tag = "x3 " if cfg.get("x3") else "simt "
+        check_and_time(tag + cfg_name(cfg), lambda t=template, c=cfg: mm.run_config(
+            m, t, c, cx, cw, cy, p, dtype, vec, 0, epilogue="bias_gelu", bias=cb),
+            {"config": dict(cfg), "regs": kern.num_regs, "local_bytes": kern.local_bytes},
+            ref)
+    mm.linear(m, cx, cw, cb, "bias_gelu", out=cy)   # autotunes, outside the timing
+    hit = mm._cache(m).get(("linear", p, dtype, None, 0, vec, "bias_gelu"))
+    res["public_chosen"] = hit and cfg_name(hit[1])
+    check_and_time(f"public linear (out=) [{res['public_chosen']}]", lambda: mm.linear(
+        m, cx, cw, cb, "bias_gelu", out=cy), {}, ref)
+    public_ms = med(lambda: lin.fused_linear_gelu(m, cx, cw, cb), lambda r: r.free())
+    print(f"{'public fused_linear_gelu (allocating)':<44} {public_ms:9.4f}", flush=True)
+    res["public_ms"] = public_ms
+
+    def mm_gelu() -> None:
+        mm.matmul(m, cx, cwt, out=cy)
+        ew.unary(m, "gelu", cy, out=cy)
+    mm_gelu()   # autotunes the GEMM
+    check_and_time("matrix_multiply + gelu (fp32 SIMT, no bias)", mm_gelu, {},
+                   mm.gelu_tanh(z - bh.astype(np.float64)))
+    ok = [r for r in res["rows"] if "ms" in r and "config" in r]
+    best = min(ok, key=lambda r: r["ms"]) if ok else None
+    res["best"] = best and best["variant"]
+    res["wall_s"] = time.perf_counter() - t_start
+    print(f"== linear {M}x{N}x{K}: torch {torch_ms:.4f} ms | public {public_ms:.4f} ms | best "
+          f"{res['best']} {best['ms'] if best else float('nan'):.4f} ms | wall "
+          f"{res['wall_s']:.1f} s", flush=True)
+    timer.close()
+    if args.out:
+        for r in res["rows"]:
+            r.pop("config", None)
+        write_json_atomic(args.out, res)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--family", default="fp32", help="comma-separated: fp32,tf32,fp16,bf16")
@@ -160,8 +308,15 @@ def main() -> None:
                          "MMA_TF32_EXTRA)")
     ap.add_argument("--no-splits", action="store_true",
                     help="time each SIMT config at the op's split count only")
+    ap.add_argument("--linear", action="store_true",
+                    help="the float32 linear layer instead: 3xTF32 and SIMT configs, the "
+                         "public op, matmul + gelu, torch")
+    ap.add_argument("--linear-shape", default="8192x4096x4096", help="MxNxK for --linear")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.linear:
+        linear_sweep(args)
+        return
     fams = args.family.split(",")
     shapes = args.shapes.split(",")
     for f in fams:

@@ -496,3 +496,49 @@ def test_kc_linear_configs():
         _, src = gen.render_kernel(mm.SIMT_TEMPLATE, **params)
         assert "#define KS (BK + 4)" in src and "cp.async.cg.shared.global" in src
         assert "cp_async4_row" not in src
+
+
+# -- 3xTF32 (x3): sweep-only float32 tensor-core configs ----------------------------------------
+def test_x3_linear_configs_are_sweep_only():
+    """The 3xTF32 configs (unmeasured) are in no candidate list and not in template_variants
+    (CI compiles those); each renders, for both alignments, with the split and acc_s."""
+    x3 = mm.LINEAR_MMA_F32X3
+    assert x3 and all(c.get("x3") for c in x3)
+    variants = [p for sets in mm.template_variants().values() for p in sets]
+    assert not any(p.get("x3") for p in variants)
+    for dtype, prec, _ in FAMS.values():
+        for vec in (True, False):
+            assert not any(c.get("x3") for c in mm.linear_configs(dtype, prec, vec))
+        assert not any(c.get("x3") for c in mm.all_configs(dtype, prec))
+    gen = KernelGenerator(backend=object())
+    for c in x3:
+        assert not c["frag_pipe"] and "tf32_trunc_a" not in c
+        for vec in (True, False):
+            params = mm.linear_params(mm.MMA_TEMPLATE, DT.FLOAT32, c, vec, "bias_gelu")
+            _, src = gen.render_kernel(mm.MMA_TEMPLATE, **params)
+            assert "split_tf32(" in src and "acc_s[i][j][q]" in src and "#error" not in src
+
+
+@gpu
+@pytest.mark.parametrize("cfg", mm.LINEAR_MMA_F32X3,
+                         ids=lambda c: "x3_{bm}x{bn}x{bk}_w{wm}x{wn}_s{stages}".format(**c))
+def test_gpu_linear_x3_configs(ml, cfg):
+    """Every 3xTF32 config through run_config (bias + GELU, with and without a bias) into a
+    poisoned output, on odd shapes (element loads) and an aligned one (vec), within the
+    float32 bound: float32-level accuracy on tensor cores."""
+    m = ml.math
+    dtype, _, bound = FAMS["fp32"]
+    rng = np.random.default_rng()
+    dev = m.backend.current_device
+    for M, K, N in ((77, 300, 129), (256, 384, 512), (131, 264, 136), (5, 4096, 72)):
+        (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (M, K), N)
+        p = mm.Plan(1, M, N, K, 0, 0, (M, N))
+        for bias in (tb, None):
+            out = _poison(m, (M, N), dtype)
+            vec = mm.is_vec_ok(tx, tw, out, p)   # 77x300x129: element loads; else vec
+            mm.run_config(m, mm.MMA_TEMPLATE, cfg, tx, tw, out, p, dtype, vec, dev,
+                          epilogue="bias_gelu", bias=bias)
+            ref, scale = _reference(xr, wr, br if bias is not None else np.zeros(N))
+            err = _err(m.to_numpy(out), ref, scale)
+            assert err <= bound, (cfg, (M, K, N), vec, bias is not None, err)
+            out.free()

@@ -67,14 +67,19 @@ def simt_smem(cfg: Dict[str, Any], esize: int = 4, b_trans: bool = False) -> int
 
 
 def _mma(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int,
-         min_blocks: int, frag_pipe: bool = True, trunc_a: bool = False) -> Dict[str, Any]:
+         min_blocks: int, frag_pipe: bool = True, trunc_a: bool = False,
+         x3: bool = False) -> Dict[str, Any]:
     """mma.sync tile config; trunc_a (TF32 only): A's fragments go to the mma unrounded
     (truncated to TF32, relative error < 2^-10 instead of <= 2^-11; B stays rounded), one
-    integer add less per A fragment register. The key is present only when set."""
+    integer add less per A fragment register; x3 (float32 only): 3xTF32, each operand split
+    into two TF32 parts and three mma per fragment pair (float32-level accuracy). Each key
+    is present only when set."""
     cfg: Dict[str, Any] = {"bm": bm, "bn": bn, "bk": bk, "wm": wm, "wn": wn, "stages": stages,
                            "frag_pipe": frag_pipe, "min_blocks": min_blocks}
     if trunc_a:
         cfg["tf32_trunc_a"] = True
+    if x3:
+        cfg["x3"] = True
     return cfg
 
 
@@ -231,6 +236,20 @@ LINEAR_MMA_TF32 = {
     "skinny": [T_64x64x16],
     "small": [T_64x64x16],
 }
+# 3xTF32 (x3) for the float32 linear layer: float32-level accuracy on tensor cores (x and W
+# split into two TF32 parts each, a_s b_b + a_b b_s into a second accumulator set, a_b b_b
+# into the first: 3 HMMA per fragment pair, 2 x 64 accumulators per thread on a 32x64 or
+# 64x32 warp tile, fragments loaded per k-step). UNMEASURED: not candidates and not in
+# template_variants (CI does not compile them); perf/sweep_matmul.py --linear times them and
+# tests/test_linear.py checks them on the GPU. ptxas sm_90 with bias_gelu, vec: registers,
+# no spills, in comments (dynamic shared bytes: stages * (bm + bn) * bk * 4).
+X_128x128x32_w32x64 = _mma(128, 128, 32, 32, 64, 3, 1, False, x3=True)   # 256 thr, 96 KB
+X_128x128x32_w64x32 = _mma(128, 128, 32, 64, 32, 3, 1, False, x3=True)   # 256 thr, 96 KB
+X_128x128x16_w32x64_s4 = _mma(128, 128, 16, 32, 64, 4, 1, False, x3=True)  # 256 thr, 64 KB
+X_64x128x32_w32x64 = _mma(64, 128, 32, 32, 64, 3, 2, False, x3=True)     # 128 thr, 72 KB
+X_128x64x32_w64x32 = _mma(128, 64, 32, 64, 32, 3, 2, False, x3=True)     # 128 thr, 72 KB
+LINEAR_MMA_F32X3 = [X_128x128x32_w32x64, X_128x128x32_w64x32, X_128x128x16_w32x64_s4,
+                    X_64x128x32_w32x64, X_128x64x32_w64x32]
 EPILOGUES = ("bias", "bias_gelu")
 
 
