@@ -124,6 +124,7 @@ def test_sketched_linear_errors(ml):
 # tests/test_matmul.py; GELU's slope is at most 1.13 and the output rounding is below them.
 FAMS = {
     "fp32": (DT.FLOAT32, None, 2e-6),
+    "ieee": (DT.FLOAT32, "ieee", 2e-6),
     "tf32": (DT.FLOAT32, "tf32", 1.5e-3),
     "fp64": (DT.FLOAT64, None, 1e-14),
     "fp16": (DT.FLOAT16, None, 1e-2),
@@ -198,7 +199,7 @@ def test_gpu_linear_every_config(ml, fam):
     bias, into a poisoned output: a fast-but-wrong config can never win the autotuner."""
     m = ml.math
     dtype, prec, bound = FAMS[fam]
-    template, _ = mm._linear_family(dtype, prec)
+    family, _ = mm._linear_family(dtype, prec)
     rng = np.random.default_rng()
     dev = m.backend.current_device
     n_vec = 130 if dtype is DT.FLOAT64 else 136
@@ -209,7 +210,8 @@ def test_gpu_linear_every_config(ml, fam):
             for bias in (tb, None):
                 out = _poison(m, (M, N), dtype)
                 assert mm.is_vec_ok(tx, tw, out, p) is vec
-                mm.run_config(m, template, cfg, tx, tw, out, p, dtype, vec, dev,
+                mm.run_config(m, mm.config_template(cfg, family), cfg, tx, tw, out, p, dtype,
+                              vec, dev,
                               epilogue="bias_gelu", bias=bias)
                 ref, scale = _reference(xr, wr, br if bias is not None else np.zeros(N))
                 err = _err(m.to_numpy(out), ref, scale)
@@ -236,14 +238,16 @@ def test_gpu_linear_bias_epilogue_and_empty_k(ml, fam):
 
 
 @gpu
-def test_gpu_fused_fp32_is_true_fp32(ml):
-    """The default float32 path is exact FP32; precision='tf32' really uses TF32."""
+def test_gpu_fused_fp32_is_float32_accurate(ml):
+    """The default float32 path (3xTF32 or CUDA cores) and precision='ieee' (CUDA cores) are
+    float32-accurate; precision='tf32' really uses TF32."""
     m = ml.math
     (tx, tw, tb), (xr, wr, br) = _inputs(m, np.random.default_rng(), DT.FLOAT32, (256, 1024), 256)
     ref, _ = _reference(xr, wr, br)
     e32 = _err(m.to_numpy(lin.fused_linear_gelu(m, tx, tw, tb)), ref, ref)
+    eie = _err(m.to_numpy(lin.fused_linear_gelu(m, tx, tw, tb, precision="ieee")), ref, ref)
     etf = _err(m.to_numpy(lin.fused_linear_gelu(m, tx, tw, tb, precision="tf32")), ref, ref)
-    assert e32 < 1e-5 and 3e-5 < etf < 2e-3, (e32, etf)
+    assert e32 < 1e-5 and eie < 1e-5 and 3e-5 < etf < 2e-3, (e32, eie, etf)
 
 
 @gpu
@@ -267,7 +271,8 @@ def test_gpu_fused_linear_gelu_is_one_launch(ml, dtype):
                 backend.enable_profiling = False
             assert sum(s["total_executions"] for s in stats.values()) == 1, stats
             (name,) = stats
-            family = "matmul_simt" if dtype in (DT.FLOAT32, DT.FLOAT64) else "matmul_mma"
+            family = ("matmul_simt", "matmul_mma") if dtype is DT.FLOAT32 else \
+                ("matmul_simt",) if dtype is DT.FLOAT64 else ("matmul_mma",)
             assert name.startswith(family), name
             assert np.isfinite(m.to_numpy(y)).all()
 
@@ -394,13 +399,15 @@ def test_linear_launches_one_kernel_with_its_arguments(fam, shape, with_bias):
     assert mm.linear(m, x, w, b, "bias_gelu", prec, out=y) is y
     assert len(m.backend.launches) == 1
     k, grid, smem, values = m.backend.launches[0]
-    template, _ = mm._linear_family(dtype, prec)
+    family, _ = mm._linear_family(dtype, prec)
     vw = 16 // dtype.itemsize
     vec = K % vw == 0 and N % vw == 0
-    assert k.template == template and k.params["vec"] is vec
+    assert k.params["vec"] is vec
     assert k.params["b_trans"] is True and k.params["epilogue"] == "bias_gelu"
     cfg = next(c for c in mm.linear_configs(dtype, prec, vec)
-               if all(k.params[key] == v for key, v in c.items()))
+               if all(k.params.get(key) == v for key, v in c.items())
+               and k.template == mm.config_template(c, family))
+    template = k.template
     assert values[:7] == [x.ptr, w.ptr, y.ptr, b.ptr if with_bias else 0, M, N, K]
     assert grid == (-(-M // cfg["bm"]) * -(-N // cfg["bn"]), 1, 1)
     if template == mm.MMA_TEMPLATE:
@@ -429,13 +436,14 @@ def test_linear_variants_are_the_configs_it_launches():
               if "b_trans" in p}
     want = set()
     for dtype, prec, _ in FAMS.values():
-        template, _ = mm._linear_family(dtype, prec)
+        family, _ = mm._linear_family(dtype, prec)
         for vec in (True, False):
             for cfg in mm.linear_configs(dtype, prec, vec):
+                template = mm.config_template(cfg, family)
                 want.add((template, tuple(sorted(
                     mm.linear_params(template, dtype, cfg, vec, "bias_gelu").items()))))
     assert linear == want
-    assert sum(len(v) for v in variants.values()) <= 80
+    assert sum(len(v) for v in variants.values()) <= 84
 
 
 # -- property test (issue 7's fuzzing: the linear-layer family) -------------------------------
@@ -498,18 +506,24 @@ def test_kc_linear_configs():
         assert "cp_async4_row" not in src
 
 
-# -- 3xTF32 (x3): sweep-only float32 tensor-core configs ----------------------------------------
-def test_x3_linear_configs_are_sweep_only():
-    """The 3xTF32 configs (unmeasured) are in no candidate list and not in template_variants
-    (CI compiles those); each renders, for both alignments, with the split and acc_s."""
+# -- 3xTF32 (x3): the float32 linear layer's tensor-core configs --------------------------------
+def test_x3_linear_configs_are_float32_default_candidates():
+    """The 3xTF32 configs sit in the default float32 linear lists (16-byte loads only), never
+    in precision='ieee' (CUDA cores), TF32, other dtypes or the plain GEMM; each renders,
+    for both alignments, with the split and acc_s, and names the mma template."""
     x3 = mm.LINEAR_MMA_F32X3
     assert x3 and all(c.get("x3") for c in x3)
-    variants = [p for sets in mm.template_variants().values() for p in sets]
-    assert not any(p.get("x3") for p in variants)
+    default_vec = mm.linear_configs(DT.FLOAT32, None, True)
+    assert [c for c in default_vec if c.get("x3")] and all(c in x3 for c in default_vec
+                                                            if c.get("x3"))
+    assert not any(c.get("x3") for c in mm.linear_configs(DT.FLOAT32, None, False))
     for dtype, prec, _ in FAMS.values():
-        for vec in (True, False):
-            assert not any(c.get("x3") for c in mm.linear_configs(dtype, prec, vec))
+        if prec is not None or dtype is not DT.FLOAT32:
+            for vec in (True, False):
+                assert not any(c.get("x3") for c in mm.linear_configs(dtype, prec, vec))
         assert not any(c.get("x3") for c in mm.all_configs(dtype, prec))
+    for c in x3:
+        assert mm.config_template(c, mm.SIMT_TEMPLATE) == mm.MMA_TEMPLATE
     gen = KernelGenerator(backend=object())
     for c in x3:
         assert not c["frag_pipe"] and "tf32_trunc_a" not in c
@@ -517,6 +531,45 @@ def test_x3_linear_configs_are_sweep_only():
             params = mm.linear_params(mm.MMA_TEMPLATE, DT.FLOAT32, c, vec, "bias_gelu")
             _, src = gen.render_kernel(mm.MMA_TEMPLATE, **params)
             assert "split_tf32(" in src and "acc_s[i][j][q]" in src and "#error" not in src
+
+
+def test_precision_ieee_is_accepted_and_named():
+    assert mm.normalize_precision("IEEE", DT.FLOAT32) == "ieee"
+    assert mm._op_name(mm.SIMT_TEMPLATE, DT.FLOAT32, None, True) != \
+        mm._op_name(mm.SIMT_TEMPLATE, DT.FLOAT32, "ieee", True)
+    with pytest.raises(cb.InvalidArgumentError, match="'ieee'"):
+        mm.normalize_precision("fast", DT.FLOAT32)
+
+
+@gpu
+@pytest.mark.parametrize("cfg", mm.LINEAR_MMA_F32X3[:2],
+                         ids=lambda c: "x3_{bm}x{bn}x{bk}_w{wm}x{wn}".format(**c))
+def test_gpu_linear_x3_inf_nan(ml, cfg):
+    """Infinite and NaN inputs reach the output as in a float32 product (NumPy's result),
+    not as the NaN of inf - inf in the split; the finite rows stay accurate."""
+    m = ml.math
+    rng = np.random.default_rng()
+    M, K, N = 64, 128, 64
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = (np.abs(rng.standard_normal((N, K))) / np.sqrt(K)).astype(np.float32)
+    x[3, 5], x[7, :] = np.inf, 0.0
+    x[7, 9], x[11, 2] = -np.inf, np.nan
+    tx, tw = m.from_numpy(x), m.from_numpy(w)
+    out = _poison(m, (M, N), DT.FLOAT32)
+    dev = m.backend.current_device
+    mm.run_config(m, mm.MMA_TEMPLATE, cfg, tx, tw, out, mm.Plan(1, M, N, K, 0, 0, (M, N)),
+                  DT.FLOAT32, True, dev, epilogue="bias", bias=None)
+    got = m.to_numpy(out).astype(np.float64)
+    with np.errstate(all="ignore"):
+        ref = x.astype(np.float64) @ w.astype(np.float64).T
+    special = [3, 7, 11]
+    assert np.array_equal(np.isnan(got[special]), np.isnan(ref[special]))
+    assert np.array_equal(got[special][np.isinf(ref[special])],
+                          ref[special][np.isinf(ref[special])])
+    finite = np.setdiff1d(np.arange(M), special)
+    scale = np.abs(x[finite]).astype(np.float64) @ np.abs(w).astype(np.float64).T
+    assert _err(got[finite], ref[finite], scale) <= 2e-6
+    out.free()
 
 
 @gpu

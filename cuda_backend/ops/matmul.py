@@ -38,7 +38,8 @@ MMA_TEMPLATE = "matmul_mma.cu.j2"
 FILL_TEMPLATE = "fill.cu.j2"
 REDUCE_BLOCK = 256
 
-_PRECISIONS = {None: None, "fp32": "fp32", "highest": "fp32", "ieee": "fp32", "tf32": "tf32"}
+# "ieee": float32 on CUDA cores only, where the default may choose 3xTF32 (the linear layer)
+_PRECISIONS = {None: None, "fp32": "fp32", "highest": "fp32", "ieee": "ieee", "tf32": "tf32"}
 
 
 def _simt(bm: int, bn: int, bk: int, tm: int, tn: int, wtm: int, min_blocks: int,
@@ -239,10 +240,10 @@ LINEAR_MMA_TF32 = {
 # 3xTF32 (x3) for the float32 linear layer: float32-level accuracy on tensor cores (x and W
 # split into two TF32 parts each, a_s b_b + a_b b_s into a second accumulator set, a_b b_b
 # into the first: 3 HMMA per fragment pair, 2 x 64 accumulators per thread on a 32x64 or
-# 64x32 warp tile, fragments loaded per k-step). UNMEASURED: not candidates and not in
-# template_variants (CI does not compile them); perf/sweep_matmul.py --linear times them and
-# tests/test_linear.py checks them on the GPU. ptxas sm_90 with bias_gelu, vec: registers,
-# no spills, in comments (dynamic shared bytes: stages * (bm + bn) * bk * 4).
+# 64x32 warp tile, fragments loaded per k-step). ptxas sm_90 with bias_gelu, vec: registers,
+# no spills, in comments (dynamic shared bytes: stages * (bm + bn) * bk * 4). Measured on the
+# H200 at 8192x4096x4096 (perf/NOTES.md, session 4): 3.86-3.93 ms (the 16x8 s3 SIMT: 6.53,
+# matrix_multiply + gelu 5.82, torch FP32 linear 5.47), error 7.9e-6 vs float64 (SIMT 1.8e-6).
 X_128x128x32_w32x64 = _mma(128, 128, 32, 32, 64, 3, 1, False, x3=True)   # 256 thr, 96 KB
 X_128x128x32_w64x32 = _mma(128, 128, 32, 64, 32, 3, 1, False, x3=True)   # 256 thr, 96 KB
 X_128x128x16_w32x64_s4 = _mma(128, 128, 16, 32, 64, 4, 1, False, x3=True)  # 256 thr, 64 KB
@@ -250,6 +251,17 @@ X_64x128x32_w32x64 = _mma(64, 128, 32, 32, 64, 3, 2, False, x3=True)     # 128 t
 X_128x64x32_w64x32 = _mma(128, 64, 32, 64, 32, 3, 2, False, x3=True)     # 128 thr, 72 KB
 LINEAR_MMA_F32X3 = [X_128x128x32_w32x64, X_128x128x32_w64x32, X_128x128x16_w32x64_s4,
                     X_64x128x32_w32x64, X_128x64x32_w64x32]
+# The float32 linear layer's default (precision None / "fp32"): the 3xTF32 configs where
+# the operands allow 16-byte loads (they are not rendered for element loads), the SIMT ones
+# after them (the only ones left for unaligned operands); precision="ieee" keeps the SIMT
+# list alone.
+LINEAR_F32 = {
+    "large": [X_128x128x32_w64x32, X_64x128x32_w32x64, X_128x128x32_w32x64,
+              S_128x128x16_16x8_s3, S_128x256x8_16x8_q2],
+    "medium": [X_64x128x32_w32x64, X_128x64x32_w64x32, S_128x128x16_16x8_s3, S_64x64x8_q2],
+    "skinny": [X_64x128x32_w32x64, S_64x64x8_q2, S_32x64x16],
+    "small": [S_32x64x16],
+}
 EPILOGUES = ("bias", "bias_gelu")
 
 
@@ -268,8 +280,16 @@ def _linear_family(dtype: CudaDataType, precision: Optional[str]) -> Tuple[str, 
     if dtype is DT.FLOAT64:
         return template, LINEAR_SIMT_F64
     if dtype is DT.FLOAT32:
-        return template, LINEAR_MMA_TF32 if precision == "tf32" else LINEAR_SIMT_F32
+        if precision == "tf32":
+            return template, LINEAR_MMA_TF32
+        return template, LINEAR_SIMT_F32 if precision == "ieee" else LINEAR_F32
     return template, LINEAR_MMA_F16
+
+
+def config_template(cfg: Dict[str, Any], family_template: str) -> str:
+    """The template a config renders: its family's, or mma for a 3xTF32 config (x3), which
+    sits in the float32 linear layer's list beside SIMT ones."""
+    return MMA_TEMPLATE if cfg.get("x3") else family_template
 
 
 def candidates(dtype: CudaDataType, precision: Optional[str], shape_class: str,
@@ -312,9 +332,10 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     # the one-kernel linear layer: only its own configs, with the bias + GELU epilogue
     for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT64, None), (DT.FLOAT32, "tf32"),
                      (DT.FLOAT16, None), (DT.BFLOAT16, None)):
-        template, _ = _linear_family(dt, prec)
+        family, _ = _linear_family(dt, prec)
         for vec in (True, False):
             for cfg in linear_configs(dt, prec, vec):
+                template = config_template(cfg, family)
                 params = linear_params(template, dt, cfg, vec, "bias_gelu")
                 (simt if template == SIMT_TEMPLATE else mma).append(params)
     return {SIMT_TEMPLATE: simt, MMA_TEMPLATE: mma}
@@ -401,11 +422,13 @@ def _plan(a_shape: Tuple[int, ...], b_shape: Tuple[int, ...]) -> Plan:
 
 
 def normalize_precision(precision: Any, dtype: CudaDataType) -> Optional[str]:
-    """None / 'fp32' / 'highest' -> exact arithmetic of the dtype; 'tf32' -> TF32 (float32 only)."""
+    """None / 'fp32' / 'highest' -> float32-level arithmetic of the dtype (CUDA cores; the
+    linear layer may use 3xTF32); 'ieee' -> CUDA cores only; 'tf32' -> TF32 (float32 only)."""
     key = precision.lower() if isinstance(precision, str) else precision
     if not (key is None or isinstance(key, str)) or key not in _PRECISIONS:
         raise InvalidArgumentError(
-            f"precision must be None, 'fp32' (alias 'highest') or 'tf32', got {precision!r}")
+            f"precision must be None, 'fp32' (alias 'highest'), 'ieee' or 'tf32', got "
+            f"{precision!r}")
     prec = _PRECISIONS[key]
     if prec == "tf32" and dtype is not DT.FLOAT32:
         raise InvalidArgumentError(
@@ -641,21 +664,28 @@ def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
                 return blocks_per_sm(c, getattr(kern, "num_regs", 0))
 
             cands = split_candidates(cands, p, cls, sms, max_z, per_sm)
-        op = f"{'linear' if is_linear else 'matmul'}_" \
-             f"{'simt' if template == SIMT_TEMPLATE else 'mma'}_{dtype.name_str}" \
-             f"{'_tf32' if prec == 'tf32' else ''}"
+        op = _op_name(template, dtype, prec, is_linear)
         tune_key = [cls, vec, _bucket(p.M), _bucket(p.N), _bucket(p.K), p.batch > 1]
 
         def run(c: Dict[str, int]) -> None:
-            run_config(m, template, c, a, b, out, p, dtype, vec, dev, epilogue=epilogue,
-                       bias=bias)
+            run_config(m, config_template(c, template), c, a, b, out, p, dtype, vec, dev,
+                       epilogue=epilogue, bias=bias)
 
         # 10 timed runs each: with 3, clock and power swings on 8192^3 tensor-core runs
         # picked a config 20% slower than the best (seen on an H200).
         cfg = m.autotuner.pick(op, tune_key, cands, run, device_id=dev, repeats=10) \
             if len(cands) > 1 else cands[0]
-        hit = cache[key] = (template, cfg)
+        hit = cache[key] = (config_template(cfg, template), cfg)
     run_config(m, hit[0], hit[1], a, b, out, p, dtype, vec, dev, epilogue=epilogue, bias=bias)
+
+
+def _op_name(template: str, dtype: CudaDataType, prec: Optional[str], linear: bool) -> str:
+    """The autotuner's name for a candidate set (each distinct set has its own choices)."""
+    if linear and dtype is DT.FLOAT32 and prec in (None, "fp32"):
+        return "linear_x3simt_float32"     # 3xTF32 and SIMT configs (LINEAR_F32)
+    kind = "simt" if template == SIMT_TEMPLATE else "mma"
+    return f"{'linear' if linear else 'matmul'}_{kind}_{dtype.name_str}" \
+           f"{'_tf32' if prec == 'tf32' else ''}"
 
 
 def blocks_per_sm(cfg: Dict[str, int], regs: int = 0) -> int:
