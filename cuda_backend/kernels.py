@@ -61,6 +61,10 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     return variants
 
 
+# Templates that need an architecture-specific target (Hopper's wgmma: sm_90a); the others
+# build for the device's own arch.
+TEMPLATE_ARCH = {"matmul_wgmma.cu.j2": "sm_90a"}
+
 OP_MODULES = ("elementwise", "reduction", "softmax", "transpose", "matmul", "pooling",
               "normalization", "dropout", "optimizers", "conv2d", "attention", "linear")
 
@@ -139,7 +143,8 @@ class KernelGenerator:
         if kernel is None:
             name, source = self.render_kernel(template_name, **params)
             kernel = backend.compile_kernel(name, source, options=list(options),
-                                            device_id=device_id)
+                                            device_id=device_id,
+                                            arch=TEMPLATE_ARCH.get(template_name))
             with self._lock:
                 self._compiled[key] = kernel
         return kernel

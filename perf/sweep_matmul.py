@@ -73,6 +73,8 @@ HOST_THREADS = max(1, min(16, os.cpu_count() or 1))
 
 
 def cfg_name(cfg: Dict[str, Any]) -> str:
+    if cfg.get("wgmma"):
+        return f"wgmma {cfg['bm']}x{cfg['bn']}x32 s{cfg['stages']} b{cfg['min_blocks']}"
     if "tm" in cfg:
         return f"{cfg['bm']}x{cfg['bn']}x{cfg['bk']} t{cfg['tm']}x{cfg['tn']} w{cfg['wtm']} " \
                f"q{cfg['qa']}{' s%d' % cfg['stages'] if cfg.get('stages') else ''} " \
@@ -84,6 +86,8 @@ def cfg_name(cfg: Dict[str, Any]) -> str:
 
 
 def kernel_params(template: str, dtype: DT, cfg: Dict[str, Any], vec: bool) -> Dict[str, Any]:
+    if cfg.get("wgmma"):
+        return mm.wgmma_params(cfg)
     if template == mm.SIMT_TEMPLATE:
         return mm.simt_params(dtype, cfg, vec)
     return {**dtype_params(dtype), **cfg, "vec": vec}
@@ -156,7 +160,7 @@ def family_configs(fam: str, old: bool) -> Tuple[str, List[Dict[str, Any]]]:
 
 
 def usable(cfg: Dict[str, Any], vec: bool) -> bool:
-    return vec or cfg in mm.SCALAR_OK
+    return vec or cfg in mm.SCALAR_OK   # (wgmma configs are not in SCALAR_OK: vec only)
 
 
 def linear_sweep(args: Any) -> None:
@@ -347,8 +351,8 @@ def main() -> None:
         for s in shapes:
             M, K, N = SHAPES[s]
             vec = K % vw == 0 and N % vw == 0
-            jobs += [(template, kernel_params(template, dtype, c, vec)) for c in cfgs
-                     if usable(c, vec)]
+            jobs += [(mm.config_template(c, template), kernel_params(template, dtype, c, vec))
+                     for c in cfgs if usable(c, vec)]
         if template == mm.SIMT_TEMPLATE:
             jobs.append((mm.SIMT_TEMPLATE, {"kind": "splitk_reduce",
                                             "block_size": mm.REDUCE_BLOCK,
@@ -445,12 +449,13 @@ def main() -> None:
                 if not usable(cfg, vec):
                     continue
                 params = kernel_params(template, dtype, cfg, vec)
-                kern = mm._kernel(m, template, 0, params)
+                kern = mm._kernel(m, mm.config_template(cfg, template), 0, params)
                 extra = {"config": cfg, "regs": kern.num_regs, "local_bytes": kern.local_bytes,
                          "chosen": cfg == chosen}
                 if template != mm.SIMT_TEMPLATE:
                     check_and_time(cfg_name(cfg), lambda cfg=cfg: mm.run_config(
-                        m, template, cfg, a, bt, out, p, dtype, vec, 0), extra)
+                        m, mm.config_template(cfg, template), cfg, a, bt, out, p, dtype, vec,
+                        0), extra)
                     continue
                 op_split = mm.split_count(cfg, p, sms, max_z,
                                           mm.blocks_per_sm(cfg, kern.num_regs)) \

@@ -158,7 +158,7 @@ def test_tf32_only_for_float32():
 def test_template_variants_cover_every_candidate():
     variants = mm.template_variants()
     keys = {t: [tuple(sorted(p.items())) for p in sets] for t, sets in variants.items()}
-    assert 20 <= sum(len(v) for v in keys.values()) <= 80
+    assert 20 <= sum(len(v) for v in keys.values()) <= 90
     from cuda_backend.kernels import dtype_params
     for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT64, None), (DT.FLOAT32, "tf32"),
                      (DT.FLOAT16, None), (DT.BFLOAT16, None)):
@@ -166,6 +166,10 @@ def test_template_variants_cover_every_candidate():
         for cls in table:
             for vec in (True, False):
                 for cfg in mm.candidates(dt, prec, cls, vec):
+                    if cfg.get("wgmma"):
+                        params = mm.wgmma_params(cfg)
+                        assert tuple(sorted(params.items())) in keys[mm.WGMMA_TEMPLATE]
+                        continue
                     params = {**dtype_params(dt), **cfg, "vec": vec}
                     if template == mm.SIMT_TEMPLATE:
                         params["kind"] = "gemm"
@@ -180,6 +184,10 @@ def test_configs_are_consistent():
         assert cfg["bm"] % warp_m == 0 and cfg["bn"] % warp_n == 0
     for dt, prec in ((DT.FLOAT32, "tf32"), (DT.FLOAT16, None)):
         for cfg in mm.all_configs(dt, prec):
+            if cfg.get("wgmma"):
+                assert cfg["bm"] in (64, 128) and cfg["bn"] % 16 == 0 and cfg["bn"] <= 256
+                assert mm.wgmma_smem(cfg) <= 227 * 1024 and cfg["stages"] >= 2
+                continue
             smem = cfg["stages"] * (cfg["bm"] + cfg["bn"]) * cfg["bk"] * dt.itemsize
             assert smem <= 227 * 1024
             assert cfg["bm"] % cfg["wm"] == 0 and cfg["bn"] % cfg["wn"] == 0
@@ -439,11 +447,14 @@ def test_gpu_every_candidate_config_is_correct(m, fam):
         ref, scale = reference(m, a, b)
         p = mm.plan_shapes(a.shape, b.shape)
         cfgs = [c for c in mm.all_configs(dtype, prec) if vec or c in mm.SCALAR_OK]
+        if not mm.has_wgmma(m.backend.get_device_info(dev)):
+            cfgs = [c for c in cfgs if not c.get("wgmma")]
         for cfg in cfgs:
             for splits in ((1, 3) if template == mm.SIMT_TEMPLATE else (None,)):
                 out = poisoned(m, ref.shape, dtype)
                 assert mm.is_vec_ok(a, b, out, p) is vec
-                mm.run_config(m, template, cfg, a, b, out, p, dtype, vec, dev, splits=splits)
+                mm.run_config(m, mm.config_template(cfg, template), cfg, a, b, out, p, dtype,
+                              vec, dev, splits=splits)
                 err = rel_err(m.to_numpy(out), ref, scale)
                 assert err <= bound, (cfg, vec, splits, err)
 
@@ -519,3 +530,74 @@ def test_gpu_fp32_default_differs_from_tf32(m):
 def test_gpu_property_random_shapes(m, M, K, N, fam, batch):
     a_shape = (batch, M, K) if batch else (M, K)
     check(m, fam, a_shape, (K, N), np.random.default_rng())
+
+
+# -- wgmma (Hopper) TF32 ----------------------------------------------------------------------
+def test_wgmma_configs_render_for_sm_90a():
+    """Each wgmma config is a TF32 candidate, renders without #error, and is built for
+    sm_90a (kernels.TEMPLATE_ARCH); the transpose variants include the TF32-rounding one."""
+    from cuda_backend.kernels import TEMPLATE_ARCH, KernelGenerator
+    gen = KernelGenerator(backend=object())
+    w = [c for c in mm.all_configs(DT.FLOAT32, "tf32") if c.get("wgmma")]
+    assert w and TEMPLATE_ARCH[mm.WGMMA_TEMPLATE] == "sm_90a"
+    assert not any(c.get("wgmma") for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT16, None))
+                   for c in mm.all_configs(dt, prec))
+    for c in w:
+        _, src = gen.render_kernel(mm.WGMMA_TEMPLATE, **mm.wgmma_params(c))
+        assert f"m64n{c['bn']}k8.f32.tf32.tf32" in src and "#error" not in src
+        assert "fence.proxy.async.shared::cta" in src
+    from cuda_backend.ops import transpose as tr
+    assert any(p.get("round_tf32") for p in tr.template_variants()[tr.TEMPLATE])
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(1, 4, 1), (77, 36, 129), (131, 264, 136), (64, 4096, 72),
+                                   (3, 130, 300, 33), (2, 257, 1000, 515)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gpu_wgmma_configs(m, shape):
+    """Every wgmma config through run_config (B transposed and rounded, then the kernel)
+    into a poisoned output: odd M and N (tails of every tile), K = 4, batches, a broadcast
+    B; the result equals the TF32 product of rounded inputs within float32 accumulation
+    error, far inside the TF32 bound."""
+    dev = m.backend.current_device
+    if not mm.has_wgmma(m.backend.get_device_info(dev)):
+        pytest.skip("wgmma needs a Hopper GPU (sm_90a)")
+    rng = np.random.default_rng()
+    *batch, M, K, N = shape
+    av = rand(rng, tuple(batch) + (M, K), DT.FLOAT32)
+    bv = rand(rng, (K, N), DT.FLOAT32)
+    a, b = to_dev(m, av, DT.FLOAT32), to_dev(m, bv, DT.FLOAT32)
+    p = mm.plan_shapes(a.shape, b.shape)
+    ra = mm._round_tf32(m.to_numpy(a)).astype(np.float64)
+    rb = mm._round_tf32(m.to_numpy(b)).astype(np.float64)
+    ref = ra @ rb
+    scale = np.abs(ra) @ np.abs(rb)
+    for cfg in [c for c in mm.all_configs(DT.FLOAT32, "tf32") if c.get("wgmma")] + \
+            [mm.W_64x256_s4]:
+        out = poisoned(m, ref.shape, DT.FLOAT32)
+        mm.run_config(m, mm.WGMMA_TEMPLATE, cfg, a, b, out, p, DT.FLOAT32, True, dev)
+        err = rel_err(m.to_numpy(out), ref, scale)
+        assert err <= 2e-6, (cfg, shape, err)
+        out.free()
+
+
+@gpu
+def test_gpu_wgmma_batched_b_and_public_path(m):
+    """A full batch of B planes (each transposed on its own) through the wgmma kernel, and
+    the public matrix_multiply(precision='tf32') at 1024^2 x 512 within the TF32 bound."""
+    dev = m.backend.current_device
+    if not mm.has_wgmma(m.backend.get_device_info(dev)):
+        pytest.skip("wgmma needs a Hopper GPU (sm_90a)")
+    rng = np.random.default_rng()
+    av, bv = rand(rng, (3, 65, 132), DT.FLOAT32), rand(rng, (3, 132, 70), DT.FLOAT32)
+    a, b = to_dev(m, av, DT.FLOAT32), to_dev(m, bv, DT.FLOAT32)
+    p = mm.plan_shapes(a.shape, b.shape)
+    ref = mm._round_tf32(av).astype(np.float64) @ mm._round_tf32(bv).astype(np.float64)
+    out = poisoned(m, ref.shape, DT.FLOAT32)
+    mm.run_config(m, mm.WGMMA_TEMPLATE, mm.W_128x128_s3, a, b, out, p, DT.FLOAT32, True, dev)
+    assert rel_err(m.to_numpy(out), ref, np.abs(ref) + 1e-3) <= 2e-6
+    av, bv = rand(rng, (1024, 512), DT.FLOAT32), rand(rng, (512, 1024), DT.FLOAT32)
+    got = m.to_numpy(m.matrix_multiply(to_dev(m, av, DT.FLOAT32), to_dev(m, bv, DT.FLOAT32),
+                                       precision="tf32"))
+    ref = av.astype(np.float64) @ bv.astype(np.float64)
+    assert rel_err(got, ref, np.abs(av) @ np.abs(bv)) <= 1.5e-3

@@ -11,7 +11,7 @@ import pytest
 from cuda_backend import (CudaDataType, CudaDeviceInfo, DTypeMismatchError,
                           InvalidArgumentError, KernelGenerator)
 from cuda_backend.compiler import arg_format, declared_kernels, kernel_signature
-from cuda_backend.kernels import template_variants
+from cuda_backend.kernels import TEMPLATE_ARCH, template_variants
 
 GEN = KernelGenerator(backend=object())  # rendering never touches the backend
 TEMPLATES = GEN.list_templates()
@@ -63,7 +63,7 @@ def test_renders_and_declares_the_kernel(template, index, params):
 
 
 # Parameters a template documents as optional (with a default): leaving one out is legal.
-OPTIONAL = {"matmul_mma.cu.j2": {"x3", "tf32_trunc_a"}}
+OPTIONAL = {"matmul_mma.cu.j2": {"x3", "tf32_trunc_a"}, "transpose.cu.j2": {"round_tf32"}}
 
 
 @pytest.mark.parametrize("template, index, params", CASES, ids=CASE_IDS)
@@ -107,7 +107,11 @@ def _compile(workdir: str, template: str, index: int, params: dict):
     base = os.path.join(workdir, f"{template.split('.')[0]}_{index}")
     with open(base + ".cu", "w") as f:
         f.write(source)
-    proc = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", base + ".cubin", base + ".cu"],
+    arch = TEMPLATE_ARCH.get(template, "sm_90")
+    # an "a" target (wgmma) through -gencode: `-arch=sm_90a` also runs a plain sm_90 pass
+    target = [f"-gencode=arch=compute_{arch[3:]},code={arch}"] if arch.endswith("a") else \
+        [f"-arch={arch}"]
+    proc = subprocess.run(["nvcc", *target, "-cubin", "-o", base + ".cubin", base + ".cu"],
                           capture_output=True, text=True, timeout=300)
     cubin = b""
     if proc.returncode == 0:

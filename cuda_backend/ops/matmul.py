@@ -6,6 +6,9 @@ Two kernel families, both templated:
   skinny and small outputs still fill every SM.
 - `matmul_mma.cu.j2`: tensor cores through mma.sync with float32 accumulators: TF32 for
   float32 with precision="tf32", float16 / bfloat16 (output in the input dtype).
+- `matmul_wgmma.cu.j2`: TF32 on Hopper's warpgroup tensor cores (wgmma, sm_90a) for
+  precision="tf32" where K is a multiple of 4: B is first transposed to (N, K) and rounded to
+  TF32 (transpose.transpose_tf32) into a pool block, since wgmma reads a TF32 B only K-major.
 
 Each family has a short list of tile configs per shape class; the Autotuner times them once
 per (device, class) and keeps the fastest. `vec` (16-byte loads) is chosen per call from the
@@ -35,6 +38,7 @@ from . import common
 DT = CudaDataType
 SIMT_TEMPLATE = "matmul_simt.cu.j2"
 MMA_TEMPLATE = "matmul_mma.cu.j2"
+WGMMA_TEMPLATE = "matmul_wgmma.cu.j2"
 FILL_TEMPLATE = "fill.cu.j2"
 REDUCE_BLOCK = 256
 
@@ -65,6 +69,17 @@ def simt_smem(cfg: Dict[str, Any], esize: int = 4, b_trans: bool = False) -> int
         return stages * (cfg["bm"] + cfg["bn"]) * (cfg["bk"] + 4) * esize
     bn = cfg["bn"] + (4 if b_trans else 0)
     return stages * cfg["bk"] * (cfg["bm"] + 4 + bn) * esize if stages else 0
+
+
+def _wgmma(bm: int, bn: int, stages: int, min_blocks: int) -> Dict[str, Any]:
+    """wgmma TF32 tile config (matmul_wgmma.cu.j2; bk is 32): bm / 64 warpgroups, each
+    m64 x bn; the "wgmma" key names the template (config_template)."""
+    return {"bm": bm, "bn": bn, "stages": stages, "min_blocks": min_blocks, "wgmma": True}
+
+
+def wgmma_smem(cfg: Dict[str, Any]) -> int:
+    """Dynamic shared memory of a wgmma config: the ring plus 1 KB to align it to 1024."""
+    return cfg["stages"] * (cfg["bm"] + cfg["bn"]) * 128 + 1024
 
 
 def _mma(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int,
@@ -167,10 +182,21 @@ T_256x128x32 = _mma(256, 128, 32, 64, 64, 3, 1, False)  # 256 threads, 144 KB, 2
 T_128x128x32 = _mma(128, 128, 32, 64, 64, 3, 2, False)  # 128 threads, 96 KB, 216 regs
 T_128x128x16_w8 = _mma(128, 128, 16, 32, 64, 4, 1)      # 256 threads, 64 KB, pipelined
 T_64x64x16 = _mma(64, 64, 16, 32, 32, 4, 4)             # 128 threads, 32 KB
+# wgmma (Hopper only; where K % 4 == 0 and the operands allow 16-byte loads): ptxas sm_90a
+# registers, no spills; dynamic shared bytes in comments. Each waits for its wgmma batch
+# before the next tile (see the template), so two resident blocks per SM hide each other's
+# barrier; 128x256 runs one per SM with the larger tile instead.
+W_128x128_s3 = _wgmma(128, 128, 3, 2)    # 256 thr, 126 regs, 99328 B: 2 blocks per SM
+W_128x128_s4 = _wgmma(128, 128, 4, 1)    # 256 thr, 126 regs, 132096 B
+W_128x256_s4 = _wgmma(128, 256, 4, 1)    # 256 thr, 186 regs, 197632 B
+W_128x256_s3 = _wgmma(128, 256, 3, 1)    # 256 thr, 186 regs, 148480 B
+W_64x128_s3 = _wgmma(64, 128, 3, 3)      # 128 thr, 126 regs, 74752 B: 3 blocks per SM
+W_64x256_s4 = _wgmma(64, 256, 4, 1)      # 128 thr, 186 regs, 164864 B
 MMA_TF32 = {
-    "large": [T_128x256x32, T_256x128x32, T_128x128x32, T_128x128x16_w8],
-    "medium": [T_128x128x32, T_64x64x16],
-    "skinny": [T_64x64x16, T_128x128x32],
+    "large": [W_128x128_s3, W_128x256_s4, W_128x256_s3, W_64x128_s3, W_128x128_s4,
+              T_128x256x32, T_256x128x32, T_128x128x32],
+    "medium": [W_128x128_s3, W_64x128_s3, T_128x128x32, T_64x64x16],
+    "skinny": [W_64x128_s3, T_64x64x16, T_128x128x32],
     "small": [T_64x64x16],
 }
 # More TF32 configs, not candidates (CI does not compile them): perf/sweep_matmul.py times
@@ -185,7 +211,8 @@ T_128x256x32_ta = _mma(128, 256, 32, 64, 64, 3, 1, False, trunc_a=True)
 T_128x128x32_ta = _mma(128, 128, 32, 64, 64, 3, 2, False, trunc_a=True)
 T_128x256x16_s4_ta = _mma(128, 256, 16, 64, 64, 4, 1, trunc_a=True)   # 250 regs
 MMA_TF32_EXTRA = [T_128x256x32_s4, T_128x256x16_s4, T_128x128x16, T_256x128x32_ta,
-                  T_128x256x32_ta, T_128x128x32_ta, T_128x256x16_s4_ta]
+                  T_128x256x32_ta, T_128x128x32_ta, T_128x256x16_s4_ta, T_128x128x16_w8,
+                  W_64x256_s4]
 # Linear layer only (kc: x and W both (rows, K) row-major, so both tiles are stored
 # k-contiguous, rows of bk + 4 floats, by 16-byte cp.async: per 16-deep tile of 64x128 on
 # 128 threads 6 LDGSTS.128 per thread instead of 24 4-byte copies; fragments one LDS.128
@@ -287,9 +314,22 @@ def _linear_family(dtype: CudaDataType, precision: Optional[str]) -> Tuple[str, 
 
 
 def config_template(cfg: Dict[str, Any], family_template: str) -> str:
-    """The template a config renders: its family's, or mma for a 3xTF32 config (x3), which
-    sits in the float32 linear layer's list beside SIMT ones."""
+    """The template a config renders: its family's, mma for a 3xTF32 config (x3), which
+    sits in the float32 linear layer's list beside SIMT ones, wgmma for a wgmma one."""
+    if cfg.get("wgmma"):
+        return WGMMA_TEMPLATE
     return MMA_TEMPLATE if cfg.get("x3") else family_template
+
+
+def has_wgmma(info: Any) -> bool:
+    """The device runs sm_90a code (Hopper: compute capability 9.0)."""
+    return tuple(getattr(info, "compute_capability", (0, 0))) == (9, 0)
+
+
+def wgmma_ok(a: CudaTensor, p: Plan) -> bool:
+    """The wgmma kernel's operand rules: K a multiple of 4, A 16-byte aligned (B is its own
+    transposed copy, the output is stored with bounds checks)."""
+    return p.K % 4 == 0 and a.ptr % 16 == 0
 
 
 def candidates(dtype: CudaDataType, precision: Optional[str], shape_class: str,
@@ -324,8 +364,12 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
                     simt.append({**dtype_params(dt), "kind": "gemm", **cfg, "vec": vec})
         simt.append({**dtype_params(dt), "kind": "splitk_reduce", "block_size": REDUCE_BLOCK})
     mma: List[Dict[str, Any]] = []
+    wgmma: List[Dict[str, Any]] = []
     for dt, prec in ((DT.FLOAT32, "tf32"), (DT.FLOAT16, None), (DT.BFLOAT16, None)):
         for cfg in all_configs(dt, prec):
+            if cfg.get("wgmma"):
+                wgmma.append(wgmma_params(cfg))
+                continue
             for vec in (True, False):
                 if vec or cfg in SCALAR_OK:
                     mma.append({**dtype_params(dt), **cfg, "vec": vec})
@@ -338,7 +382,13 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
                 template = config_template(cfg, family)
                 params = linear_params(template, dt, cfg, vec, "bias_gelu")
                 (simt if template == SIMT_TEMPLATE else mma).append(params)
-    return {SIMT_TEMPLATE: simt, MMA_TEMPLATE: mma}
+    return {SIMT_TEMPLATE: simt, MMA_TEMPLATE: mma, WGMMA_TEMPLATE: wgmma}
+
+
+def wgmma_params(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Template parameters of a wgmma config (float32 in and out)."""
+    return {**dtype_params(DT.FLOAT32), "bm": cfg["bm"], "bn": cfg["bn"],
+            "stages": cfg["stages"], "min_blocks": cfg["min_blocks"]}
 
 
 def linear_configs(dtype: CudaDataType, precision: Optional[str],
@@ -655,6 +705,9 @@ def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
         is_linear = epilogue is not None
         template, _ = _family(dtype, prec)
         cands = candidates(dtype, prec, cls, vec, linear=is_linear)
+        if not (has_wgmma(m.backend.get_device_info(dev)) and wgmma_ok(a, p)):
+            cands = [c for c in cands if not c.get("wgmma")] or \
+                [c for c in _family(dtype, prec)[1]["small"] if not c.get("wgmma")]
         if template == SIMT_TEMPLATE and not is_linear:
             # (config, split) pairs: split-K counts are measured, not only modelled
             max_z = m.backend.get_device_info(dev).max_grid_dims[2]
@@ -808,6 +861,9 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
     tiles = -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"])
     if tiles > info.max_grid_dims[0]:
         raise InvalidArgumentError(f"matmul output {p.M}x{p.N} needs too many tiles ({tiles})")
+    if template == WGMMA_TEMPLATE:
+        _run_wgmma(m, cfg, a, b, out, p, dev, max_z)
+        return
     extra: Tuple[Any, ...] = ()
     if epilogue is None:
         params = simt_params(dtype, cfg, vec) if template == SIMT_TEMPLATE else \
@@ -863,6 +919,33 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
                               shared_mem=smem, device_id=dev)
 
 
+def _run_wgmma(m: Any, cfg: Dict[str, Any], a: CudaTensor, b: CudaTensor, out: CudaTensor,
+               p: Plan, dev: int, max_z: int) -> None:
+    """B (K, N) -> Bt (N, K) rounded to TF32 in a pool block (one plane when B is broadcast),
+    then the wgmma kernel over every batch chunk; Bt goes back to the pool after the launches
+    (later work on the stream is ordered after them)."""
+    from . import transpose as tr
+    backend = m.backend
+    planes = 1 if p.stride_b == 0 else p.batch
+    bt = backend.empty((planes * p.N * p.K,), DT.FLOAT32, dev)
+    try:
+        tr.transpose_tf32(m, b, bt, planes, p.K, p.N, dev)
+        kernel = _kernel(m, WGMMA_TEMPLATE, dev, wgmma_params(cfg))
+        threads = cfg["bm"] // 64 * 128
+        tiles = -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"])
+        stride_bt = 0 if p.stride_b == 0 else p.N * p.K
+        for b0 in range(0, p.batch, max_z):
+            nb = min(max_z, p.batch - b0)
+            pa = a if b0 == 0 else a.ptr + b0 * p.stride_a * 4
+            pb = bt if b0 == 0 else bt.ptr + b0 * stride_bt * 4
+            pc = out if b0 == 0 else out.ptr + b0 * p.M * p.N * 4
+            backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, p.M, p.N, p.K,
+                                  p.stride_a, stride_bt, block_size=(threads, 1, 1),
+                                  shared_mem=wgmma_smem(cfg), device_id=dev)
+    finally:
+        bt.free()
+
+
 def _offsets(a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan, b0: int,
              esize: int) -> Tuple[Any, Any, Any]:
     """Operands for batch chunk starting at b0 (the tensors themselves for the first)."""
@@ -877,6 +960,8 @@ def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8,
     """Compile every matmul variant for the dtypes in parallel threads (nvcc runs in
     subprocesses); returns how many were compiled. Later calls find them memoized."""
     names = {d.name_str for d in dtypes}
+    dev = m.backend.current_device if device_id is None else device_id
+    hopper = m.gpu and has_wgmma(m.backend.get_device_info(dev))
     jobs = [(t, params) for t, sets in template_variants().items() for params in sets
-            if params["dtype"] in names]
+            if params["dtype"] in names and (hopper or t != WGMMA_TEMPLATE)]
     return common.compile_all(m, jobs, device_id, workers, _kernel)

@@ -71,6 +71,12 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
         for (size, vb), tiles in VEC_CONFIGS.items():
             if size == dt.itemsize:
                 sets += [vec_params(dt, vb, tile, threads) for tile, threads in tiles]
+    # transpose_tf32: the default (first) "vec" config of each float32 access width, rounding
+    for (size, vb), tiles in VEC_CONFIGS.items():
+        if size == 4:
+            tile, threads = tiles[0]
+            sets.append({**vec_params(CudaDataType.FLOAT32, vb, tile, threads),
+                         "round_tf32": True})
     return {TEMPLATE: sets}
 
 
@@ -155,6 +161,21 @@ def _launch(m: Any, cfg: Dict[str, int], x: CudaTensor, out: CudaTensor, batch: 
         m.backend.launch_kernel(kernel.name, (tiles[0] * tiles[1], 1, batch), x, out, rows,
                                 cols, cfg["group"], block_size=(cfg["threads"], 1, 1),
                                 device_id=x.device_id)
+
+
+def transpose_tf32(m: Any, x: Any, out: Any, batch: int, rows: int, cols: int,
+                   device_id: int) -> None:
+    """out[b] = round_tf32(x[b])ᵀ for float32 planes (rows, cols) given as tensors or device
+    pointers: the wgmma TF32 matmul's B operand, K-major and rounded like its A fragments.
+    The default "vec" config at the widest legal access, untimed (one launch)."""
+    xp, op = int(getattr(x, "ptr", x)), int(getattr(out, "ptr", out))
+    cfg = candidates(CudaDataType.FLOAT32, rows, cols, xp, op)[0]
+    params = {**config_params(CudaDataType.FLOAT32, cfg), "round_tf32": True}
+    kernel = m.kernel(TEMPLATE, device_id, **params)
+    tile = cfg["tile"]
+    tiles = -(-cols // tile) * -(-rows // tile)
+    m.backend.launch_kernel(kernel.name, (tiles, 1, batch), x, out, rows, cols, cfg["group"],
+                            block_size=(cfg["threads"], 1, 1), device_id=device_id)
 
 
 def _pick(m: Any, x: CudaTensor, out: CudaTensor, batch: int, rows: int,
