@@ -185,7 +185,7 @@ def linear_sweep(args: Any) -> None:
     R = max(3, args.reps)
     vec = K % 4 == 0 and N % 4 == 0
     x3 = list(mm.LINEAR_MMA_F32X3)
-    simt = mm.linear_configs(dtype, None, vec)
+    simt = mm.linear_configs(dtype, "ieee", vec)   # the CUDA-core configs
     cfgs = [(mm.MMA_TEMPLATE, c) for c in x3 if vec or c in mm.SCALAR_OK] + \
         [(mm.SIMT_TEMPLATE, c) for c in simt]
     jobs = [(t, mm.linear_params(t, dtype, c, vec, "bias_gelu")) for t, c in cfgs]
@@ -274,6 +274,11 @@ def linear_sweep(args: Any) -> None:
             ref)
     mm.linear(m, cx, cw, cb, "bias_gelu", out=cy)   # autotunes, outside the timing
     hit = mm._cache(m).get(("linear", p, dtype, None, 0, vec, "bias_gelu"))
+    mm.linear(m, cx, cw, cb, "bias_gelu", "ieee", out=cy)
+    hit_ieee = mm._cache(m).get(("linear", p, dtype, "ieee", 0, vec, "bias_gelu"))
+    res["public_ieee_chosen"] = hit_ieee and cfg_name(hit_ieee[1])
+    check_and_time(f"public linear ieee (out=) [{res['public_ieee_chosen']}]",
+                   lambda: mm.linear(m, cx, cw, cb, "bias_gelu", "ieee", out=cy), {}, ref)
     res["public_chosen"] = hit and cfg_name(hit[1])
     check_and_time(f"public linear (out=) [{res['public_chosen']}]", lambda: mm.linear(
         m, cx, cw, cb, "bias_gelu", out=cy), {}, ref)
