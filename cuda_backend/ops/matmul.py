@@ -553,8 +553,9 @@ def linear(m: Any, x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor]
            out: Optional[CudaTensor] = None) -> CudaTensor:
     """epilogue(x @ weightᵀ + bias) in one kernel launch: x (M, K), weight (N, K) row-major
     (a PyTorch Linear weight, read as it is), bias (N,) or None; epilogue 'bias' or
-    'bias_gelu' (GELU, tanh form, applied in the accumulator type). float32 is true FP32
-    unless precision='tf32'. Fallback: float64 NumPy, rounded to the dtype."""
+    'bias_gelu' (GELU, tanh form, applied in the accumulator type). float32 is
+    float32-accurate (3xTF32 or CUDA cores, LINEAR_F32); 'ieee': CUDA cores only; 'tf32':
+    TF32. Fallback: float64 NumPy, rounded to the dtype."""
     for t, name in ((x, "x"), (weight, "weight")):
         common.check_tensor(t, name)
     if bias is not None:
