@@ -962,7 +962,8 @@ def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8,
     subprocesses); returns how many were compiled. Later calls find them memoized."""
     names = {d.name_str for d in dtypes}
     dev = m.backend.current_device if device_id is None else device_id
-    hopper = m.gpu and has_wgmma(m.backend.get_device_info(dev))
+    info = getattr(m.backend, "get_device_info", None)   # (absent on stand-in backends)
+    hopper = bool(m.gpu and info is not None and has_wgmma(info(dev)))
     jobs = [(t, params) for t, sets in template_variants().items() for params in sets
             if params["dtype"] in names and (hopper or t != WGMMA_TEMPLATE)]
     return common.compile_all(m, jobs, device_id, workers, _kernel)
