@@ -42,3 +42,28 @@ def pycuda_version() -> Optional[str]:
         return pycuda.VERSION_TEXT
     except Exception:
         return None
+
+
+def stream_wait_stream(waiter: int, producer: int) -> None:
+    """Make work issued to stream handle `waiter` after this call wait for the work already
+    queued on stream handle `producer` (1: legacy default, 2: per-thread default), through
+    an event. Driver calls PyCUDA does not wrap for foreign handles; the caller makes the
+    right context current."""
+    import ctypes
+    lib = ctypes.CDLL("libcuda.so.1")
+    ev = ctypes.c_void_p()
+    disable_timing = 2
+    res = lib.cuEventCreate(ctypes.byref(ev), ctypes.c_uint(disable_timing))
+    if res == 0:
+        try:
+            res = lib.cuEventRecord(ev, ctypes.c_void_p(producer))
+            if res == 0:
+                res = lib.cuStreamWaitEvent(ctypes.c_void_p(waiter), ev, ctypes.c_uint(0))
+        finally:
+            lib.cuEventDestroy_v2(ev)
+    if res != 0:
+        from .errors import TransferError
+        raise TransferError(
+            f"cannot order stream 0x{waiter:x} after the exporter's stream 0x{producer:x} "
+            f"(CUDA driver error {res}): the stream handle in __cuda_array_interface__ is "
+            f"not a live stream of this device's context")

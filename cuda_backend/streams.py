@@ -19,6 +19,17 @@ def current_stream(device_id: int) -> Optional["Stream"]:
     return None
 
 
+def current_pycuda_stream(device_id: int) -> Any:
+    """The PyCUDA stream of current_stream(device_id), None for the legacy default stream."""
+    stack = _local.__dict__.get("stack")   # (a missing thread-local attribute costs ~1 us)
+    if not stack:
+        return None
+    for s in reversed(stack):
+        if s.device_id == device_id:
+            return s.pycuda_stream
+    return None
+
+
 class Event:
     """A CUDA event on one device: record on a stream, wait on it from another, time between."""
 

@@ -32,6 +32,7 @@ import numpy as np
 from ..dtypes import CudaDataType, to_bfloat16_bits
 from ..errors import InvalidArgumentError, ShapeMismatchError, DTypeMismatchError
 from ..kernels import accumulator_type
+from ..streams import current_pycuda_stream
 from ..tensor import CudaTensor
 from . import common
 
@@ -193,21 +194,34 @@ def axis_config(outer: int, R: int, inner: int, itemsize: int, aligned: bool,
             "rows_per_split": rows_per_split, "vec_on": vec_on, "width": bx * w}
 
 
-# -- per-device ticket counters --------------------------------------------------------------
-_counters: "weakref.WeakKeyDictionary[Any, Dict[int, CudaTensor]]" = weakref.WeakKeyDictionary()
+# -- per-stream ticket counters --------------------------------------------------------------
+_counters: "weakref.WeakKeyDictionary[Any, Dict[tuple, CudaTensor]]" = weakref.WeakKeyDictionary()
 _counters_lock = threading.Lock()
+MAX_COUNTER_STREAMS = 64   # counter blocks kept per backend; the oldest goes beyond that
 
 
-def _ticket_counters(m: Any, dev: int) -> CudaTensor:
-    """MAX_SPLIT_GROUPS zeroed uint32 counters, made once per device and kept: every split
-    launch leaves the counters it used at 0 again, so they never need clearing."""
+def _ticket_counters(m: Any, dev: int, stream: Any) -> CudaTensor:
+    """MAX_SPLIT_GROUPS zeroed uint32 counters for split launches on one device and stream,
+    made once and kept: every split launch leaves the counters it used at 0 again, so
+    launches in one stream's order never need them cleared. Two streams get two sets (one set
+    shared by concurrent launches gave wrong sums: tests/test_stream_order.py). The key holds
+    the PyCUDA stream itself, so its handle cannot be reused while its counters exist."""
+    key = (dev, stream)
     with _counters_lock:
-        per = _counters.setdefault(m.backend, {})
-        t = per.get(dev)
+        per = _counters.get(m.backend)
+        if per is None:
+            per = _counters[m.backend] = {}
+        t = per.get(key)
         if t is None or t.is_freed:
+            if len(per) >= MAX_COUNTER_STREAMS:
+                per.pop(next(iter(per))).free()   # stream-ordered: see memory.py
             t = m.backend.empty((MAX_SPLIT_GROUPS,), CudaDataType.INT32, dev)
-            m.backend.copy_to_device(np.zeros(MAX_SPLIT_GROUPS, np.int32), t)
-            per[dev] = t
+            zeros = np.zeros(MAX_SPLIT_GROUPS, np.int32)
+            if stream is None:
+                m.backend.copy_to_device(zeros, t)
+            else:
+                m.backend.copy_to_device(zeros, t, stream=stream)
+            per[key] = t
         return t
 
 
@@ -331,11 +345,11 @@ def _launch_pass(m: Any, dev: int, op: str, x: CudaTensor, out: CudaTensor, oute
     try:
         m.backend.launch_kernel(
             p.name, p.grid, x, out, 0 if part is None else part,
-            0 if part is None else _ticket_counters(m, dev), *p.args, divisor,
-            block_size=p.block, device_id=dev)
+            0 if part is None else _ticket_counters(m, dev, current_pycuda_stream(dev)),
+            *p.args, divisor, block_size=p.block, device_id=dev)
     finally:
         if part is not None:
-            part.free()  # stream-ordered: the next user of the block runs after this kernel
+            part.free()  # stream-ordered (memory.py): reused only after this kernel
 
 
 def _plan_pass(m: Any, dev: int, op: str, dtype: CudaDataType, outer: int, R: int, inner: int,
