@@ -6,6 +6,11 @@ or launch scores infinity and loses instead of crashing. Set `CUDA_BACKEND_AUTOT
 skip timing and take the first candidate; `CUDA_BACKEND_AUTOTUNE_PATH` moves the file;
 `CUDA_BACKEND_AUTOTUNE_REPEATS=n` caps the timed runs per candidate (perf/sanitize.sh sets 1:
 under compute-sanitizer every candidate still runs, at a fraction of the instrumented time).
+
+The file picks the kernels that run, so it is read and written only when this user owns it
+and its folder and nobody else can write to them (else the choices stay in memory, with a
+warning); a file that is not a version-1 JSON object is ignored, with a warning, and
+replaced at the next save.
 """
 from __future__ import annotations
 
@@ -14,8 +19,10 @@ import logging
 import math
 import os
 import threading
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from .compiler import check_cache_dir, check_cache_file, warn_untrusted
 from .errors import CudaBackendError
 from .profiling import write_json_atomic
 
@@ -64,21 +71,54 @@ class Autotuner:
         # repeated call skips the JSON key and digest (~50-100 µs of Python)
         self._memo: Dict[Any, Dict[str, Any]] = {}
         self._loaded = False
+        self._trust: Optional[bool] = None
         self.enabled = os.environ.get("CUDA_BACKEND_AUTOTUNE", "1") not in ("0", "")
         cap = os.environ.get("CUDA_BACKEND_AUTOTUNE_REPEATS", "")
         self.max_repeats = max(1, int(cap)) if cap.strip().isdigit() else None
+
+    def _trusted(self) -> bool:
+        """Whether the file may be read and written (see the module docstring); warns once
+        when not."""
+        if self._trust is None:
+            folder = os.path.dirname(os.path.abspath(self.path))
+            reason = check_cache_dir(folder)
+            if reason is None:
+                reason = check_cache_file(self.path)
+            if reason is not None:
+                warn_untrusted(self.path, reason, "autotuning choices (keeping them in memory)")
+            self._trust = reason is None
+        return self._trust
 
     def _load(self) -> None:
         if self._loaded:
             return
         self._loaded = True
+        if not self._trusted():
+            return
         try:
             with open(self.path) as f:
                 doc = json.load(f)
-            if doc.get("version") == 1:
-                self._choices.update(doc.get("choices", {}))
-        except (OSError, ValueError):
-            pass
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            doc = exc
+        if isinstance(doc, Exception):
+            problem = f"it cannot be read as JSON: {doc}"
+        elif not isinstance(doc, dict):
+            problem = f"its JSON is {type(doc).__name__} {json.dumps(doc)[:40]}"
+        elif doc.get("version") != 1 or not isinstance(doc.get("choices"), dict):
+            problem = (f"its version is {doc.get('version')!r} and its choices a "
+                       f"{type(doc.get('choices')).__name__}")
+        else:
+            problem = None
+        if problem is not None:
+            warnings.warn(f"cuda_backend: ignoring the autotune file {self.path!r}: {problem}, "
+                          f"expected an object with version 1 and a choices object; it is "
+                          f"replaced at the next save", RuntimeWarning, stacklevel=4)
+            return
+        choices = doc["choices"]
+        self._choices.update({k: v for k, v in choices.items()
+                              if isinstance(v, dict) and isinstance(v.get("config"), dict)})
 
     def _key(self, op: str, shape_class: Any, device_id: int) -> str:
         name = self.backend.devices[device_id].name
@@ -159,6 +199,8 @@ class Autotuner:
         return out
 
     def _save(self) -> None:
+        if not self._trusted():
+            return
         doc = {"version": 1, "choices": self._choices}
         try:
             write_json_atomic(self.path, doc)

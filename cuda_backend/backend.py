@@ -26,7 +26,7 @@ from .driver import load_driver, pycuda_version
 from .dtypes import CudaDataType
 from .errors import (CudaNotAvailableError, DTypeMismatchError, InvalidDeviceError,
                      InvalidPointerError, TransferError, driver_failure)
-from .memory import HostBinnedPool, MemoryPool, PinnedHostPool
+from .memory import DriverEvents, HostBinnedPool, MemoryPool, PinnedHostPool, record_stream
 from .profiling import Profiler, write_json_atomic
 from .tensor import CudaTensor, normalize_shape, pool_tensor
 from .transfers import host_contiguous
@@ -73,11 +73,13 @@ class CudaBackend:
 
         def make_pool(dev: int) -> MemoryPool:
             # A DeviceMemoryPool binds to the context current when it is made.
+            def activate() -> Any:
+                return contexts.activate(dev)
             with contexts.activate(dev):
                 return MemoryPool(dev, pycuda.tools.DeviceMemoryPool(),
                                   device_total=self.devices[dev].memory_total,
-                                  activate=lambda: contexts.activate(dev),
-                                  oom_errors=(drv.MemoryError,))
+                                  activate=activate, oom_errors=(drv.MemoryError,),
+                                  events=DriverEvents(drv, activate))
         self.memory_pools: Dict[int, MemoryPool] = _LazyPools(make_pool, contexts.validate)
         with contexts.activate(contexts.current_device()):
             self._pinned = PinnedHostPool(drv)
@@ -184,6 +186,18 @@ class CudaBackend:
             return None if default is None else default.pycuda_stream
         return getattr(stream, "pycuda_stream", stream)
 
+    def wait_for_foreign_stream(self, handle: int, device_id: int) -> None:
+        """Order this thread's current stream on device_id after the work queued on another
+        library's stream `handle` (a __cuda_array_interface__ v3 `stream`: 1 is the legacy
+        default stream, 2 the per-thread one)."""
+        from .driver import stream_wait_stream
+        from .streams import current_pycuda_stream
+        current = current_pycuda_stream(device_id)
+        if handle == 1 and current is None:
+            return      # the same stream: already in order
+        with self._contexts.activate(device_id):
+            stream_wait_stream(0 if current is None else int(current.handle), handle)
+
     def _require_gpu(self, what: str) -> None:
         if not self.is_available:
             raise CudaNotAvailableError(
@@ -226,16 +240,30 @@ class CudaBackend:
         """empty() for a shape tuple, dtype and device that are already valid (the ops'
         per-call fast paths take them from live operands)."""
         pool = self.memory_pools[dev]
-        if self.is_available:
-            size = _prod(shape)
-            nbytes = size * _ITEMSIZE[dtype._name_]
-            if nbytes:
-                return pool_tensor(shape, dtype, dev, pool.allocate(nbytes), pool, size, nbytes)
+        size = _prod(shape)
+        nbytes = size * _ITEMSIZE[dtype._name_]
+        if nbytes > 1 << 30:  # refuse what cannot fit before the pool empties its cache
+            from .errors import CudaOutOfMemoryError, InvalidArgumentError
+            if nbytes >= 1 << 63:
+                raise InvalidArgumentError(
+                    f"a {dtype.name_str} tensor of shape {shape} needs {nbytes} bytes, over "
+                    f"the largest size a tensor can have (2**63 - 1 bytes)")
+            total = self.devices[dev].memory_total
+            if total and nbytes > total:
+                raise CudaOutOfMemoryError(
+                    nbytes, dev, pool.used_bytes(), pool.free_bytes(), pool.get_limit() or None,
+                    reason=f"a {dtype.name_str} tensor of shape {shape} is larger than the "
+                           f"device's total memory of {total} bytes")
+        if self.is_available and nbytes:
+            return pool_tensor(shape, dtype, dev, pool.allocate(nbytes), pool, size, nbytes)
         t = CudaTensor(shape, dtype, dev, 0)
         t.on_host = not self.is_available
         if t.nbytes == 0:
             if not self.is_available:
-                t._host = np.empty(shape, dtype.numpy_dtype)
+                try:
+                    t._host = np.empty(shape, dtype.numpy_dtype)
+                except ValueError:  # NumPy caps the product of the other dims even when empty
+                    t._host = np.empty((0,) * len(shape), dtype.numpy_dtype)
             return t
         block = pool.allocate(t.nbytes)
         t._block, t._pool, t._ptr = block, pool, int(block)
@@ -309,22 +337,29 @@ class CudaBackend:
             _host_copy(host_array, ptr, capacity, to_host=False)
             return
         stream = self._resolve_stream(stream, dev)
+        if tensor is not None:
+            record_stream(tensor, stream)
         with self._contexts.activate(dev):
             self._drv.memcpy_htod_async(ptr, host_array, stream)
-        if tensor is not None:
-            tensor.stream = stream
 
     def copy_from_device_async(self, device_ptr: Any, host_array: np.ndarray, stream: Any,
                                device_id: Optional[int] = None) -> None:
         """Queue a copy into page-locked host memory on a stream and return at once;
         synchronize the stream before reading host_array."""
-        ptr, dev, capacity, _ = self._check_async(host_array, device_ptr, device_id,
-                                                  "copy_from_device_async")
+        if isinstance(host_array, np.ndarray) and not host_array.flags.writeable:
+            raise TransferError(
+                "copy_from_device_async needs a writeable host array (this one is read-only: "
+                "a view of immutable memory such as bytes or a read-only mmap)")
+        ptr, dev, capacity, tensor = self._check_async(host_array, device_ptr, device_id,
+                                                       "copy_from_device_async")
         if not self.is_available:
             _host_copy(host_array, ptr, capacity, to_host=True)
             return
+        stream = self._resolve_stream(stream, dev)
+        if tensor is not None:
+            record_stream(tensor, stream)
         with self._contexts.activate(dev):
-            self._drv.memcpy_dtoh_async(host_array, ptr, self._resolve_stream(stream, dev))
+            self._drv.memcpy_dtoh_async(host_array, ptr, stream)
 
     def _check_async(self, host: Any, target: Any, device_id: Optional[int], what: str) -> tuple:
         from .transfers import is_pinned
@@ -351,6 +386,10 @@ class CudaBackend:
             if dcap is None or scap is None:
                 raise TransferError("nbytes is required when copying between raw pointers")
             nbytes = min(dcap, scap)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+            raise TransferError(
+                f"nbytes must be a non-negative int number of bytes, got {nbytes!r}")
+        nbytes = int(nbytes)
         for cap, what in ((dcap, "destination"), (scap, "source")):
             if cap is not None and nbytes > cap:
                 raise TransferError(f"{nbytes} bytes do not fit the {what} of {cap} bytes")

@@ -1,16 +1,30 @@
-"""Compiles CUDA C through PyCUDA's `SourceModule` and caches the result.
+"""Compiles CUDA C with PyCUDA's `compile` (nvcc to a cubin), loads it with
+`module_from_buffer`, and caches the result.
 
 Two caches: in memory per (device, source hash, options, arch), so a repeat compile in the
-process never reaches nvcc; on disk through SourceModule's own cache (folder from
-`CUDA_BACKEND_CACHE_DIR`, else PyCUDA's default). Kernels must be declared `extern "C"`:
-sources are compiled with `no_extern_c=True` so they may include C++ headers.
+process never reaches nvcc; on disk, our own: `<sha256>.cubin` files keyed by the source,
+options, arch/code, nvcc's version and PyCUDA's, in `CUDA_BACKEND_CACHE_DIR`, else
+`${XDG_CACHE_HOME:-~/.cache}/cuda_backend/kernels` (PyCUDA's own cache is not used). A cubin
+found there is loaded and run as is, so the folder is used only when this user owns it and
+nobody else can write to it (`check_cache_dir`), and each file only when the same holds for
+it (`check_cache_file`); otherwise kernels are compiled without it, with a warning. Entries
+are written to a temporary file in the folder and renamed into place (`os.replace`), so a
+reader sees a whole cubin or none; one that fails to load anyway is recompiled and
+rewritten. Headers are not hashed: only those of the toolkit (covered by nvcc's version)
+are expected. Kernels must be declared `extern "C"`: sources are compiled with
+`no_extern_c=True` so they may include C++ headers.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
 import os
 import re
+import stat
+import tempfile
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -32,6 +46,52 @@ _SCALAR_FORMATS = {
 _LAUNCH_BOUNDS = r"(?:__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)\s*)?"
 _QUALIFIERS = {"const", "volatile", "__restrict__", "__restrict", "restrict",
                "__grid_constant__", "struct"}
+
+
+def check_cache_dir(path: str) -> Optional[str]:
+    """Why the folder `path` must not be trusted with cached code or settings, or None when it
+    can be: this user owns it and neither group nor others may write to it. A missing folder
+    is created with mode 0700."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
+    except OSError as exc:
+        return f"it cannot be created or read ({exc.strerror or exc})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a folder"
+    return _not_private(st)
+
+
+def check_cache_file(path: str) -> Optional[str]:
+    """check_cache_dir for a file in a trusted folder: None when it does not exist."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"it cannot be read ({exc.strerror or exc})"
+    return _not_private(st)
+
+
+def _not_private(st: os.stat_result) -> Optional[str]:
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (f"other users can write to it (mode {stat.S_IMODE(st.st_mode):#o}); "
+                f"make it private with chmod go-w")
+    return None
+
+
+_warned_paths: set = set()
+
+
+def warn_untrusted(path: str, reason: str, what: str) -> None:
+    """Warn, once per process per path, that `what` does not use `path`, and why."""
+    if path in _warned_paths:
+        return
+    _warned_paths.add(path)
+    warnings.warn(f"cuda_backend: not using {path!r} for {what}: {reason}", RuntimeWarning,
+                  stacklevel=3)
 
 
 def source_hash(source: str) -> str:
@@ -136,15 +196,83 @@ class KernelCompiler:
         self._modules: Dict[tuple, Any] = {}
         self._by_name: Dict[Tuple[int, str], CudaKernel] = {}
         self._recipes: Dict[str, tuple] = {}  # name -> (source, options, arch, arg_types)
-        self.compile_count = 0
-        self.cache_hits = 0
+        self.compile_count = 0   # modules built by nvcc
+        self.cache_hits = 0      # compiles answered from memory
+        self.disk_hits = 0       # modules loaded from the disk cache (nvcc not run)
 
     @staticmethod
-    def cache_dir() -> Optional[str]:
-        path = os.environ.get("CUDA_BACKEND_CACHE_DIR")
-        if path:
-            os.makedirs(path, exist_ok=True)
-        return path or None
+    def default_cache_dir() -> str:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                ".cache")
+        return os.path.join(base, "cuda_backend", "kernels")
+
+    @classmethod
+    def cache_dir(cls) -> Optional[str]:
+        """The disk cache's folder: CUDA_BACKEND_CACHE_DIR, else the per-user default, when
+        it passes `check_cache_dir`; None (no disk cache, with one warning) when not."""
+        path = os.environ.get("CUDA_BACKEND_CACHE_DIR") or cls.default_cache_dir()
+        reason = check_cache_dir(path)
+        if reason is not None:
+            warn_untrusted(path, reason, "the compiled-kernel cache (compiling without it)")
+            return None
+        return path
+
+    @staticmethod
+    def cache_key(source: str, options: Sequence[str], arch: str, code: Optional[str],
+                  nvcc_version: str, pycuda_version: str) -> str:
+        h = hashlib.sha256()
+        for part in (source, "\0".join(options), arch, code or "", nvcc_version,
+                     pycuda_version):
+            data = part.encode("utf-8")
+            h.update(len(data).to_bytes(8, "little") + data)   # unambiguous boundaries
+        return h.hexdigest()
+
+    def _cache_path(self, pycuda_compiler: Any, source: str, options: Tuple[str, ...],
+                    arch: str, code: Optional[str]) -> Optional[str]:
+        """Where this module's cubin lives in the disk cache, or None without one."""
+        if getattr(self._drv, "CUDA_DEBUGGING", False):
+            return None          # PyCUDA adds -g -G and keeps its files: not cached
+        try:
+            nvcc_version = pycuda_compiler.get_nvcc_version("nvcc")
+            pycuda_version = importlib.import_module("pycuda").VERSION_TEXT
+        except Exception:        # no nvcc: compiling will say so
+            return None
+        folder = self.cache_dir()
+        if folder is None:
+            return None
+        key = self.cache_key(source, options, arch, code, nvcc_version, pycuda_version)
+        return os.path.join(folder, key + ".cubin")
+
+    @staticmethod
+    def _read_cached(path: str) -> Optional[bytes]:
+        """The cubin at path, or None when there is none or it may not be trusted (then
+        with one warning)."""
+        reason = check_cache_file(path)
+        if reason is not None:
+            warn_untrusted(path, reason, "the compiled-kernel cache (recompiling)")
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read() or None
+        except OSError:
+            return None
+
+    @staticmethod
+    def _write_cached(path: str, cubin: bytes) -> None:
+        """Write cubin to a temporary file (mode 0600) in path's folder and rename it to
+        path: a reader sees the old file or the whole new one. Failures are not fatal."""
+        folder, name = os.path.split(path)
+        try:
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + name + ".", suffix=".tmp")
+        except OSError:
+            return
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(cubin)
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
     def default_arch(self, device_id: int) -> str:
         return self._devices[device_id].arch
@@ -203,32 +331,36 @@ class KernelCompiler:
 
     def _build(self, kernel_name: str, source: str, options: Tuple[str, ...], device_id: int,
                arch: str) -> Any:
-        from pycuda.compiler import SourceModule
+        pycuda_compiler = importlib.import_module("pycuda.compiler")
         code = None
         nvcc_arch = arch
         if arch.endswith("a") and arch.startswith("sm_"):
             # `-arch sm_90a` alone also runs a plain sm_90 pass that rejects wgmma.
             nvcc_arch, code = "compute_" + arch[3:], arch
+        path = self._cache_path(pycuda_compiler, source, options, nvcc_arch, code)
+        load_errors = (self._drv.LogicError, getattr(self._drv, "Error", self._drv.LogicError))
         with self._contexts.activate(device_id):
-            try:
+            cubin = self._read_cached(path) if path else None
+            if cubin is not None:
                 try:
-                    module = SourceModule(source, options=list(options), arch=nvcc_arch,
-                                          code=code, no_extern_c=True,
-                                          cache_dir=self.cache_dir())
-                except self._drv.LogicError as exc:
-                    # PyCUDA writes its disk cache in place: a process that reads a file
-                    # another process is still writing gets a truncated image. Compile
-                    # afresh without the cache rather than fail.
-                    if "image" not in str(exc) or not self.cache_dir():
-                        raise
-                    module = SourceModule(source, options=list(options), arch=nvcc_arch,
-                                          code=code, no_extern_c=True, cache_dir=False)
+                    module = self._drv.module_from_buffer(cubin)
+                except load_errors:
+                    pass         # a corrupt entry: compiled again and rewritten below
+                else:
+                    self.disk_hits += 1
+                    return module
+            try:
+                cubin = pycuda_compiler.compile(source, options=list(options), arch=nvcc_arch,
+                                                code=code, no_extern_c=True, cache_dir=False)
             except self._drv.CompileError as exc:
                 log = "\n".join(x for x in (getattr(exc, "stdout", ""), getattr(exc, "stderr", ""))
                                 if x) or str(exc)
                 raise KernelCompilationError(kernel_name, log, source,
                                              getattr(exc, "command_line", None)) from None
+            module = self._drv.module_from_buffer(cubin)
         self.compile_count += 1
+        if path:
+            self._write_cached(path, cubin)
         return module
 
     def get(self, kernel_name: str, device_id: int) -> CudaKernel:

@@ -85,7 +85,7 @@ class CudaMath:
 
     def from_cuda_array(self, obj: Any) -> CudaTensor:
         """Wrap a CuPy/PyTorch/Numba device array without copying."""
-        return CudaTensor.from_cuda_array(obj)
+        return CudaTensor.from_cuda_array(obj, backend=self.backend)
 
     def to_device(self, tensor: CudaTensor, device_id: int) -> CudaTensor:
         """A copy of tensor on device_id (peer-to-peer when the devices allow)."""

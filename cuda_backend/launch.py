@@ -7,12 +7,14 @@ from typing import Any, Optional, Sequence, Tuple
 import numpy as np
 
 from .compiler import CudaKernel
+from .memory import record_stream
 from . import streams as _streams
 from .tensor import CudaTensor
 from .errors import LaunchConfigurationError, driver_failure
 
 _FLOAT_CODES = frozenset("fd")
 _INT_CODES = frozenset("iIqQhHbB?")
+VALIDATED_MAX = 1024  # launch configurations remembered per kernel as already checked
 
 
 def normalize_dims(dims: Any, what: str) -> Tuple[int, int, int]:
@@ -98,6 +100,11 @@ class Launcher:
             raise LaunchConfigurationError(
                 f"kernel '{kernel_name}' takes {len(fmt)} arguments (format '{fmt}'), "
                 f"got {len(args)}")
+        if stream is None:
+            if _streams._local.__dict__.get("stack"):
+                stream = _streams.current_pycuda_stream(device_id)
+        elif not isinstance(stream, self._drv.Stream):
+            stream = getattr(stream, "pycuda_stream", stream)
         values = []
         for i, a in enumerate(args):
             t = type(a)
@@ -106,6 +113,8 @@ class Launcher:
             elif t is CudaTensor:
                 p = a._ptr
                 values.append(p if p is not None else a.ptr)
+                if a.stream is not stream:
+                    record_stream(a, stream)   # stream order of its pool block (memory.py)
             elif t is float and fmt[i] in _FLOAT_CODES:
                 values.append(a)
             else:
@@ -114,12 +123,6 @@ class Launcher:
             buf = self._pack(fmt, *values)
         except Exception as exc:
             raise _pack_error(kernel, args, exc) from None
-        if stream is None:
-            if _streams._local.__dict__.get("stack"):
-                default = _streams.current_stream(device_id)
-                stream = None if default is None else default.pycuda_stream
-        elif not isinstance(stream, self._drv.Stream):
-            stream = getattr(stream, "pycuda_stream", stream)
         if self.profiler is None:
             if top == device_id:
                 try:
@@ -170,8 +173,11 @@ class Launcher:
                     self._drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, int(shared_mem))
             kernel.max_dynamic_shared_bytes = int(shared_mem)
         dims = (grid, block)
+        validated = kernel.validated
+        if len(validated) >= VALIDATED_MAX:  # one entry per grid: per problem size
+            validated.clear()
         try:
-            kernel.validated[(grid_size, block_size, shared_mem)] = dims
+            validated[(grid_size, block_size, shared_mem)] = dims
         except TypeError:
             pass
         return dims

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Type
 import numpy as np
 
 from .errors import CudaOutOfMemoryError, InvalidArgumentError, InvalidPointerError
-from .streams import current_pycuda_stream
+from .streams import current_pycuda_stream, local_state as _stream_local
 
 
 def _round_to_bin(size: int) -> int:
@@ -319,7 +319,8 @@ class MemoryPool:
         call counts as a miss), and active_bytes keeps the peak. The allocation count is
         hits + misses."""
         if stream is _CURRENT:
-            stream = current_pycuda_stream(self.device_id)
+            stream = current_pycuda_stream(self.device_id) if _stream_local.__dict__.get(
+                "stack") else None
         pool = self._pool
         with self._lock:
             if self._returned or self._deferred_blocks:
@@ -336,24 +337,33 @@ class MemoryPool:
                 block = pool.allocate(nbytes)
             except self._oom_errors:
                 block = None
+            if block is not None:
+                self._count(nbytes)
+                if stream is None:
+                    return block
         if block is None:       # outside the lock: collecting garbage runs finalizers
             block = self._retry_after_oom(nbytes)
             if block is None:
                 raise self._oom_error(nbytes)
-        with self._lock:
-            managed = pool.managed_bytes
-            if managed == self._managed:
-                self._hits += 1
-            else:
-                self._misses += 1
-                self._managed = managed
-            self._total_requested += nbytes
-            active = pool.active_bytes
-            if active > self._peak:
-                self._peak = active
-        if stream is None:
-            return block
+            with self._lock:
+                self._count(nbytes)
+            if stream is None:
+                return block
         return StreamBlock(self, block, stream, self._alloc_size(nbytes))
+
+    def _count(self, nbytes: int) -> None:
+        """(Lock held.) Hit or miss, requested bytes and the peak of one allocation."""
+        pool = self._pool
+        managed = pool.managed_bytes
+        if managed == self._managed:
+            self._hits += 1
+        else:
+            self._misses += 1
+            self._managed = managed
+        self._total_requested += nbytes
+        active = pool.active_bytes
+        if active > self._peak:
+            self._peak = active
 
     def _free_held(self) -> None:
         """The pool's free_held(), then the managed bytes a hit leaves unchanged."""

@@ -8,9 +8,10 @@ import numpy as np
 
 from .dtypes import CudaDataType
 from .errors import DTypeMismatchError, InvalidArgumentError, TensorFreedError
+from .memory import StreamBlock
 
 
-_SHAPES: dict = {}  # tuples already checked (a small cache keeps the allocation path short)
+_SHAPES: dict = {}  # tuples of ints already checked (keeps the allocation path short)
 
 
 def normalize_shape(shape: Any) -> Tuple[int, ...]:
@@ -18,7 +19,12 @@ def normalize_shape(shape: Any) -> Tuple[int, ...]:
     if type(shape) is tuple:
         hit = _SHAPES.get(shape)
         if hit is not None:
-            return hit
+            # (2.0, 3) and (True, 3) are equal to (2, 3) and (1, 3) as dict keys
+            for s in shape:
+                if type(s) is not int:
+                    break
+            else:
+                return hit
     key = shape if type(shape) is tuple else None
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         shape = (int(shape),)
@@ -61,7 +67,7 @@ class CudaTensor:
         self._owner = owner
         self._host = host
         self.on_host = host is not None  # fallback mode: the data lives in host memory
-        self.stream = None  # the stream that last wrote it; None means the legacy default stream
+        self.stream = None  # the stream it was last used on; None: the legacy default stream
         self.size = size = math.prod(self.shape)
         self.nbytes = size * dtype.itemsize
 
@@ -131,6 +137,8 @@ class CudaTensor:
     # -- interop ------------------------------------------------------------------
     @property
     def __cuda_array_interface__(self) -> dict:
+        """Version 3, with the stream our work on this tensor was last issued to (1: the
+        legacy default stream): a consumer orders its reads after that stream."""
         if self.on_host:
             raise InvalidArgumentError(
                 "fallback-mode tensors live in host memory and have no "
@@ -147,15 +155,27 @@ class CudaTensor:
         }
 
     @classmethod
-    def from_cuda_array(cls, obj: Any, device_id: Optional[int] = None) -> "CudaTensor":
+    def from_cuda_array(cls, obj: Any, device_id: Optional[int] = None,
+                        backend: Any = None) -> "CudaTensor":
         """Wrap any object exporting `__cuda_array_interface__` without copying.
 
-        The tensor keeps `obj` alive; `free()` drops that reference and frees nothing.
+        The tensor keeps `obj` alive; `free()` drops that reference and frees nothing. When
+        the exporter names a stream, work issued after this call (on this thread's current
+        stream) waits for the work already queued there, as the interface's version 3 asks.
         """
         cai = getattr(obj, "__cuda_array_interface__", None)
         if cai is None:
             raise InvalidArgumentError(
                 f"{type(obj).__name__} does not export __cuda_array_interface__")
+        if backend is None:
+            from .backend import get_cuda_backend
+            backend = get_cuda_backend()
+        if not backend.is_available:
+            from .errors import CudaNotAvailableError
+            raise CudaNotAvailableError(
+                f"from_cuda_array cannot wrap the device memory of a {type(obj).__name__} in "
+                f"fallback mode ({backend.fallback_reason}): tensors there live in host "
+                f"memory; copy it to the host and use from_numpy")
         shape = tuple(int(s) for s in cai["shape"])
         dtype = CudaDataType.from_typestr(cai["typestr"])
         strides = cai.get("strides")
@@ -176,40 +196,78 @@ class CudaTensor:
             device_id = pointer_device(ptr)
         t = cls(shape, dtype, device_id, ptr, owner=obj)
         stream = cai.get("stream")
-        if stream not in (None, 1, 2):
-            t.stream = stream
+        if stream is not None:
+            if isinstance(stream, bool) or not isinstance(stream, int) or stream == 0:
+                raise InvalidArgumentError(
+                    f"__cuda_array_interface__ stream must be None or a nonzero int stream "
+                    f"handle (1: legacy default, 2: per-thread default), got {stream!r}")
+            backend.wait_for_foreign_stream(stream, device_id)
         return t
 
     # -- operators (CudaMath) -----------------------------------------------------
+    # Makes NumPy return NotImplemented from `ndarray + tensor`, so that Python calls
+    # __radd__, instead of NumPy treating the tensor as an object and making an object array.
+    __array_ufunc__ = None
+
     def __add__(self, other: Any) -> "CudaTensor":
+        if isinstance(other, np.ndarray):
+            other = _host_operand(other, "+")
         return _math().add(self, other)
 
     def __radd__(self, other: Any) -> "CudaTensor":
+        if isinstance(other, np.ndarray):
+            other = _host_operand(other, "+")
         return _math().add(other, self)
 
     def __sub__(self, other: Any) -> "CudaTensor":
+        if isinstance(other, np.ndarray):
+            other = _host_operand(other, "-")
         return _math().subtract(self, other)
 
     def __rsub__(self, other: Any) -> "CudaTensor":
+        if isinstance(other, np.ndarray):
+            other = _host_operand(other, "-")
         return _math().subtract(other, self)
 
     def __mul__(self, other: Any) -> "CudaTensor":
+        if isinstance(other, np.ndarray):
+            other = _host_operand(other, "*")
         return _math().multiply(self, other)
 
     def __rmul__(self, other: Any) -> "CudaTensor":
+        if isinstance(other, np.ndarray):
+            other = _host_operand(other, "*")
         return _math().multiply(other, self)
 
     def __truediv__(self, other: Any) -> "CudaTensor":
+        if isinstance(other, np.ndarray):
+            other = _host_operand(other, "/")
         return _math().divide(self, other)
 
     def __rtruediv__(self, other: Any) -> "CudaTensor":
+        if isinstance(other, np.ndarray):
+            other = _host_operand(other, "/")
         return _math().divide(other, self)
 
     def __pow__(self, other: Any) -> "CudaTensor":
+        if isinstance(other, np.ndarray):
+            other = _host_operand(other, "**")
         return _math().power(self, other)
 
+    def __rpow__(self, other: Any) -> "CudaTensor":
+        if isinstance(other, np.ndarray):
+            other = _host_operand(other, "**")
+        return _math().power(other, self)
+
     def __matmul__(self, other: Any) -> "CudaTensor":
+        if isinstance(other, np.ndarray):
+            other = _host_operand(other, "@")
         return _math().matrix_multiply(self, other)
+
+    def __rmatmul__(self, other: Any) -> "CudaTensor":
+        if isinstance(other, np.ndarray):
+            other = _host_operand(other, "@")
+        return _math().matrix_multiply(other, self)
 
     def __neg__(self) -> "CudaTensor":
         return _math().negative(self)
@@ -262,10 +320,21 @@ def pool_tensor(shape: Tuple[int, ...], dtype: CudaDataType, device_id: int, blo
     t._owner = None
     t._host = None
     t.on_host = False
-    t.stream = None
+    t.stream = block.stream if type(block) is StreamBlock else None
     t.size = size
     t.nbytes = nbytes
     return t
+
+
+def _host_operand(array: np.ndarray, op: str) -> Any:
+    """A NumPy operand of a tensor operator: a 0-d array is its scalar; any other array
+    raises, since operators never copy host arrays to the device implicitly."""
+    if array.ndim == 0:
+        return array[()]
+    raise DTypeMismatchError(
+        f"unsupported operand for {op}: a NumPy array of shape {array.shape} and a "
+        f"CudaTensor (host arrays are not copied to the device implicitly); convert the "
+        f"array with from_numpy() first")
 
 
 def _math() -> Any:

@@ -217,6 +217,8 @@ def install_fake_pycuda(sm_count: int = 132) -> None:
             return Function()
 
     compiler.SourceModule = SourceModule
+    compiler.compile = lambda source, **kw: b"stub cubin"   # no get_nvcc_version: no disk cache
+    drv.module_from_buffer = lambda cubin: SourceModule("")
     pvt = types.ModuleType("pycuda._pvt_struct")
     pvt.pack = struct.pack
     pycuda.driver, pycuda.tools, pycuda.compiler, pycuda._pvt_struct = drv, tools, compiler, pvt

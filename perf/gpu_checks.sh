@@ -9,7 +9,9 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-/tmp/gpu-checks}"; mkdir -p "$out"
-export PYTHONUNBUFFERED=1 CUDA_BACKEND_CACHE_DIR="${CUDA_BACKEND_CACHE_DIR:-/tmp/cuda-backend-cache}"
+# the kernel cache holds code this process runs: a per-user folder (the backend refuses one
+# that another user owns or can write to)
+export PYTHONUNBUFFERED=1 CUDA_BACKEND_CACHE_DIR="${CUDA_BACKEND_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/cuda_backend/kernels}"
 stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(core tests bench)
 T() { timeout "$@"; }
 for stage in "${stages[@]}"; do

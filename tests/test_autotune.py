@@ -124,3 +124,32 @@ def test_repeat_cap_from_the_environment(tmp_path, monkeypatch):
     tuner, run, calls = make(tmp_path)
     assert tuner.pick("op", "cls", CANDS, run, repeats=10) == {"tile": 64}
     assert len(calls) == 3 * 2
+
+
+# -- a damaged file: ignored with a warning, then replaced ------------------------------------
+@pytest.mark.parametrize("text", ["null", "[]", '"a string"', "42", "{truncated",
+                                  '{"version": 2, "choices": {}}', '{"version": 1, "choices": []}'],
+                         ids=["null", "list", "string", "number", "truncated", "version-2",
+                              "choices-list"])
+def test_a_file_that_is_not_a_version_1_object_is_ignored_and_rewritten(tmp_path, text):
+    (tmp_path / "tune.json").write_text(text)
+    tuner, run, calls = make(tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"ignoring the autotune file .*tune\.json"):
+        assert tuner.pick("op", "cls", CANDS, run) == {"tile": 64}
+    assert len(calls) == 3 * 4                                  # timed, as with no file
+    doc = json.loads((tmp_path / "tune.json").read_text())
+    (entry,) = doc["choices"].values()
+    assert doc["version"] == 1 and entry["config"] == {"tile": 64}
+
+
+def test_malformed_entries_are_dropped(tmp_path):
+    """An entry under the very key of a choice that is not {"config": {...}} is timed again
+    instead of failing in the lookup."""
+    from cuda_backend.autotune import _digest
+    key = f"Fake GPU|op|{json.dumps('cls')}|{_digest(CANDS)}"
+    for bad in ("x", None, {"config": "tile"}, {"ms": 1.0}):
+        (tmp_path / "tune.json").write_text(json.dumps({"version": 1, "choices": {key: bad}}))
+        tuner, run, calls = make(tmp_path)
+        assert tuner.pick("op", "cls", CANDS, run) == {"tile": 64} and len(calls) == 3 * 4
+        assert json.loads((tmp_path / "tune.json").read_text())["choices"][key]["config"] == \
+            {"tile": 64}

@@ -26,8 +26,8 @@ from typing import Any, Callable, Dict, Optional, Tuple, Type, Union
 import numpy as np
 import pytest
 
-from cuda_backend import (CudaBackendError, CudaNotAvailableError, CudaTensor,
-                          DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
+from cuda_backend import (CudaBackendError, CudaNotAvailableError, CudaOutOfMemoryError,
+                          CudaTensor, DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
                           InvalidDeviceError, InvalidPointerError, KernelCompilationError,
                           KernelNotFoundError, LaunchConfigurationError, ShapeMismatchError,
                           TensorFreedError, TransferError)
@@ -101,6 +101,12 @@ def row(id: str, error: Any, match: str, call: Callable[..., Any],
     ROWS.append(Bad(id, error, match, call, setup, marks, isolate))
 
 
+class _DeviceArray:
+    """What CuPy or PyTorch export for a device array: a pointer this process cannot read."""
+    __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0xDEAD0000, False),
+                                "version": 3, "strides": None, "stream": 1}
+
+
 # -- devices ------------------------------------------------------------------------------
 row("device/empty-device-id-out-of-range", InvalidDeviceError, r"invalid device id \d+",
     lambda e: e.b.empty(4, device_id=e.bad_dev))
@@ -156,6 +162,20 @@ row("memory/empty-float-dimension", InvalidArgumentError, r"shape must be an int
     lambda e: e.b.empty((2.7, 3)))
 row("memory/pinned_empty-negative", InvalidArgumentError, r"shape dimensions must be >= 0",
     lambda e: e.b.pinned_empty(-1))
+row("memory/empty-float-dimension-after-the-int-shape", InvalidArgumentError,
+    r"shape must be an int or a tuple of ints, got \(2\.0, 3\)",
+    lambda e, a: e.b.empty((2.0, 3)), setup=lambda e: dict(a=e.b.empty((2, 3))))
+row("memory/zeros-bool-dimension-after-the-int-shape", InvalidArgumentError,
+    r"shape must be an int or a tuple of ints, got \(True, 3\)",
+    lambda e, a: e.m.zeros((True, 3)), setup=lambda e: dict(a=e.m.zeros((1, 3))))
+row("memory/empty-bytes-over-64-bits", InvalidArgumentError,
+    r"float32 tensor of shape \(2147483648, 2147483648\) needs 18446744073709551616 bytes, "
+    r"over the largest size a tensor can have \(2\*\*63 - 1 bytes\)",
+    lambda e: e.b.empty((2 ** 31, 2 ** 31)))
+row("memory/zeros-over-device-memory", CudaOutOfMemoryError,
+    r"tried to allocate .* \(4611686018427387904 bytes\); a float32 tensor of shape "
+    r"\(1099511627776, 1048576\) is larger than the device's total memory of \d+ bytes",
+    lambda e: e.m.zeros((2 ** 40, 2 ** 20)))
 
 # -- dtypes -------------------------------------------------------------------------------
 row("dtype/create_tensor-complex64", DTypeMismatchError, r"unsupported dtype 'complex64'",
@@ -257,6 +277,16 @@ row("operand/exp-numpy-array", InvalidArgumentError, r"x must be a CudaTensor, g
     lambda e: e.m.exp(np.ones(3, np.float32)))
 row("operand/free_tensor-numpy-array", InvalidArgumentError, r"expected a CudaTensor, got ndarray",
     lambda e: e.m.free_tensor(np.ones(3)))
+row("operand/numpy-array-plus-tensor", DTypeMismatchError,
+    r"unsupported operand for \+: a NumPy array of shape \(3,\) and a CudaTensor .*"
+    r"convert the array with from_numpy\(\) first",
+    lambda e, a: np.ones(3, np.float32) + a, setup=lambda e: dict(a=e.t(3)))
+row("operand/tensor-times-numpy-array", DTypeMismatchError,
+    r"unsupported operand for \*: a NumPy array of shape \(3,\) .*from_numpy\(\)",
+    lambda e, a: a * np.ones(3, np.float32), setup=lambda e: dict(a=e.t(3)))
+row("operand/numpy-matrix-at-tensor", DTypeMismatchError,
+    r"unsupported operand for @: a NumPy array of shape \(2, 2\) .*from_numpy\(\)",
+    lambda e, a: np.ones((2, 2), np.float32) @ a, setup=lambda e: dict(a=e.t((2, 2))))
 row("operand/add-int32-scalar-out-of-range", InvalidArgumentError, r"b = 1099511627776 is out of range for int32",
     lambda e, a: e.m.add(a, 2 ** 40), setup=lambda e: dict(a=e.t(3, np.int32)))
 row("operand/copy_from_device-into-list", TransferError, r"needs a NumPy array to write into, got list",
@@ -272,6 +302,17 @@ row("transfer/copy_to_device-unknown-raw-pointer", (TransferError, InvalidPointe
 row("transfer/async-copy-pageable", TransferError, r"needs page-locked host memory",
     lambda e, a: e.b.copy_to_device_async(np.ones(4, np.float32), a, None),
     setup=lambda e: dict(a=e.t(4)), marks=gpu)
+row("transfer/copy_device_to_device-negative-nbytes", TransferError,
+    r"nbytes must be a non-negative int number of bytes, got -4096",
+    lambda e, a, b: e.b.copy_device_to_device(a, b, -4096),
+    setup=lambda e: dict(a=e.t(1024), b=e.t(1024)), isolate=True)
+row("transfer/copy_from_device_async-into-immutable-bytes", TransferError,
+    r"needs a writeable host array \(this one is read-only",
+    lambda e, a: e.b.copy_from_device_async(a, np.frombuffer(bytes(16), np.float32), None),
+    setup=lambda e: dict(a=e.t(4)), isolate=True)
+row("transfer/from_cuda_array-in-fallback-mode", CudaNotAvailableError,
+    r"cannot wrap the device memory of a _DeviceArray in fallback mode",
+    lambda e: e.m.from_cuda_array(_DeviceArray()), marks=fallback_only, isolate=True)
 
 # -- configs and hyper-parameters ----------------------------------------------------------
 row("config/ConvolutionConfig-negative-stride", InvalidArgumentError, r"stride must be >= 1, got \(-1, -1\)",
@@ -310,6 +351,10 @@ row("config/dropout-keep_prob-1.5", InvalidArgumentError, r"keep_prob must be in
     lambda e, x: e.ml.dropout(x, keep_prob=1.5), setup=lambda e: dict(x=e.t(8)))
 row("config/dropout-keep_prob-nan", InvalidArgumentError, r"keep_prob must be in \(0, 1\], got nan",
     lambda e, x: e.ml.dropout(x, keep_prob=math.nan), setup=lambda e: dict(x=e.t(8)))
+row("config/dropout-keep_prob-1e-11", InvalidArgumentError,
+    r"keep_prob must be >= 1\.1641532182693481e-06 \(5000 / 2\*\*32\), got 1e-11: the 32-bit "
+    r"keep threshold .* = 1 keeps a fraction 2\.32831e-10",
+    lambda e, x: e.ml.dropout(x, keep_prob=1e-11), setup=lambda e: dict(x=e.t(8)))
 row("config/dropout-seed-string", InvalidArgumentError, r"seed must be an int or None, got 'abc'",
     lambda e, x: e.ml.dropout(x, seed="abc"), setup=lambda e: dict(x=e.t(8)))
 row("config/matmul-precision-string", InvalidArgumentError, r"precision must be None, 'fp32' .* got 'fp8'",
@@ -539,6 +584,19 @@ def test_bad_call(env, bad):
             f"{bad.id}: subprocess exited with {r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}")
         return
     check_row(bad, env)
+
+
+@pytest.mark.parametrize("shape", [(0, 2 ** 62), (2 ** 40, 0), (3, 0, 2 ** 31, 2 ** 31)],
+                         ids=["0x2^62", "2^40x0", "3x0x2^31x2^31"])
+def test_empty_tensor_whatever_the_other_dimensions(env, shape):
+    """The boundary of the memory rows: a 0 in the shape makes an empty tensor however large
+    the other dimensions are, and allocates nothing."""
+    start = _usage(env.pool)
+    for make in (env.b.empty, env.m.zeros, env.m.ones, env.m.create_tensor):
+        t = make(shape)
+        assert (t.shape, t.size, t.nbytes) == (shape, 0, 0)
+        t.free()
+    assert _settled(env.pool, start) == start
 
 
 def test_table_size():

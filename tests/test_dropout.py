@@ -254,6 +254,27 @@ def test_errors(m):
         CudaML(m).dropout(x, keep_prob=2.0)
 
 
+def test_keep_prob_below_what_the_32_bit_threshold_represents_is_refused(m):
+    """The threshold round(keep_prob * 2^32) is off by up to 0.5, so the realized keep
+    probability (and the output's mean, scaled by 1 / keep_prob) is off by up to
+    0.5 / (keep_prob * 2^32) relatively: keep_prob >= 5000 / 2^32 keeps that under 1e-4.
+    (keep_prob=1e-11 kept 2.3e-10 of the elements while scaling by 1e11.)"""
+    x = m.from_numpy(np.ones(8, np.float32))
+    assert dr.MIN_KEEP_PROB == 5000 / 2**32
+    for bad in (1e-11, 2.0**-32, 1e-7, np.nextafter(dr.MIN_KEEP_PROB, 0)):
+        with pytest.raises(cb.InvalidArgumentError,
+                           match=r"keep_prob must be >= 1\.1641532182693481e-06 \(5000 / 2\*\*32"):
+            dr.dropout(m, x, bad)
+    rng = np.random.default_rng(5)
+    accepted = np.concatenate([[dr.MIN_KEEP_PROB, np.nextafter(dr.MIN_KEEP_PROB, 1), 0.5, 1.0],
+                               10 ** rng.uniform(np.log10(dr.MIN_KEEP_PROB), 0, 2000)])
+    for p in accepted:
+        assert abs(dr.threshold_for(p) / 2**32 - p) <= 1e-4 * p, p
+    for p in accepted[:3]:
+        y = dr.dropout(m, x, float(p), seed=3)
+        assert y.shape == x.shape
+
+
 def test_negative_and_large_seeds_wrap_to_64_bits(m):
     x = m.from_numpy(np.ones(64, np.float32))
     _, a = dr.dropout(m, x, 0.5, -1, True)

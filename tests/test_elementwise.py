@@ -7,7 +7,9 @@ one) and in fallback mode (CPU, skipped in a process that has a GPU). Outputs ar
 """
 from __future__ import annotations
 
+import itertools
 import math
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -608,7 +610,7 @@ def test_broadcast_plan_covers_every_element(case):
     xb = rng.standard_normal(sb)
     limit, chunk = (64, 16) if small else (0, 0)
     bases = [(k << 40) + s * itemsize for k, s in zip((2, 0, 1), shifts)]
-    plan = ew._broadcast_plan(dims, itemsize, *bases, limit=limit, chunk=chunk)
+    plan = list(ew._broadcast_plan(dims, itemsize, *bases, limit=limit, chunk=chunk))
     if small:
         for p in plan:
             assert p[3] < 64 or (p[4] == 1 and p[3] <= 16)
@@ -619,18 +621,109 @@ def test_broadcast_plan_covers_every_element(case):
 def test_broadcast_plan_bias_add_is_vectorized():
     dims = ew._collapse((4097, 64), (4097, 64), (64,))
     assert dims == [(4097, 64, 0), (64, 1, 1)]
-    plan = ew._broadcast_plan(dims, 4, 0, 256, 1024)
+    plan = list(ew._broadcast_plan(dims, 4, 0, 256, 1024))
     assert len(plan) == 1
     po, pa, pb, n, ndim, vectorize, *rest = plan[0]
     assert (n, ndim, vectorize) == (4097 * 64, 2, 1)
     assert rest[:2] == [64, 4097] and rest[6:8] == [1, 64] and rest[12:14] == [1, 0]
     # an unaligned row operand turns vectors off
-    assert ew._broadcast_plan(dims, 4, 0, 256, 1028)[0][5] == 0
+    assert next(ew._broadcast_plan(dims, 4, 0, 256, 1028))[5] == 0
     # more than 6 collapsed dims: the outer ones are looped over
     dims = ew._collapse((3, 4, 5, 6, 7, 8, 2), (3, 1, 5, 1, 7, 1, 2), (1, 4, 1, 6, 1, 8, 2))
     assert len(dims) == 7
-    plan = ew._broadcast_plan(dims, 4, 0, 0, 0)
+    plan = list(ew._broadcast_plan(dims, 4, 0, 0, 0))
     assert len(plan) == 3 and all(p[4] == 6 for p in plan)
+
+
+def test_broadcast_plan_cuts_huge_outputs_by_elements():
+    """An output of 2^31 elements or more takes a few launches, each under the limit, however
+    many rows it has (not one per row), and the plan is made lazily: host memory does not
+    grow with the rows."""
+    dims = ew._collapse((1000, 7), (1000, 7), (7,))   # limit 64: runs of 9 rows or fewer
+    plan = list(ew._broadcast_plan(dims, 4, 0, 1 << 40, 2 << 40, limit=64, chunk=32))
+    assert len(plan) == 112 and sum(p[3] for p in plan) == 7000
+    assert all(p[3] < 64 and p[4] == 2 for p in plan)
+    for shape, row, itemsize, vectors in (((2**21, 1024), (1024,), 2, True),
+                                          ((2**30, 2), (2,), 4, False)):
+        dims = ew._collapse(shape, shape, row)
+        tracemalloc.start()
+        try:
+            plan = list(itertools.islice(
+                ew._broadcast_plan(dims, itemsize, 0, 1 << 40, 2 << 40), 8))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 64 << 10
+        assert len(plan) == 2 and all(p[3] < 2**31 and p[4] == 2 for p in plan)
+        assert sum(p[3] for p in plan) == math.prod(shape)
+        assert plan[1][0] == plan[0][0] + plan[0][3] * itemsize   # the runs are adjacent
+        assert plan[0][1] == plan[1][1] - plan[0][3] * itemsize and plan[0][2] == plan[1][2]
+        assert all(bool(p[5]) is vectors for p in plan)   # 16-byte accesses where rows allow
+
+
+# Launch limit and row chunk forced small, so that small shapes take many launches: runs of
+# rows, pieces of rows longer than the limit, more than 6 collapsed dims.
+PLAN_LIMIT, PLAN_CHUNK = 50, 32
+CHUNKED_SHAPES = [
+    ((1000, 7), (7,)),
+    ((37, 5, 3), (5, 1)),
+    ((3, 130), (3, 1)),
+    ((2, 1, 130), (4, 1)),
+    ((6, 11, 13), (6, 1, 13)),
+    ((129, 16), (16,)),
+    ((3, 1, 5, 1, 7, 1, 2), (1, 4, 1, 6, 1, 8, 2)),
+]
+
+
+@pytest.mark.parametrize("sa, sb", CHUNKED_SHAPES, ids=str)
+def test_broadcast_plan_forced_small_limit_matches_numpy(monkeypatch, sa, sb):
+    """The plan under the module's (forced small) limit, its index math emulated in NumPy
+    at aligned and unaligned bases: NumPy broadcasting, every launch under the limit, and
+    up to 6 collapsed dims in fewer than 3 * elements / (limit - 1) + 1 launches."""
+    monkeypatch.setattr(ew, "_LAUNCH_LIMIT", PLAN_LIMIT)
+    monkeypatch.setattr(ew, "_CHUNK", PLAN_CHUNK)
+    rng = np.random.default_rng(20240611)
+    for first, second in ((sa, sb), (sb, sa)):
+        out_shape = np.broadcast_shapes(first, second)
+        total = math.prod(out_shape)
+        dims = ew._collapse(out_shape, first, second)
+        xa, xb = rng.standard_normal(first), rng.standard_normal(second)
+        for itemsize, shift in ((4, 0), (2, 0), (8, 1), (2, 3)):
+            bases = [(2 << 40) + shift * itemsize, 0, 1 << 40]
+            plan = list(ew._broadcast_plan(dims, itemsize, *bases))
+            if len(dims) <= ew.MAX_BCAST_DIMS:
+                assert len(plan) < 3 * total / (PLAN_LIMIT - 1) + 1
+            got = emulate_plan(plan, itemsize, bases, xa.ravel(), xb.ravel(), total)
+            np.testing.assert_array_equal(got.reshape(out_shape), xa + xb)
+
+
+@pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT16, DT.FLOAT64, DT.INT64],
+                         ids=lambda d: d.name_str)
+def test_broadcast_forced_small_launch_limit(m, monkeypatch, dtype):
+    """Broadcast adds on odd shapes with the launch limit and row chunk forced small (each
+    call many launches at pointer offsets) against NumPy, outputs poisoned."""
+    monkeypatch.setattr(ew, "_LAUNCH_LIMIT", PLAN_LIMIT)
+    monkeypatch.setattr(ew, "_CHUNK", PLAN_CHUNK)
+    grids = []
+    launch = m.backend.launch_kernel
+
+    def counted(name, grid, *args, **kwargs):
+        grids.append(grid)
+        return launch(name, grid, *args, **kwargs)
+
+    monkeypatch.setattr(m.backend, "launch_kernel", counted)
+    rng = np.random.default_rng(7)
+    for sa, sb in CHUNKED_SHAPES:
+        for first, second in ((sa, sb), (sb, sa)):
+            a, xa = make(m, rand(rng, first, dtype), dtype)
+            b, xb = make(m, rand(rng, second, dtype), dtype)
+            ref = ref_binary("add", xa, xb)
+            out = poisoned(m, ref.shape, dtype)
+            grids.clear()
+            ew.binary(m, "add", a, b, out=out)
+            check(stored(m, out), ref, dtype, "add")
+            if m.gpu and len(ew._collapse(ref.shape, first, second)) <= ew.MAX_BCAST_DIMS:
+                assert 1 < len(grids) < 3 * ref.size / (PLAN_LIMIT - 1) + 1
 
 
 @settings(max_examples=examples(60), deadline=None)

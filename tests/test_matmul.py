@@ -286,6 +286,63 @@ def test_split_key_is_not_a_template_parameter():
     assert mm.template_variants() == before
 
 
+def test_tf32_tune_key_has_the_batch_bucket():
+    """TF32 choices are keyed by the batch's bucket as well (a choice timed at batch 2 is
+    not reused at 70000); the other families' keys are unchanged."""
+    p2 = mm.plan_shapes((2, 512, 512), (2, 512, 512))
+    pbig = mm.plan_shapes((70000, 512, 512), (70000, 512, 512))
+    assert mm.tune_key(p2, "large", True, "tf32") != mm.tune_key(pbig, "large", True, "tf32")
+    for prec in (None, "fp32"):
+        assert mm.tune_key(p2, "large", True, prec) == mm.tune_key(pbig, "large", True, prec) \
+            == ["large", True, 9, 9, 9, True]
+
+
+def test_run_config_batch_over_grid_z():
+    """70000 matrices on a stand-in backend (grid z limit 65535): SIMT with split-K asked
+    for, mma and wgmma (with its B transpose) launch with grid z within the limit, the
+    launches of each kernel cover the batch once, later ones at offset matrices."""
+    import types
+    launches = []
+
+    class Backend:
+        def get_device_info(self, dev):
+            return types.SimpleNamespace(multiprocessor_count=132,
+                                         max_grid_dims=(2**31 - 1, 65535, 65535))
+
+        def launch_kernel(self, name, grid, *args, block_size=None, shared_mem=0,
+                          device_id=0):
+            launches.append((name, grid, args))
+
+        def empty(self, shape, dtype, dev):
+            return types.SimpleNamespace(free=lambda: None, shape=shape, ptr=8 << 40)
+
+    class Math:
+        backend = Backend()
+
+        def kernel(self, template, dev, **params):
+            return types.SimpleNamespace(name=template, num_regs=128)
+
+    a, b, out = (types.SimpleNamespace(ptr=k << 40) for k in (1, 2, 4))
+    for template, cfg, (M, K, N), splits in (
+            (mm.SIMT_TEMPLATE, mm.S_32x64x16, (3, 1024, 6), 3),
+            (mm.MMA_TEMPLATE, mm.T_64x64x16, (3, 8, 6), None),
+            (mm.WGMMA_TEMPLATE, mm.W_64x128_s3, (3, 8, 6), None)):
+        p = mm.plan_shapes((70000, M, K), (70000, K, N))
+        launches.clear()
+        mm.run_config(Math(), template, cfg, a, b, out, p, DT.FLOAT32, True, 0, splits=splits)
+        assert all(g[2] <= 65535 for _, g, _ in launches)
+        gemm = [(g, args) for name, g, args in launches if name == template]
+        assert [g[2] for g, _ in gemm] == [65535, 70000 - 65535]
+        a1, b1, c1 = gemm[1][1][:3]
+        b_base, b_stride = (8 << 40, N * K) if template == mm.WGMMA_TEMPLATE else \
+            (b.ptr, p.stride_b)
+        assert (a1, b1, c1) == (a.ptr + 65535 * M * K * 4, b_base + 65535 * b_stride * 4,
+                                out.ptr + 65535 * M * N * 4)
+        if template == mm.WGMMA_TEMPLATE:   # B's planes transposed first, in two launches
+            tr = [g[2] for name, g, _ in launches if name != template]
+            assert tr == [65535, 70000 - 65535]
+
+
 def test_multistage_configs():
     """Multistage SIMT configs: vec float32 only (never unaligned; the GEMM and the linear
     layer), shared memory within the opt-in limit, copies tiling the block."""
@@ -532,6 +589,32 @@ def test_gpu_property_random_shapes(m, M, K, N, fam, batch):
     check(m, fam, a_shape, (K, N), np.random.default_rng())
 
 
+@gpu
+@pytest.mark.parametrize("fam", list(FAMILIES))
+def test_gpu_batch_over_grid_z(m, fam):
+    """70000 matrices, more than the grid's z holds: the public path with a full and a
+    broadcast B, and every config element loads allow, against float64 NumPy within the
+    family's bound."""
+    dtype, prec, bound = FAMILIES[fam]
+    rng = np.random.default_rng(70000)
+    check(m, fam, (70000, 3, 5), (70000, 5, 2), rng)
+    check(m, fam, (70000, 3, 5), (5, 2), rng)
+    template, _ = mm._family(dtype, prec)
+    dev = m.backend.current_device
+    a = to_dev(m, rand(rng, (70000, 3, 5), dtype), dtype)
+    b = to_dev(m, rand(rng, (70000, 5, 2), dtype), dtype)
+    ref, scale = reference(m, a, b)
+    p = mm.plan_shapes(a.shape, b.shape)
+    for cfg in [c for c in mm.all_configs(dtype, prec) if c in mm.SCALAR_OK]:
+        out = poisoned(m, ref.shape, dtype)
+        assert not mm.is_vec_ok(a, b, out, p)
+        mm.run_config(m, mm.config_template(cfg, template), cfg, a, b, out, p, dtype, False,
+                      dev)
+        err = rel_err(m.to_numpy(out), ref, scale)
+        assert err <= bound, (cfg, err)
+        out.free()
+
+
 # -- wgmma (Hopper) TF32 ----------------------------------------------------------------------
 def test_wgmma_configs_render_for_sm_90a():
     """Each wgmma config is a TF32 candidate, renders without #error, and is built for
@@ -601,3 +684,28 @@ def test_gpu_wgmma_batched_b_and_public_path(m):
                                        precision="tf32"))
     ref = av.astype(np.float64) @ bv.astype(np.float64)
     assert rel_err(got, ref, np.abs(av) @ np.abs(bv)) <= 1.5e-3
+
+
+@gpu
+def test_gpu_wgmma_batch_over_grid_z(m):
+    """Every wgmma config on 70000 matrices, B full (70000 planes transposed) and
+    broadcast, within float32 accumulation error of the TF32 product of the rounded inputs
+    (the bound of test_gpu_wgmma_configs)."""
+    dev = m.backend.current_device
+    if not mm.has_wgmma(m.backend.get_device_info(dev)):
+        pytest.skip("wgmma needs a Hopper GPU (sm_90a)")
+    rng = np.random.default_rng(70001)
+    for b_shape in ((70000, 8, 6), (8, 6)):
+        a = to_dev(m, rand(rng, (70000, 3, 8), DT.FLOAT32), DT.FLOAT32)
+        b = to_dev(m, rand(rng, b_shape, DT.FLOAT32), DT.FLOAT32)
+        p = mm.plan_shapes(a.shape, b.shape)
+        assert mm.wgmma_ok(a, p)
+        ra = mm._round_tf32(m.to_numpy(a)).astype(np.float64)
+        rb = mm._round_tf32(m.to_numpy(b)).astype(np.float64)
+        ref, scale = ra @ rb, np.abs(ra) @ np.abs(rb)
+        for cfg in [c for c in mm.all_configs(DT.FLOAT32, "tf32") if c.get("wgmma")]:
+            out = poisoned(m, ref.shape, DT.FLOAT32)
+            mm.run_config(m, mm.WGMMA_TEMPLATE, cfg, a, b, out, p, DT.FLOAT32, True, dev)
+            err = rel_err(m.to_numpy(out), ref, scale)
+            assert err <= 2e-6, (cfg, b_shape, err)
+            out.free()

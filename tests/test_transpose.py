@@ -3,6 +3,8 @@ and single-element accesses, block orders), odd shapes around the tile and vecto
 batches, misaligned views, errors, fallback."""
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -173,6 +175,77 @@ def test_transpose_property(m, rows, cols, batch, dtype):
     shape = (batch, rows, cols) if batch else (rows, cols)
     x, ref = make(m, shape, dtype, np.random.default_rng())
     np.testing.assert_array_equal(m.to_numpy(m.matrix_transpose(x)), np.swapaxes(ref, -1, -2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.BFLOAT16, DT.INT64], ids=lambda d: d.name_str)
+def test_batch_over_grid_z(m, dtype):
+    """70000 planes, more than the grid's z holds, through the public (autotuned) path and
+    every candidate, outputs poisoned; float32 also through transpose_tf32 (rounded)."""
+    rng = np.random.default_rng(70000)
+    shape = (70000, 3, 5) if dtype is DT.FLOAT32 else (70000, 4, 6)
+    x, ref = make(m, shape, dtype, rng)
+    want = np.swapaxes(ref, -1, -2)
+    np.testing.assert_array_equal(m.to_numpy(m.matrix_transpose(x)), want)
+    for cfg in tr.candidates(dtype, shape[1], shape[2], x.ptr, 0):
+        out = poison(m, want.shape, dtype)
+        assert out.ptr % 16 == 0
+        tr._launch(m, cfg, x, out, *shape)
+        np.testing.assert_array_equal(m.to_numpy(out), want, err_msg=str(cfg))
+        out.free()
+    if dtype is DT.FLOAT32:
+        from cuda_backend.ops.matmul import _round_tf32
+        out = poison(m, want.shape, dtype)
+        tr.transpose_tf32(m, x, out, *shape, x.device_id)
+        np.testing.assert_array_equal(m.to_numpy(out), _round_tf32(want))
+        out.free()
+    x.free()
+
+
+def test_launch_grids_split_the_batch():
+    """Each config's launches: grid z within the limit, the planes covered once in order,
+    x and y as one launch of the whole batch would have them."""
+    for cfg in tr.candidates(DT.FLOAT32, 70, 130, 0, 0) + tr.candidates(DT.FLOAT32, 3, 5, 0, 0):
+        one = tr.launch_grids(cfg, 1, 70, 130)
+        for batch, max_z in ((70000, 65535), (65535, 65535), (65536, 65535), (20, 7), (1, 7)):
+            grids = tr.launch_grids(cfg, batch, 70, 130, max_z)
+            assert [b0 for b0, _ in grids] == list(range(0, batch, max_z))
+            assert all(1 <= g[2] <= max_z and g[:2] == one[0][1][:2] for _, g in grids)
+            assert sum(g[2] for _, g in grids) == batch
+        assert [g[2] for _, g in tr.launch_grids(cfg, 70000, 3, 5)] == [65535, 70000 - 65535]
+
+
+def test_launches_past_grid_z_offset_the_planes():
+    """_launch and transpose_tf32 with 70000 planes on a stand-in backend (grid z limit
+    65535): two launches, the second at plane 65535 of both operands."""
+    launches = []
+
+    class Backend:
+        def get_device_info(self, dev):
+            return types.SimpleNamespace(max_grid_dims=(2**31 - 1, 65535, 65535))
+
+        def launch_kernel(self, name, grid, *args, block_size=None, device_id=0):
+            launches.append((grid, args))
+
+    class Math:
+        backend = Backend()
+
+        def kernel(self, template, dev, **params):
+            return types.SimpleNamespace(name="k")
+
+    x = types.SimpleNamespace(ptr=1 << 20, device_id=0, dtype=DT.FLOAT32)
+    out = types.SimpleNamespace(ptr=1 << 30, device_id=0, dtype=DT.FLOAT32)
+    skip = 65535 * 3 * 5 * 4
+    for cfg in tr.candidates(DT.FLOAT32, 3, 5, x.ptr, out.ptr):
+        launches.clear()
+        tr._launch(Math(), cfg, x, out, 70000, 3, 5)
+        assert [g[2] for g, _ in launches] == [65535, 70000 - 65535]
+        assert launches[0][1][:2] == (x, out)
+        assert launches[1][1][:2] == (x.ptr + skip, out.ptr + skip)
+    launches.clear()
+    tr.transpose_tf32(Math(), x.ptr, out.ptr, 70000, 3, 5, 0)
+    assert [g[2] for g, _ in launches] == [65535, 70000 - 65535]
+    assert [a[:2] for _, a in launches] == [(x.ptr, out.ptr), (x.ptr + skip, out.ptr + skip)]
 
 
 def test_transpose_errors(m):

@@ -66,6 +66,13 @@ def philox4x32_10(counters: np.ndarray, seed: int) -> np.ndarray:
     return np.stack(words, axis=-1).astype(np.uint32)
 
 
+# The keep threshold is round(keep_prob * 2^32), off by up to 0.5 from the exact value: the
+# realized keep probability, and so the mean of the output (scaled by 1 / keep_prob), is off
+# by up to 0.5 / (keep_prob * 2^32) relatively. Requiring keep_prob * 2^32 >= 5000 keeps
+# that bias under 1e-4, below the sampling noise of any tensor that fits a device.
+MIN_KEEP_PROB = 5000 / 2**32
+
+
 def threshold_for(keep_prob: float) -> int:
     """Words below this are kept: round(keep_prob * 2^32), at least 1."""
     return max(1, min(1 << 32, int(round(keep_prob * 2.0**32))))
@@ -100,6 +107,13 @@ def _keep_prob(keep_prob: Any) -> float:
     p = float(keep_prob)
     if not (0.0 < p <= 1.0):  # also rejects NaN
         raise InvalidArgumentError(f"keep_prob must be in (0, 1], got {keep_prob!r}")
+    if p < MIN_KEEP_PROB:
+        kept = threshold_for(p) / 2**32
+        raise InvalidArgumentError(
+            f"keep_prob must be >= {MIN_KEEP_PROB!r} (5000 / 2**32), got {keep_prob!r}: the "
+            f"32-bit keep threshold round(keep_prob * 2**32) = {threshold_for(p)} keeps a "
+            f"fraction {kept:.6g} of the elements, {abs(kept - p) / p:.2g} off relatively "
+            f"(at most 1e-4 is accepted)")
     return p
 
 

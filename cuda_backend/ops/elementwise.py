@@ -6,10 +6,10 @@ Kernels come from `templates/elementwise.cu.j2`, one render per (kind, op, dtype
   kernel argument), with 16-byte vector loads/stores, UNROLL vectors in flight per thread and
   a scalar tail; unaligned pointers (wrapped arrays at odd offsets) take a scalar path.
 - "broadcast": different shapes. Dims are collapsed where both operands broadcast the same
-  way; a launch covers at most 6 of them and fewer than 2^31 elements (outer dims and longer
-  rows are walked here with pointer offsets), so the kernel decomposes output indices with
-  32-bit division; rows whose innermost dim is a multiple of the vector width (bias adds)
-  still use 16-byte accesses.
+  way; a launch covers at most 6 of them and fewer than 2^31 elements (larger outputs are
+  cut by element count into a few launches with pointer offsets, `_broadcast_plan`), so the
+  kernel decomposes output indices with 32-bit division; rows whose innermost dim is a
+  multiple of the vector width (bias adds) still use 16-byte accesses.
 - "unary": one contiguous input, an optional float parameter `alpha` passed as an argument.
 
 The per-call path is kept lean for small tensors: kernels are memoized in a dict on the
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -49,7 +49,7 @@ BLOCKS_PER_SM = 2048 // BLOCK   # resident blocks per SM at full occupancy
 GRID_WAVES = 0       # 0: one block per BLOCK*UNROLL vectors; k > 0: cap at k full waves
 FILL_BLOCK = 256     # fill.cu.j2's block size (the parameter sets kernels.py lists)
 MAX_BCAST_DIMS = 6
-_LAUNCH_LIMIT = 2**31   # elements per broadcast launch (the kernel divides in 32 bits)
+_LAUNCH_LIMIT = 2**31   # a broadcast launch stays under this many elements (32-bit division)
 _CHUNK = 2**30          # piece of an innermost row longer than that (keeps 16-byte alignment)
 
 # op -> dtypes it supports
@@ -568,53 +568,66 @@ def _broadcast_launch(m: Any, cache: _DeviceCache, op: str, dtype: CudaDataType,
 
 
 def _broadcast_plan(dims: List[Tuple[int, int, int]], itemsize: int, po: int, pa: int,
-                    pb: int, limit: int = 0, chunk: int = 0) -> List[tuple]:
+                    pb: int, limit: int = 0, chunk: int = 0) -> Iterator[tuple]:
     """Kernel arguments (out, a, b, n, ndim, vectorize, 6 sizes, 6 a strides, 6 b strides)
-    of each launch for collapsed dims (outermost first). A launch covers the innermost dims,
-    at most 6 and fewer than 2^31 elements (the kernel's index math is 32-bit); the outer
-    dims are walked here with pointer offsets. An innermost dim of 2^31 or more is cut
-    into chunks of _CHUNK elements. (limit, chunk: smaller values for tests.)"""
+    of each launch for collapsed dims (outermost first), made one launch at a time (host
+    memory O(ndim)). A launch covers fewer than `limit` (2^31) elements, as the kernel's
+    index math is 32-bit: the innermost dims whole, at most 6, and the next one (where 6
+    are not reached) in equal runs of as many indices as fit, and dims further out with
+    pointer offsets. An innermost dim of `limit` or more goes in pieces of `chunk`
+    elements, which keeps 16-byte alignment. Up to 6 collapsed dims thus take fewer than
+    3 * elements / (limit - 1) + 1 launches (for chunk >= limit / 2); more dims, one per
+    index of the dims beyond 6. (limit, chunk: smaller values for tests.)"""
     limit, chunk = limit or _LAUNCH_LIMIT, chunk or _CHUNK
-    k, n = 0, 1
+    k, n = 0, 1                                    # innermost dims covered whole, elements
     for size, _, _ in reversed(dims):
         if k == MAX_BCAST_DIMS or n * size >= limit:
             break
         n *= size
         k += 1
-    last = dims[-1][0]
-    if k:
-        inner, outer = dims[len(dims) - k:], dims[:len(dims) - k]
-        pieces = [(0, last)]
-    else:                                          # one row alone is too long
-        inner, outer = dims[-1:], dims[:-1]
-        pieces = [(s, min(chunk, last - s)) for s in range(0, last, chunk)]
-    inner = inner[::-1]                            # innermost first, as the kernel wants
-    row = _prod(d[0] for d in inner)               # output elements per outer index
+    first = len(dims) - k                          # the launch's outermost dim
+    split = k < MAX_BCAST_DIMS and first > 0       # the next dim goes in too, in runs
+    if split:
+        first -= 1
+    top_size, top_a, top_b = dims[first]           # the dim cut into runs
+    even = split and k > 0
+    if even:       # `pieces` runs of at most (limit - 1) // n indices, as equal as can be
+        pieces = -(-top_size // ((limit - 1) // n))
+    else:          # one run, or an innermost dim in runs of `chunk`
+        run = min(chunk, limit - 1) if k == 0 else top_size
+        pieces = -(-top_size // run)
+    inner = dims[first:][::-1]                     # innermost first, as the kernel wants
+    outer = dims[:first]
+    step = _prod(d[0] for d in inner[:-1])         # output elements per index of it
+    row = step * top_size                          # output elements per outer index
     vec = 16 // itemsize
     pad = MAX_BCAST_DIMS - len(inner)
     sa = [d[1] for d in inner] + [0] * pad
     sb = [d[2] for d in inner] + [0] * pad
     vec_strides = all(x % vec == 0 for x in sa[1:]) and all(x % vec == 0 for x in sb[1:])
-    plan = []
     idx = [0] * len(outer)
     for r in range(_prod(d[0] for d in outer)):
         oa = sum(i * d[1] for i, d in zip(idx, outer))
         ob = sum(i * d[2] for i, d in zip(idx, outer))
-        for start, count in pieces:
-            sizes = [count] + [d[0] for d in inner[1:]] + [1] * pad
-            p_o = po + (r * row + start) * itemsize
-            p_a = pa + (oa + start * sa[0]) * itemsize
-            p_b = pb + (ob + start * sb[0]) * itemsize
-            vectorize = count % vec == 0 and vec_strides and not (p_o & 15) and \
+        for j in range(pieces):
+            if even:
+                start = j * top_size // pieces
+                count = (j + 1) * top_size // pieces - start
+            else:
+                start = j * run
+                count = min(run, top_size - start)
+            sizes = [d[0] for d in inner[:-1]] + [count] + [1] * pad
+            p_o = po + (r * row + start * step) * itemsize
+            p_a = pa + (oa + start * top_a) * itemsize
+            p_b = pb + (ob + start * top_b) * itemsize
+            vectorize = sizes[0] % vec == 0 and vec_strides and not (p_o & 15) and \
                 (sa[0] == 0 or not (p_a & 15)) and (sb[0] == 0 or not (p_b & 15))
-            plan.append((p_o, p_a, p_b, _prod(sizes), len(inner), int(vectorize),
-                         *sizes, *sa, *sb))
+            yield (p_o, p_a, p_b, step * count, len(inner), int(vectorize), *sizes, *sa, *sb)
         for d in range(len(outer) - 1, -1, -1):   # odometer over the outer dims
             idx[d] += 1
             if idx[d] < outer[d][0]:
                 break
             idx[d] = 0
-    return plan
 
 
 def _prod(xs: Any) -> int:

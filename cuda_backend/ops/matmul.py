@@ -719,7 +719,7 @@ def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
 
             cands = split_candidates(cands, p, cls, sms, max_z, per_sm)
         op = _op_name(template, dtype, prec, is_linear)
-        tune_key = [cls, vec, _bucket(p.M), _bucket(p.N), _bucket(p.K), p.batch > 1]
+        shape_key = tune_key(p, cls, vec, prec)
 
         def run(c: Dict[str, int]) -> None:
             run_config(m, config_template(c, template), c, a, b, out, p, dtype, vec, dev,
@@ -727,10 +727,20 @@ def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
 
         # 10 timed runs each: with 3, clock and power swings on 8192^3 tensor-core runs
         # picked a config 20% slower than the best (seen on an H200).
-        cfg = m.autotuner.pick(op, tune_key, cands, run, device_id=dev, repeats=10) \
+        cfg = m.autotuner.pick(op, shape_key, cands, run, device_id=dev, repeats=10) \
             if len(cands) > 1 else cands[0]
         hit = cache[key] = (config_template(cfg, template), cfg)
     run_config(m, hit[0], hit[1], a, b, out, p, dtype, vec, dev, epilogue=epilogue, bias=bias)
+
+
+def tune_key(p: Plan, shape_cls: str, vec: bool, prec: Optional[str]) -> List[Any]:
+    """The autotuner's shape class of a call. TF32 adds the batch's bucket: the wgmma
+    configs first transpose every B plane, and batches over the grid's z limit take several
+    launches, so a choice timed at one batch does not carry to a much larger one."""
+    key: List[Any] = [shape_cls, vec, _bucket(p.M), _bucket(p.N), _bucket(p.K), p.batch > 1]
+    if prec == "tf32":
+        key.append(_bucket(p.batch))
+    return key
 
 
 def _op_name(template: str, dtype: CudaDataType, prec: Optional[str], linear: bool) -> str:
@@ -881,6 +891,8 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
         if splits is None:
             splits = split_count(cfg, p, info.multiprocessor_count, max_z,
                                  blocks_per_sm(cfg, getattr(kernel, "num_regs", 0)))
+        # split-K puts batch x splits on the grid's z in one launch
+        splits = max(1, min(splits, max_z // max(1, p.batch)))
         if splits > 1:
             chunk = -(-p.K // splits)
             chunk = -(-chunk // cfg["bk"]) * cfg["bk"]

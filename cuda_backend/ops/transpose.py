@@ -5,13 +5,14 @@ threads); "vec" moves 16- or 8-byte vectors on both sides (each thread transpose
 sub-blocks in registers) when rows and cols are multiples of the vector's elements and both
 pointers are aligned, else single elements, and orders its blocks in bands of `group` tile
 rows. Large problems are autotuned among the candidates (`candidates`), small ones take a
-fixed config.
+fixed config. The batch goes on the grid's z, split into launches of at most 65535 planes
+(`launch_grids`).
 """
 from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -38,6 +39,7 @@ VEC_CONFIGS = {
     (8, 16): ((32, 256), (64, 256)),
     (8, 8): ((32, 256), (64, 256)),
 }
+MAX_GRID_Z = 65535   # planes per launch where the device's limit is unknown
 GROUP = 16        # default band height (tile rows) of the "vec" kernel's block order
 SMEM_PER_SM = 227 * 1024
 # candidate lists already compiled, per CudaMath: (device, dtype, access width)
@@ -148,34 +150,52 @@ def config_params(dtype: CudaDataType, cfg: Dict[str, int]) -> Dict[str, Any]:
     return vec_params(dtype, cfg["vec_bytes"], cfg["tile"], cfg["threads"])
 
 
+def launch_grids(cfg: Dict[str, int], batch: int, rows: int, cols: int,
+                 max_z: int = MAX_GRID_Z) -> List[Tuple[int, Tuple[int, int, int]]]:
+    """(first plane, grid) of each launch of a config: the planes go on the grid's z, at
+    most max_z of them per launch (later launches start at an offset plane)."""
+    tile = cfg["tile"]
+    tc, trows = -(-cols // tile), -(-rows // tile)
+    xy = (tc, trows) if cfg["kernel"] == "tile" else (tc * trows, 1)
+    return [(b0, (*xy, min(max_z, batch - b0))) for b0 in range(0, batch, max_z)]
+
+
 def _launch(m: Any, cfg: Dict[str, int], x: CudaTensor, out: CudaTensor, batch: int,
             rows: int, cols: int) -> None:
-    """One launch of a config from `candidates` (or CONFIGS) over x into out."""
-    tile = cfg["tile"]
-    tiles = ((cols + tile - 1) // tile, (rows + tile - 1) // tile)
-    kernel = m.kernel(TEMPLATE, x.device_id, **config_params(x.dtype, cfg))
+    """One config from `candidates` (or CONFIGS) over x into out."""
+    dev = x.device_id
+    kernel = m.kernel(TEMPLATE, dev, **config_params(x.dtype, cfg))
     if cfg["kernel"] == "tile":
-        m.backend.launch_kernel(kernel.name, (tiles[0], tiles[1], batch), x, out, rows, cols,
-                                block_size=(32, cfg["block_rows"], 1), device_id=x.device_id)
+        block, extra = (32, cfg["block_rows"], 1), ()
     else:
-        m.backend.launch_kernel(kernel.name, (tiles[0] * tiles[1], 1, batch), x, out, rows,
-                                cols, cfg["group"], block_size=(cfg["threads"], 1, 1),
-                                device_id=x.device_id)
+        block, extra = (cfg["threads"], 1, 1), (cfg["group"],)
+    plane = rows * cols * x.dtype.itemsize
+    for b0, grid in launch_grids(cfg, batch, rows, cols, _max_z(m, dev)):
+        src, dst = (x, out) if b0 == 0 else (x.ptr + b0 * plane, out.ptr + b0 * plane)
+        m.backend.launch_kernel(kernel.name, grid, src, dst, rows, cols, *extra,
+                                block_size=block, device_id=dev)
+
+
+def _max_z(m: Any, dev: int) -> int:
+    """The device's grid z limit (stand-in backends without device info: MAX_GRID_Z)."""
+    info = getattr(m.backend, "get_device_info", None)
+    return info(dev).max_grid_dims[2] if info is not None else MAX_GRID_Z
 
 
 def transpose_tf32(m: Any, x: Any, out: Any, batch: int, rows: int, cols: int,
                    device_id: int) -> None:
     """out[b] = round_tf32(x[b])ᵀ for float32 planes (rows, cols) given as tensors or device
     pointers: the wgmma TF32 matmul's B operand, K-major and rounded like its A fragments.
-    The default "vec" config at the widest legal access, untimed (one launch)."""
+    The default "vec" config at the widest legal access, untimed."""
     xp, op = int(getattr(x, "ptr", x)), int(getattr(out, "ptr", out))
     cfg = candidates(CudaDataType.FLOAT32, rows, cols, xp, op)[0]
     params = {**config_params(CudaDataType.FLOAT32, cfg), "round_tf32": True}
     kernel = m.kernel(TEMPLATE, device_id, **params)
-    tile = cfg["tile"]
-    tiles = -(-cols // tile) * -(-rows // tile)
-    m.backend.launch_kernel(kernel.name, (tiles, 1, batch), x, out, rows, cols, cfg["group"],
-                            block_size=(cfg["threads"], 1, 1), device_id=device_id)
+    plane = rows * cols * 4
+    for b0, grid in launch_grids(cfg, batch, rows, cols, _max_z(m, device_id)):
+        src, dst = (x, out) if b0 == 0 else (xp + b0 * plane, op + b0 * plane)
+        m.backend.launch_kernel(kernel.name, grid, src, dst, rows, cols, cfg["group"],
+                                block_size=(cfg["threads"], 1, 1), device_id=device_id)
 
 
 def _pick(m: Any, x: CudaTensor, out: CudaTensor, batch: int, rows: int,
