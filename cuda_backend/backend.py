@@ -486,6 +486,21 @@ class CudaBackend:
         return self._launcher.launch(kernel_name, grid_size, args, block_size, shared_mem,
                                      stream, device_id)
 
+    def prepare_launch(self, kernel: Any, grid_size: Any, block_size: Any,
+                       shared_mem: int = 0, device_id: Optional[int] = None) -> Any:
+        """A `launch.PreparedLaunch` of a compiled kernel: grid, block, shared memory and
+        argument layout checked once; calling it with the arguments launches on the legacy
+        default stream. Use it only when `direct_launch(device_id)` is True."""
+        self._require_gpu("prepare_launch")
+        dev = kernel.device_id if device_id is None else self._validate(device_id)
+        return self._launcher.prepare(kernel, dev, grid_size, block_size, shared_mem)
+
+    def direct_launch(self, device_id: int) -> bool:
+        """Whether prepared launches on device_id may run now (its context current in this
+        thread, no `with stream:` block, profiling off); False in fallback mode."""
+        launcher = self._launcher
+        return launcher is not None and launcher.direct(device_id)
+
     # -- profiling ----------------------------------------------------------------
     @property
     def enable_profiling(self) -> bool:

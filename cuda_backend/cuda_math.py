@@ -37,6 +37,7 @@ class CudaMath:
         self._ew_binary_plans: dict = {}   # elementwise per-call plans (ops/elementwise.py)
         self._ew_unary_plans: dict = {}
         self._ew_scalar_plans: dict = {}
+        self.plans: dict = {}   # per-call plans of the other ops: ops/common.py `plan_for`
 
     @property
     def gpu(self) -> bool:

@@ -25,6 +25,10 @@ class CudaDataType(enum.Enum):
     UINT8 = ("uint8", "unsigned char", "u1")
     BOOL = ("bool", "bool", "b1")
 
+    # members are singletons: hash by identity in C (Enum's own __hash__ is Python code, and
+    # dtypes are in the key of every per-call plan)
+    __hash__ = object.__hash__
+
     @property
     def name_str(self) -> str:
         """Short name, as NumPy and PyTorch spell it ('float32', 'bfloat16')."""

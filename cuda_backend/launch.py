@@ -67,6 +67,34 @@ def check_limits(kernel: CudaKernel, info: Any, grid: Tuple[int, int, int],
             f"{info.shared_memory_per_block_optin} bytes per block (opt-in maximum)")
 
 
+class PreparedLaunch:
+    """One launch of a kernel with its grid, block, shared memory and argument layout fixed
+    and checked against the device once; a call packs the arguments (pointers as ints,
+    floats, ints, in the kernel's order) and launches, nothing else. Made by
+    `Launcher.prepare` (or `CudaBackend.prepare_launch`) once per op and shape class; callers
+    check `Launcher.direct(device_id)` first, which says whether a direct launch is right now
+    (the device's context current in this thread, no `with stream:` block, no profiling),
+    and take the general path otherwise."""
+
+    __slots__ = ("kernel", "device_id", "grid", "block", "shared_mem", "pack", "launch_fn",
+                 "_error", "_what")
+
+    def __init__(self, launcher: "Launcher", kernel: CudaKernel, device_id: int, grid: Any,
+                 block: Any, shared_mem: int = 0) -> None:
+        self.kernel, self.device_id, self.shared_mem = kernel, device_id, int(shared_mem)
+        self.grid, self.block = launcher.validate(kernel, device_id, grid, block, shared_mem)
+        self.pack = launcher.packer(kernel.arg_format)
+        self.launch_fn = kernel.function._launch_kernel
+        self._error = launcher.driver_error
+        self._what = f"launch of kernel '{kernel.name}'"
+
+    def __call__(self, *args: Any) -> None:
+        try:
+            self.launch_fn(self.grid, self.block, self.pack(*args), self.shared_mem, None)
+        except self._error as exc:
+            raise driver_failure(self._what, exc, self.device_id) from None
+
+
 class Launcher:
     """launch_kernel: the per-call path is kept to dict lookups, one pack and the launch."""
 
@@ -79,6 +107,54 @@ class Launcher:
         self._contexts = contexts
         self._devices = devices
         self.profiler = None  # set by the backend when profiling is on
+        self._packers: dict = {}
+
+    @property
+    def driver_error(self) -> type:
+        return self._drv.Error
+
+    def direct(self, device_id: int) -> bool:
+        """Whether a PreparedLaunch on device_id may launch directly now: the device's
+        context is current in this thread, no `with stream:` block is open, profiling is off."""
+        return self.profiler is None and self._contexts.top_device() == device_id and \
+            not _streams.local_state.__dict__.get("stack")
+
+    def prepare(self, kernel: CudaKernel, device_id: int, grid: Any, block: Any,
+                shared_mem: int = 0) -> PreparedLaunch:
+        """A PreparedLaunch of `kernel` (checked against the device's limits now)."""
+        return PreparedLaunch(self, kernel, device_id, grid, block, shared_mem)
+
+    def packer(self, fmt: str) -> Any:
+        """A function packing arguments of format `fmt` into a launch buffer: a compiled
+        `struct.Struct(fmt).pack` where it gives PyCUDA's bytes (checked on a sample), else
+        PyCUDA's own packer."""
+        packer = self._packers.get(fmt)
+        if packer is None:
+            import struct
+            sample = tuple(1.5 if c in _FLOAT_CODES else i + 1 for i, c in enumerate(fmt))
+            try:
+                fast = struct.Struct(fmt).pack
+                packer = fast if fast(*sample) == self._pack(fmt, *sample) else None
+            except struct.error:
+                packer = None
+            if packer is None:
+                pack = self._pack
+
+                def packer(*args: Any) -> bytes:
+                    return pack(fmt, *args)
+            self._packers[fmt] = packer
+        return packer
+
+    def validate(self, kernel: CudaKernel, device_id: int, grid_size: Any, block_size: Any,
+                 shared_mem: int) -> tuple:
+        """(grid, block) as 3-tuples after the device-limit checks (cached per kernel)."""
+        try:
+            dims = kernel.validated.get((grid_size, block_size, shared_mem))
+        except TypeError:
+            dims = None
+        if dims is None:
+            dims = self._validate(kernel, device_id, grid_size, block_size, shared_mem)
+        return dims
 
     def launch(self, kernel_name: str, grid_size: Any, args: Sequence[Any],
                block_size: Any = (256, 1, 1), shared_mem: int = 0, stream: Any = None,

@@ -365,6 +365,10 @@ class MemoryPool:
         if active > self._peak:
             self._peak = active
 
+    # allocate() for an int nbytes > 0 with the pool's device context current: the per-call
+    # plans of the ops (ops/common.py) check both before calling it
+    allocate_current = _allocate_locked
+
     def _free_held(self) -> None:
         """The pool's free_held(), then the managed bytes a hit leaves unchanged."""
         self._pool.free_held()

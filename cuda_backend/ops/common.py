@@ -155,6 +155,26 @@ def compile_all(m: Any, jobs: Sequence[Tuple[str, dict]], device_id: Optional[in
     return len(jobs)
 
 
+# -- per-call plans -----------------------------------------------------------------------
+MAX_PLANS = 4096   # per CudaMath; the cache is cleared when it would grow past this
+
+
+def remember_plan(m: Any, key: tuple, plan: Any) -> Any:
+    """Keep `plan` in the CudaMath's plan cache under `key` (a tuple starting with the op's
+    public name, then whatever decides the launches: shapes, dtypes, device, options).
+
+    A plan is made by an op's general path after it has checked its operands and launched
+    once; it is a callable taking the operands (and out=) that allocates its result and calls
+    `PreparedLaunch`es, returning None when the call is not one it can take (then the
+    general path runs). The op's entry looks it up with `m.plans.get(key)` and calls it only
+    when `m.backend.direct_launch(device)` is True."""
+    plans = m.plans
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+    return plan
+
+
 def is_scalar(x: Any) -> bool:
     return isinstance(x, (int, float, bool, np.number, np.bool_)) and not isinstance(x, CudaTensor)
 

@@ -28,7 +28,7 @@ import numpy as np
 from ..dtypes import CudaDataType
 from ..errors import DTypeMismatchError, ShapeMismatchError
 from ..kernels import accumulator_type
-from ..tensor import CudaTensor
+from ..tensor import CudaTensor, pool_tensor
 from . import common
 from .reduction import _host_result
 
@@ -181,6 +181,12 @@ def softmax(m: Any, x: CudaTensor, log: bool = False,
             out: Optional[CudaTensor] = None) -> CudaTensor:
     """softmax(x) (or log_softmax with log=True) over the last axis; a 0-d tensor is one row
     of one element. `out` (optional) must match x's shape, dtype and device."""
+    if out is None and type(x) is CudaTensor:
+        fast = m.plans.get(("softmax", x.shape, x.dtype, x.device_id, log))
+        if fast is not None and m.backend.direct_launch(x.device_id):
+            res = fast(x)
+            if res is not None:
+                return res
     what = "log_softmax" if log else "softmax"
     x = common.check_tensor(x, "tensor")
     common.require_dtype(x, common.FLOATS, what)
@@ -214,8 +220,44 @@ def softmax(m: Any, x: CudaTensor, log: bool = False,
         plans[key] = p
     if out is None:
         out = m.backend.empty(x.shape, x.dtype, dev)
+        launch(m, p, x, out, log)
+        common.remember_plan(m, ("softmax", x.shape, x.dtype, dev, log),
+                             _fast_plan(m, p, x, log))
+        return out
     launch(m, p, x, out, log)
     return out
+
+
+def _fast_plan(m: Any, p: Dict[str, Any], x: CudaTensor, log: bool) -> Any:
+    """The per-call plan of softmax on tensors shaped like x (ops/common.py remember_plan):
+    the result's allocation and one prepared launch; vec_ok from the pointers as launch()."""
+    dev, shape, dtype = x.device_id, x.shape, x.dtype
+    K = shape[-1] if x.ndim else 1
+    rows, size, nbytes = x.size // K, x.size, x.nbytes
+    itemsize, vec = dtype.itemsize, 16 // dtype.itemsize
+    if p["mode"] == "warp":
+        grid = -(-rows // (WARP_BLOCK // p["group"]))
+    else:
+        grid = min(rows, p["max_grid"]) if p["max_grid"] else rows
+    kernel = m.backend.get_kernel(p["kernel"], dev)
+    go = m.backend.prepare_launch(kernel, (grid, 1, 1), (p["threads"], 1, 1), p["smem"], dev)
+    pool = m.backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    group, flag, warp = p["group"], int(bool(log)), p["mode"] == "warp"
+
+    def run(x: CudaTensor) -> Optional[CudaTensor]:
+        px = x._ptr
+        if px is None:
+            return None
+        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
+        po = out._ptr
+        if warp:
+            vec_ok = int(K % vec == 0 and not (px | po) & 15)
+        else:
+            vec_ok = int((px - po) % 16 == 0 and px % itemsize == 0)
+        go(px, po, rows, K, group, vec_ok, flag)
+        return out
+    return run
 
 
 def prepare(m: Any, p: Dict[str, int], dtype: CudaDataType, dev: int) -> Dict[str, Any]:
