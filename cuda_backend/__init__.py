@@ -7,7 +7,8 @@ __version__ = "0.1.0"
 
 from .dtypes import CudaDataType, from_bfloat16_bits, to_bfloat16_bits  # noqa: E402
 from .errors import (CudaBackendError, CudaNotAvailableError, CudaOutOfMemoryError,  # noqa: E402
-                     DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
+                     DeviceMismatchError, DTypeMismatchError, GraphCaptureError,
+                     InvalidArgumentError,
                      InvalidDeviceError, InvalidPointerError, KernelCompilationError,
                      KernelLaunchError, KernelNotFoundError, LaunchConfigurationError,
                      ShapeMismatchError, TensorFreedError, TransferError)
@@ -21,7 +22,7 @@ __all__ = [
     "CudaDeviceInfo", "KernelGenerator", "get_kernel_generator", "FALLBACK_MESSAGE",
     "to_bfloat16_bits", "from_bfloat16_bits",
     "CudaBackendError", "CudaNotAvailableError", "CudaOutOfMemoryError", "DeviceMismatchError",
-    "DTypeMismatchError", "InvalidArgumentError", "InvalidDeviceError", "InvalidPointerError",
+    "DTypeMismatchError", "GraphCaptureError", "InvalidArgumentError", "InvalidDeviceError", "InvalidPointerError",
     "KernelCompilationError", "KernelLaunchError", "KernelNotFoundError",
     "LaunchConfigurationError", "ShapeMismatchError", "TensorFreedError", "TransferError",
 ]

@@ -139,6 +139,13 @@ class Autotuner:
         memo = self._memo.get(sig) if sig is not None else None
         if memo is not None:
             return dict(memo)
+        from .streams import capturing
+        if capturing(device_id):
+            from .errors import GraphCaptureError
+            raise GraphCaptureError(
+                f"the first call of {op} for shape class {shape_class} times its candidate "
+                f"kernels, which cannot be recorded into a CUDA graph: call it once before "
+                f"capturing")
         choice = self._pick(op, shape_class, candidates, run, device_id, repeats)
         if sig is not None:
             self._memo[sig] = choice

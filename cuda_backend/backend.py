@@ -24,7 +24,8 @@ from . import __version__
 from .devices import CudaDeviceInfo, enumerate_devices, host_device_info
 from .driver import load_driver, pycuda_version
 from .dtypes import CudaDataType
-from .errors import (CudaNotAvailableError, DTypeMismatchError, InvalidDeviceError,
+from .errors import (CudaNotAvailableError, DTypeMismatchError, GraphCaptureError,
+                     InvalidArgumentError, InvalidDeviceError,
                      InvalidPointerError, TransferError, driver_failure)
 from .memory import DriverEvents, HostBinnedPool, MemoryPool, PinnedHostPool, record_stream
 from .profiling import Profiler, write_json_atomic
@@ -76,10 +77,12 @@ class CudaBackend:
             def activate() -> Any:
                 return contexts.activate(dev)
             with contexts.activate(dev):
-                return MemoryPool(dev, pycuda.tools.DeviceMemoryPool(),
+                pool = MemoryPool(dev, pycuda.tools.DeviceMemoryPool(),
                                   device_total=self.devices[dev].memory_total,
                                   activate=activate, oom_errors=(drv.MemoryError,),
                                   events=DriverEvents(drv, activate))
+            pool.owner = self
+            return pool
         self.memory_pools: Dict[int, MemoryPool] = _LazyPools(make_pool, contexts.validate)
         with contexts.activate(contexts.current_device()):
             self._pinned = PinnedHostPool(drv)
@@ -92,6 +95,7 @@ class CudaBackend:
         self._contexts = None
         self.memory_pools = {0: MemoryPool(0, HostBinnedPool(),
                                            device_total=self.devices[0].memory_total)}
+        self.memory_pools[0].owner = self
         self._pinned = None
         self._transfers = None
         self._compiler = None
@@ -153,6 +157,7 @@ class CudaBackend:
         ids = [self._validate(device_id)] if device_id is not None \
             else self._contexts.initialized_devices()
         for dev in ids:
+            self._no_capture(dev, "synchronize")
             with self._contexts.activate(dev):
                 try:
                     self._drv.Context.synchronize()
@@ -170,6 +175,30 @@ class CudaBackend:
         self._require_gpu("stream")
         dev = self.current_device if device_id is None else self._validate(device_id)
         return Stream(self, dev)
+
+    def capture(self, stream: Any = None) -> Any:
+        """`with backend.capture() as graph:` records the ops issued in the block (on
+        `stream`, a `Stream`, or a new one) into a CUDA graph instead of running them;
+        `graph.replay()` runs them all with one launch. See graphs.py for what can be
+        captured."""
+        from .graphs import CudaGraph
+        from .streams import Stream
+        self._require_gpu("capture")
+        if stream is None:
+            stream = self.stream()
+        elif not isinstance(stream, Stream):
+            raise InvalidArgumentError(
+                f"capture needs a Stream from backend.stream(), got {type(stream).__name__}")
+        return CudaGraph(self, stream)
+
+    def _no_capture(self, device_id: int, what: str) -> None:
+        """Raise GraphCaptureError when this thread's stream on device_id is capturing."""
+        from .streams import capturing
+        if capturing(device_id):
+            raise GraphCaptureError(
+                f"{what} cannot be recorded into a CUDA graph (it waits for the device); "
+                f"do it before or after the capture, or use the async copies with pinned "
+                f"memory")
 
     def event(self, device_id: Optional[int] = None, timing: bool = True) -> Any:
         """A new `Event` on the device, for cross-stream dependencies and timing."""
@@ -301,6 +330,7 @@ class CudaBackend:
             _check_same(host, tensor, "copy_to_device")
         if not self.is_available:
             return _host_copy(host, ptr, capacity, to_host=False)
+        self._no_capture(dev, "a synchronous copy to the device (copy_to_device, from_numpy)")
         return self._transfers.to_device(host, ptr, dev, self._resolve_stream(stream, dev),
                                          capacity)
 
@@ -322,6 +352,7 @@ class CudaBackend:
         if not self.is_available:
             ms = _host_copy(target, ptr, capacity, to_host=True)
         else:
+            self._no_capture(dev, "a synchronous copy to the host (copy_from_device, to_numpy)")
             ms = self._transfers.from_device(target, ptr, dev, self._resolve_stream(stream, dev),
                                              capacity)
         if target is not host_array:
@@ -397,8 +428,26 @@ class CudaBackend:
             import ctypes
             ctypes.memmove(dptr, sptr, nbytes)
             return 0.0
+        self._no_capture(dev, "copy_device_to_device (it times the copy and waits for it)")
         return self._transfers.device_to_device(dptr, sptr, nbytes, dev,
                                                 self._resolve_stream(stream, dev))
+
+    def memset_async(self, tensor: CudaTensor, value: int, stream: Any = None) -> None:
+        """Set every 32-bit word of a tensor whose size is a multiple of 4 bytes to `value`,
+        queued on `stream` (None: this thread's current stream on its device); capturable."""
+        tensor.check_alive()
+        if tensor.nbytes % 4:
+            raise InvalidArgumentError(
+                f"memset_async sets 32-bit words: the tensor's {tensor.nbytes} bytes are not a "
+                f"multiple of 4")
+        if not self.is_available:
+            tensor.host_view.view(np.uint32)[...] = value
+            return
+        dev = tensor.device_id
+        stream = self._resolve_stream(stream, dev)
+        record_stream(tensor, stream)
+        with self._contexts.activate(dev):
+            self._drv.memset_d32_async(tensor.ptr, int(value), tensor.nbytes // 4, stream)
 
     def can_access_peer(self, device_id: int, peer_device: int) -> bool:
         """Whether device_id can read peer_device's memory directly."""

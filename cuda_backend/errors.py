@@ -152,3 +152,8 @@ def number_source_lines(source: str, marked: set = frozenset()) -> str:
         mark = ">>" if i in marked else "  "
         out.append(f"{mark}{i:>{width}} | {line}")
     return "\n".join(out)
+
+
+class GraphCaptureError(CudaBackendError, RuntimeError):
+    """A call that cannot be recorded into a CUDA graph was made while capturing, or the
+    capture failed."""

@@ -193,12 +193,14 @@ class StreamBlock:
     each and hands the block to its pool's stream-ordered free list; a StreamBlock that is
     garbage-collected without free() is freed the same way."""
 
-    __slots__ = ("block", "ptr", "size", "pool", "stream", "uses")
+    __slots__ = ("block", "ptr", "size", "pool", "stream", "uses", "graph")
 
-    def __init__(self, pool: "MemoryPool", block: Any, stream: Any, size: int) -> None:
+    def __init__(self, pool: "MemoryPool", block: Any, stream: Any, size: int,
+                 graph: Optional["GraphMemory"] = None) -> None:
         self.block, self.ptr, self.size, self.pool = block, int(block), size, pool
         self.stream = stream
         self.uses: set = set()
+        self.graph = graph   # set when allocated while `stream` captured a CUDA graph
 
     def __int__(self) -> int:
         return self.ptr
@@ -208,7 +210,11 @@ class StreamBlock:
     def free(self) -> None:
         block, self.block = self.block, None
         if block is not None:
-            self.pool._stream_free(block, self.size, self.stream, self.uses)
+            graph = self.graph
+            if graph is not None and not graph.released:
+                graph.keep(block, self.size)
+            else:
+                self.pool._stream_free(block, self.size, self.stream, self.uses)
 
     def __del__(self) -> None:
         try:
@@ -245,6 +251,35 @@ class DriverEvents:
 _CURRENT = object()  # allocate()'s default stream: this thread's `with stream:` one
 
 
+class GraphMemory:
+    """The blocks of one CUDA graph (graphs.py): what was allocated on its stream while it was
+    captured, and what was freed then or later while the graph may still replay. A block
+    freed during the capture is reusable by the capture itself (its work is in stream order);
+    nothing it holds goes back to the pool before `MemoryPool.release_graph`."""
+
+    __slots__ = ("stream", "capturing", "released", "free_bins", "kept")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.capturing = True
+        self.released = False
+        self.free_bins: Dict[int, list] = {}   # size -> blocks reusable during the capture
+        self.kept: list = []                   # (block, size) freed after the capture
+
+    def keep(self, block: Any, size: int) -> None:
+        """A block of the graph was freed (no lock: a finalizer may call this)."""
+        if self.capturing:
+            self.free_bins.setdefault(size, []).append(block)
+        else:
+            self.kept.append((block, size))
+
+    def blocks(self) -> list:
+        out = list(self.kept)
+        for size, blocks in self.free_bins.items():
+            out.extend((b, size) for b in blocks)
+        return out
+
+
 class _Freed:
     """A stream-ordered free: the block (None once reused or given back), its bin size,
     the event on its own stream and those on the other streams that used it."""
@@ -263,6 +298,7 @@ class MemoryPool:
                  oom_errors: Tuple[Type[BaseException], ...] = (MemoryError,),
                  events: Any = None) -> None:
         self.device_id = device_id
+        self.owner: Any = None   # the CudaBackend that made it (its tensors' operators use it)
         self._pool = pool
         self._device_total = device_total
         self._activate = activate or (lambda: _NULL)
@@ -279,6 +315,7 @@ class MemoryPool:
         self._waiting: list = []       # entries that wait for events on other streams
         self._deferred_bytes = 0
         self._deferred_blocks = 0
+        self._graphs: Dict[Any, GraphMemory] = {}   # stream -> graph it is capturing
         self._closed = False
         self.reset_counters()
 
@@ -322,6 +359,10 @@ class MemoryPool:
             stream = current_pycuda_stream(self.device_id) if _stream_local.__dict__.get(
                 "stack") else None
         pool = self._pool
+        if stream is not None and self._graphs:
+            graph = self._graphs.get(stream)
+            if graph is not None:
+                return self._allocate_for_graph(graph, nbytes)
         with self._lock:
             if self._returned or self._deferred_blocks:
                 self._sort_returned()
@@ -350,6 +391,47 @@ class MemoryPool:
             if stream is None:
                 return block
         return StreamBlock(self, block, stream, self._alloc_size(nbytes))
+
+    def _allocate_for_graph(self, graph: GraphMemory, nbytes: int) -> StreamBlock:
+        """An allocation on a stream that captures a graph: a block the capture freed, else
+        one from the pool; either way owned by the graph."""
+        size = self._alloc_size(nbytes)
+        reusable = graph.free_bins.get(size)
+        if reusable:
+            with self._lock:
+                self._hits += 1
+                self._total_requested += nbytes
+            return StreamBlock(self, reusable.pop(), graph.stream, size, graph)
+        self._graphs.pop(graph.stream)       # a plain stream allocation, then the graph's
+        try:
+            block = self._allocate_locked(nbytes, graph.stream)
+        finally:
+            self._graphs[graph.stream] = graph
+        block.graph = graph
+        return block
+
+    def begin_graph(self, stream: Any) -> GraphMemory:
+        """Route allocations on `stream` (a PyCUDA stream) to a new graph's memory."""
+        graph = GraphMemory(stream)
+        self._graphs[stream] = graph
+        return graph
+
+    def end_graph(self, graph: GraphMemory) -> None:
+        """The capture ended: later frees of the graph's blocks are kept until release."""
+        self._graphs.pop(graph.stream, None)
+        graph.capturing = False
+        for size, blocks in graph.free_bins.items():
+            graph.kept.extend((b, size) for b in blocks)
+        graph.free_bins = {}
+
+    def release_graph(self, graph: GraphMemory) -> None:
+        """Give the graph's freed blocks back (its stream has finished every replay); blocks
+        of live tensors go back when those are freed."""
+        self.end_graph(graph)
+        graph.released = True
+        kept, graph.kept = graph.kept, []
+        for block, size in kept:
+            block.free()
 
     def _count(self, nbytes: int) -> None:
         """(Lock held.) Hit or miss, requested bytes and the peak of one allocation."""
@@ -434,6 +516,12 @@ class MemoryPool:
         if self._closed or self._events is None:
             block.free()
             return
+        if self._graphs:     # used by a capture in progress: the graph's replays use it
+            for s in (stream, *uses):
+                graph = self._graphs.get(s)
+                if graph is not None:
+                    graph.kept.append((block, size))
+                    return
         others = [self._events.record(s) for s in uses if s is not stream]
         own = None if stream is None else self._events.record(stream)
         self._returned.append((block, size, stream, own, others))

@@ -33,6 +33,17 @@ def current_pycuda_stream(device_id: int) -> Any:
     return None
 
 
+def capturing(device_id: int) -> bool:
+    """Whether this thread's current stream on device_id is recording a CUDA graph."""
+    stack = _local.__dict__.get("stack")
+    if not stack:
+        return False
+    for s in reversed(stack):
+        if s.device_id == device_id:
+            return s.graph is not None
+    return False
+
+
 class Event:
     """A CUDA event on one device: record on a stream, wait on it from another, time between."""
 
@@ -67,6 +78,7 @@ class Stream:
     def __init__(self, backend: Any, device_id: int) -> None:
         self.device_id = device_id
         self._backend = backend
+        self.graph = None   # the CudaGraph being captured on this stream (graphs.py)
         with backend.activate(device_id):
             self.pycuda_stream = backend._drv.Stream()
 
@@ -75,6 +87,11 @@ class Stream:
         return int(self.pycuda_stream.handle)
 
     def synchronize(self) -> None:
+        if self.graph is not None:
+            from .errors import GraphCaptureError
+            raise GraphCaptureError(
+                "a stream that is capturing a CUDA graph cannot be synchronized: the capture "
+                "records work, nothing runs until graph.replay()")
         with self._backend.activate(self.device_id):
             self.pycuda_stream.synchronize()
 
