@@ -21,7 +21,7 @@ from .ops import matmul as mm
 from .ops import reduction as red
 from .ops import softmax as sm
 from .ops import transpose as tr
-from .tensor import CudaTensor
+from .tensor import CudaTensor, register_math, set_math_factory
 
 Operand = Union[CudaTensor, int, float]
 Axis = Union[None, int, Tuple[int, ...]]
@@ -38,6 +38,7 @@ class CudaMath:
         self._ew_unary_plans: dict = {}
         self._ew_scalar_plans: dict = {}
         self.plans: dict = {}   # per-call plans of the other ops: ops/common.py `plan_for`
+        register_math(self.backend, self)   # the backend's tensors' operators use the first
 
     @property
     def gpu(self) -> bool:
@@ -224,6 +225,17 @@ class CudaMath:
         from .math_benchmark import benchmark_operations
         return benchmark_operations(self, sizes, iterations)
 
+
+def _math_for_backend(backend: CudaBackend) -> CudaMath:
+    """The factory tensor operators call for a backend no CudaMath was made for yet: the
+    process backend gets get_cuda_math()'s, any other a new CudaMath (each registers)."""
+    from . import backend as backend_module
+    if backend is backend_module._backend:
+        return get_cuda_math()
+    return CudaMath(backend)
+
+
+set_math_factory(_math_for_backend)
 
 _math: Optional[CudaMath] = None
 _math_lock = threading.Lock()

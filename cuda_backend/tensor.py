@@ -212,81 +212,80 @@ class CudaTensor:
     def __add__(self, other: Any) -> "CudaTensor":
         if isinstance(other, np.ndarray):
             other = _host_operand(other, "+")
-        return _math().add(self, other)
+        return _math_of(self).add(self, other)
 
     def __radd__(self, other: Any) -> "CudaTensor":
         if isinstance(other, np.ndarray):
             other = _host_operand(other, "+")
-        return _math().add(other, self)
+        return _math_of(self).add(other, self)
 
     def __sub__(self, other: Any) -> "CudaTensor":
         if isinstance(other, np.ndarray):
             other = _host_operand(other, "-")
-        return _math().subtract(self, other)
+        return _math_of(self).subtract(self, other)
 
     def __rsub__(self, other: Any) -> "CudaTensor":
         if isinstance(other, np.ndarray):
             other = _host_operand(other, "-")
-        return _math().subtract(other, self)
+        return _math_of(self).subtract(other, self)
 
     def __mul__(self, other: Any) -> "CudaTensor":
         if isinstance(other, np.ndarray):
             other = _host_operand(other, "*")
-        return _math().multiply(self, other)
+        return _math_of(self).multiply(self, other)
 
     def __rmul__(self, other: Any) -> "CudaTensor":
         if isinstance(other, np.ndarray):
             other = _host_operand(other, "*")
-        return _math().multiply(other, self)
+        return _math_of(self).multiply(other, self)
 
     def __truediv__(self, other: Any) -> "CudaTensor":
         if isinstance(other, np.ndarray):
             other = _host_operand(other, "/")
-        return _math().divide(self, other)
+        return _math_of(self).divide(self, other)
 
     def __rtruediv__(self, other: Any) -> "CudaTensor":
         if isinstance(other, np.ndarray):
             other = _host_operand(other, "/")
-        return _math().divide(other, self)
+        return _math_of(self).divide(other, self)
 
     def __pow__(self, other: Any) -> "CudaTensor":
         if isinstance(other, np.ndarray):
             other = _host_operand(other, "**")
-        return _math().power(self, other)
+        return _math_of(self).power(self, other)
 
     def __rpow__(self, other: Any) -> "CudaTensor":
         if isinstance(other, np.ndarray):
             other = _host_operand(other, "**")
-        return _math().power(other, self)
+        return _math_of(self).power(other, self)
 
     def __matmul__(self, other: Any) -> "CudaTensor":
         if isinstance(other, np.ndarray):
             other = _host_operand(other, "@")
-        return _math().matrix_multiply(self, other)
+        return _math_of(self).matrix_multiply(self, other)
 
     def __rmatmul__(self, other: Any) -> "CudaTensor":
         if isinstance(other, np.ndarray):
             other = _host_operand(other, "@")
-        return _math().matrix_multiply(other, self)
+        return _math_of(self).matrix_multiply(other, self)
 
     def __neg__(self) -> "CudaTensor":
-        return _math().negative(self)
+        return _math_of(self).negative(self)
 
     @property
     def T(self) -> "CudaTensor":
         """Transpose of a 2-D tensor (last two axes of a 3-D one), as a new tensor."""
-        return _math().matrix_transpose(self)
+        return _math_of(self).matrix_transpose(self)
 
     def to(self, device_id: int) -> "CudaTensor":
         """A copy on another device (peer-to-peer when possible); self if already there."""
         if device_id == self.device_id:
             return self.check_alive()
-        from .backend import get_cuda_backend
-        return get_cuda_backend().copy_to_tensor_device(self, device_id)
+        return _backend_of(self).copy_to_tensor_device(self, device_id)
 
     def numpy(self) -> np.ndarray:
         """A host copy (bfloat16 as float32)."""
-        return _math().to_numpy(self)
+        return _math_of(self).to_numpy(self)
 
     # -- display ------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -337,9 +336,64 @@ def _host_operand(array: np.ndarray, op: str) -> Any:
         f"array with from_numpy() first")
 
 
-def _math() -> Any:
-    from .cuda_math import get_cuda_math
-    return get_cuda_math()
+# -- the math a tensor's operators use ------------------------------------------------------
+# A tensor's operators (a + b, a @ b, a.T, -a, .numpy(), .to()) run on the backend that made
+# it: its pool's `owner` (set by CudaBackend), else (no pool: from_cuda_array wrappers,
+# zero-size tensors) the process backend. The CudaMath for a backend is the first one made
+# for it (CudaMath.__init__ calls register_math), else one the factory that cuda_math
+# registers at import makes on first use; so this module has no import of cuda_math (it
+# loads the module by name only if an operator runs before anything imported it).
+# A plain dict, keyed by identity: weak keys would not free anything here, since each value
+# (a CudaMath) holds its key (math.backend), and atexit holds every backend's shutdown.
+_MATHS: dict = {}
+_math_factory: Optional[Any] = None
+
+
+def register_math(backend: Any, math_: Any) -> None:
+    """Make math_ the CudaMath of backend's tensors, unless one already is (first wins)."""
+    _MATHS.setdefault(backend, math_)
+
+
+def set_math_factory(factory: Any) -> None:
+    """factory(backend) -> a CudaMath for it (called by cuda_math at import)."""
+    global _math_factory
+    _math_factory = factory
+
+
+def _math_of(t: CudaTensor) -> Any:
+    """The CudaMath of t's backend (the operators' per-call path: two lookups)."""
+    pool = t._pool
+    if pool is not None:
+        m = _MATHS.get(pool.owner)
+        if m is not None:
+            return m
+    return math_for(_backend_of(t))
+
+
+def _backend_of(t: CudaTensor) -> Any:
+    """The backend whose pool t's memory came from, else the process backend."""
+    pool = t._pool
+    backend = None if pool is None else pool.owner
+    if backend is None:
+        t.check_alive()   # a freed tensor: the error the operation would raise, no backend
+        from .backend import get_cuda_backend
+        backend = get_cuda_backend()
+    return backend
+
+
+def math_for(backend: Any) -> Any:
+    """The CudaMath registered for backend, made (and registered) on first use."""
+    m = _MATHS.get(backend)
+    if m is None:
+        if _math_factory is None:
+            # cuda_math registers the factory when imported; nothing imported it yet
+            import importlib
+            importlib.import_module(__package__ + ".cuda_math")
+        m = _MATHS.get(backend)
+        if m is None:
+            _math_factory(backend)   # CudaMath.__init__ registers it (or a racing one won)
+            m = _MATHS[backend]
+    return m
 
 
 def pointer_device(ptr: int) -> int:

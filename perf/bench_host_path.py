@@ -1,8 +1,35 @@
-"""Host-side cost of the small-call path, on any machine: PyCUDA is replaced by stubs.
+"""Host-side cost of small calls: on the GPU, ours against PyTorch eager; on any machine, our
+Python alone with PyCUDA replaced by stubs.
 
-    python perf/bench_host_path.py [--reps N]
+    python perf/bench_host_path.py [--ops NAME,...] [--out results.json]      # GPU mode
+        [--calls 1000] [--runs 5] [--warmup 20] [--transpose-n 8192] [--no-torch] [--gpu]
+    python perf/bench_host_path.py --stub [--reps N]                          # stub mode
 
-The stubs (`install_fake_pycuda`) make the backend start in GPU mode without a GPU: the
+GPU mode (the default when PyCUDA imports; --gpu forces it, e.g. to check the script in
+NumPy fallback mode on a machine without a GPU) times every public CudaMath/CudaML op and
+the tensor operators on small inputs (see CASES: 1,024 elements for elementwise ops and
+dropout/optimizers, 64x64 rows for softmax/reductions/layer_norm/transpose, 64^3 matmul,
+(1,8,16,16) NCHW for batch_norm/conv2d/pooling, (1,2,64,64) attention, 32x1024 @ 1024x1024
+fused_linear_gelu), each against PyTorch's equivalent call. Per op and side: warm-up calls
+(compilation, autotuning, pool growth), then `--calls` back-to-back calls followed by one
+synchronize (ours: backend.synchronize(); torch: torch.cuda.synchronize()), wall clock
+(time.perf_counter) divided by the calls, best of `--runs` runs. The results are kept in a
+list and freed after the clock stops (ours: .free(); torch: the caching allocator), so that
+freeing is not timed; the GC is off while timing. float32 throughout; PyTorch's TF32 is off
+(our matmul/conv2d are true FP32 by default, fused_linear_gelu float32-accurate). Then:
+  mlp_forward     the batch-32 MLP forward, per call: fused_linear_gelu 1024->4096,
+                  matrix_multiply 4096->1024, softmax (intermediates freed inside the call).
+  sync_transpose  a synchronous matrix_transpose of N^2 (--transpose-n, 8192): wall time per
+                  call (call + device synchronize, median and best of 20) against its GPU time
+                  (CUDA events, cuda_backend/performance/timing.py's DeviceTimer, warm L2);
+                  wall - GPU is the host overhead a synchronous caller sees.
+The table prints ours and torch in us per call and ours/torch (< 1: we are faster); --out
+writes all of it as JSON. Every case is guarded: one that fails prints its error and the run
+goes on. Without PyTorch (or with --no-torch) only ours is timed. --ops takes
+comma-separated case names (write --ops=-a,a.T when the list starts with '-').
+
+Stub mode (--stub; the default when PyCUDA is missing): the stubs (`install_fake_pycuda`)
+make the backend start in GPU mode without a GPU: the
 driver calls return at once, the memory pool is a minimal Python pool whose counters are
 plain attributes (PyCUDA's are C++ getters, as cheap), kernels "compile" instantly from the
 real rendered template and `_launch_kernel` does nothing. What remains is our Python: the
@@ -254,10 +281,8 @@ def per_result_us(fn, number: int, repeat: int = 7) -> float:
     return min(runs) / number * 1e6
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=20000)
-    args = ap.parse_args()
+def stub_main(args: argparse.Namespace) -> None:
+    """Stub mode: our per-call host cost with PyCUDA replaced by stubs."""
     os.environ.pop("CUDA_BACKEND_FALLBACK", None)
     install_fake_pycuda()
     import numpy as np
@@ -301,5 +326,416 @@ def main() -> None:
     res.free()
 
 
+# -- GPU mode: ours against PyTorch eager, per call ------------------------------------------
+V = (1024,)          # elementwise, dropout, optimizers
+M = (64, 64)         # rows: softmax, reductions, layer_norm, transpose; matmul operands
+NCHW = (1, 8, 16, 16)
+C8 = (8,)
+QKV = (1, 2, 64, 64)
+
+
+class Case:
+    """One row: `inputs` are shapes (or (shape, scale) pairs) filled with uniform values in
+    [0.5, 1.5) * scale; ours(ctx, *our_tensors) and theirs(ctx, *torch_tensors) return the
+    zero-argument callable to time (built inside the case's guard)."""
+
+    def __init__(self, name: str, desc: str, inputs: list, ours, theirs=None) -> None:
+        self.name, self.desc, self.inputs, self.ours, self.theirs = \
+            name, desc, inputs, ours, theirs
+
+
+def _cases() -> list:
+    from functools import partial as P
+    import operator as op
+    scale_in = 1024 ** -0.5
+
+    def un(name: str, torch_name: str) -> Case:
+        return Case(name, "1,024", [V], lambda c, x: P(getattr(c.m, name), x),
+                    lambda c, x: P(getattr(c.torch, torch_name), x))
+
+    def bi(name: str, torch_name: str) -> Case:
+        return Case(name, "1,024 (+) 1,024", [V, V], lambda c, a, b: P(getattr(c.m, name), a, b),
+                    lambda c, a, b: P(getattr(c.torch, torch_name), a, b))
+
+    def act(name: str, kind: str, torch_fn) -> Case:
+        return Case(name, "1,024", [V],
+                    lambda c, x: P(c.ml.activation, x, getattr(c.ActivationType, kind)),
+                    lambda c, x: P(torch_fn(c), x))
+
+    def red(name: str, torch_name: str) -> Case:
+        return Case(name, "64x64 axis=1", [M], lambda c, x: P(getattr(c.m, name), x, axis=1),
+                    lambda c, x: P(getattr(c.torch, torch_name), x, dim=1))
+
+    def bn(training: bool) -> Case:
+        return Case(f"batch_norm_{'train' if training else 'infer'}", "(1,8,16,16)",
+                    [NCHW, C8, C8, C8, C8],
+                    lambda c, x, g, b, mu, var: P(c.ml.batch_norm, x, g, b, mu, var,
+                                                  training=training),
+                    lambda c, x, g, b, mu, var: P(c.F.batch_norm, x, mu, var, g, b,
+                                                  training=training))
+
+    def mlp_ours(c, x, w1, b1, w2):
+        fl, mm, sm = c.ml.fused_linear_gelu, c.m.matrix_multiply, c.m.softmax
+
+        def fn():
+            h = fl(x, w1, b1)
+            y = mm(h, w2)
+            h.free()
+            p = sm(y)
+            y.free()
+            return p
+        return fn
+
+    def mlp_torch(c, x, w1, b1, w2):
+        F, softmax = c.F, c.torch.softmax
+        return lambda: softmax(F.gelu(F.linear(x, w1, b1), approximate="tanh") @ w2, dim=-1)
+
+    def adam_torch(c, p, g, m_, v_):
+        param = c.torch.nn.Parameter(p.clone())
+        param.grad = g
+        return c.torch.optim.Adam([param], lr=1e-3, foreach=False, capturable=False).step
+
+    return [
+        # tensors and copies
+        Case("create_tensor", "1,024", [], lambda c: P(c.m.create_tensor, V),
+             lambda c: P(c.torch.empty, V, device="cuda")),
+        Case("zeros", "1,024", [], lambda c: P(c.m.zeros, V),
+             lambda c: P(c.torch.zeros, V, device="cuda")),
+        Case("ones", "1,024", [], lambda c: P(c.m.ones, V),
+             lambda c: P(c.torch.ones, V, device="cuda")),
+        Case("fill", "1,024 in place", [V], lambda c, x: P(c.m.fill, x, 0.0),
+             lambda c, x: P(x.fill_, 0.0)),
+        Case("copy", "1,024", [V], lambda c, x: P(c.m.copy, x), lambda c, x: x.clone),
+        Case("from_numpy", "1,024 host->device", [],
+             lambda c: P(c.m.from_numpy, c.host(V)),
+             lambda c: P(c.torch.as_tensor, c.host(V), device="cuda")),
+        Case("to_numpy", "1,024 device->host", [V], lambda c, x: P(c.m.to_numpy, x),
+             lambda c, x: lambda: x.cpu().numpy()),
+        # elementwise
+        Case("vector_add", "1,024 + 1,024", [V, V], lambda c, a, b: P(c.m.vector_add, a, b),
+             lambda c, a, b: P(c.torch.add, a, b)),
+        bi("add", "add"), bi("subtract", "sub"), bi("multiply", "mul"), bi("divide", "div"),
+        bi("maximum", "maximum"), bi("minimum", "minimum"), bi("power", "pow"),
+        Case("multiply_scalar", "1,024 * 2.5", [V], lambda c, x: P(c.m.multiply, x, 2.5),
+             lambda c, x: P(c.torch.mul, x, 2.5)),
+        un("exp", "exp"), un("log", "log"), un("sqrt", "sqrt"), un("abs", "abs"),
+        un("tanh", "tanh"), un("negative", "neg"), un("relu", "relu"), un("sigmoid", "sigmoid"),
+        Case("gelu", "1,024 (tanh)", [V], lambda c, x: P(c.ml.gelu, x),
+             lambda c, x: P(c.F.gelu, x, approximate="tanh")),
+        act("gelu_exact", "GELU_EXACT", lambda c: c.F.gelu),
+        act("leaky_relu", "LEAKY_RELU", lambda c: c.F.leaky_relu),
+        act("elu", "ELU", lambda c: c.F.elu),
+        act("silu", "SILU", lambda c: c.F.silu),
+        # rows
+        Case("softmax", "64x64 dim=-1", [M], lambda c, x: P(c.m.softmax, x),
+             lambda c, x: P(c.torch.softmax, x, dim=-1)),
+        Case("log_softmax", "64x64 dim=-1", [M], lambda c, x: P(c.m.log_softmax, x),
+             lambda c, x: P(c.torch.log_softmax, x, dim=-1)),
+        red("reduce_sum", "sum"), red("reduce_mean", "mean"), red("reduce_max", "amax"),
+        red("reduce_min", "amin"), red("argmax", "argmax"),
+        Case("layer_norm", "64x64 weight+bias", [M, (64,), (64,)],
+             lambda c, x, w, b: P(c.ml.layer_norm, x, w, b),
+             lambda c, x, w, b: P(c.F.layer_norm, x, (64,), w, b)),
+        # matrices
+        Case("matrix_multiply", "64^3", [M, M], lambda c, a, b: P(c.m.matrix_multiply, a, b),
+             lambda c, a, b: P(c.torch.matmul, a, b)),
+        Case("matrix_transpose", "64x64", [M], lambda c, x: P(c.m.matrix_transpose, x),
+             lambda c, x: lambda: x.t().contiguous()),
+        # CudaML
+        bn(False), bn(True),
+        Case("conv2d", "(1,8,16,16)*(8,8,3,3) pad 1", [NCHW, (8, 8, 3, 3)],
+             lambda c, x, w: P(c.ml.conv2d, x, w, c.ConvolutionConfig(3, padding=1)),
+             lambda c, x, w: P(c.F.conv2d, x, w, padding=1)),
+        Case("max_pool2d", "(1,8,16,16) 2x2", [NCHW], lambda c, x: P(c.ml.max_pool2d, x, 2),
+             lambda c, x: P(c.F.max_pool2d, x, 2)),
+        Case("avg_pool2d", "(1,8,16,16) 2x2", [NCHW], lambda c, x: P(c.ml.avg_pool2d, x, 2),
+             lambda c, x: P(c.F.avg_pool2d, x, 2)),
+        Case("flash_attention", "(1,2,64,64)", [QKV, QKV, QKV],
+             lambda c, q, k, v: P(c.ml.flash_attention, q, k, v),
+             lambda c, q, k, v: P(c.F.scaled_dot_product_attention, q, k, v)),
+        Case("dropout", "1,024 keep 0.5", [V], lambda c, x: P(c.ml.dropout, x, 0.5),
+             lambda c, x: P(c.F.dropout, x, 0.5, training=True)),
+        Case("fused_linear_gelu", "32x1024 @ 1024x1024 + b", [(32, 1024), ((1024, 1024), scale_in),
+                                                             (1024,)],
+             lambda c, x, w, b: P(c.ml.fused_linear_gelu, x, w, b),
+             lambda c, x, w, b: lambda: c.F.gelu(c.F.linear(x, w, b), approximate="tanh")),
+        Case("sketched_linear", "32x1024, 2 terms rank 16 -> 1024",
+             [(32, 1024), ((2, 1024, 16), scale_in), ((2, 16, 1024), 0.25), (1024,)],
+             lambda c, x, u, v, b: P(c.ml.sketched_linear, x, u, v, b),
+             lambda c, x, u, v, b: lambda: (x @ u @ v).mean(0) + b),
+        Case("sgd_update", "1,024 params", [V, V],
+             lambda c, p, g: P(c.ml.sgd_update, p, g, None,
+                               c.OptimizerState(learning_rate=1e-3, momentum=0.0)),
+             lambda c, p, g: P(p.add_, g, alpha=-1e-3)),
+        Case("adam_update", "1,024 params", [V, V, V, V],
+             lambda c, p, g, m_, v_: P(c.ml.adam_update, p, g, m_, v_,
+                                       c.OptimizerState(learning_rate=1e-3)),
+             adam_torch),
+        # tensor operators
+        Case("a+b", "1,024", [V, V], lambda c, a, b: P(op.add, a, b),
+             lambda c, a, b: P(op.add, a, b)),
+        Case("a*b", "1,024", [V, V], lambda c, a, b: P(op.mul, a, b),
+             lambda c, a, b: P(op.mul, a, b)),
+        Case("a@b", "64^3", [M, M], lambda c, a, b: P(op.matmul, a, b),
+             lambda c, a, b: P(op.matmul, a, b)),
+        Case("a.T", "64x64 (torch: .t().contiguous())", [M],
+             lambda c, a: P(op.attrgetter("T"), a), lambda c, a: lambda: a.t().contiguous()),
+        Case("-a", "1,024", [V], lambda c, a: P(op.neg, a), lambda c, a: P(op.neg, a)),
+        # composite
+        Case("mlp_forward", "batch 32: 1024->4096 gelu ->1024 softmax",
+             [(32, 1024), ((4096, 1024), scale_in), (4096,), ((4096, 1024), 4096 ** -0.5)],
+             mlp_ours, mlp_torch),
+    ]
+
+
+def _release_ours(outs: list, keep: tuple = ()) -> None:
+    """Free the tensors among outs (and tuples in it), except those in keep: the inputs,
+    which in-place ops such as fill return."""
+    from cuda_backend.tensor import CudaTensor
+    for o in outs:
+        for t in (o if isinstance(o, tuple) else (o,)):
+            if isinstance(t, CudaTensor) and not any(t is k for k in keep):
+                t.free()
+
+
+def _release_none(outs: list) -> None:
+    return None
+
+
+def wall_per_call_us(fn, sync, release, calls: int, runs: int, warmup: int) -> float:
+    """Best of `runs`: `calls` back-to-back calls of fn then one sync(), wall clock, in us
+    per call. Results are kept until the clock stops, then released (not timed)."""
+    outs = [fn() for _ in range(warmup)]
+    sync()
+    release(outs)
+    del outs
+    gc.collect()
+    best = float("inf")
+    gc.disable()
+    try:
+        for _ in range(runs):
+            outs = [None] * calls
+            t0 = time.perf_counter()
+            for i in range(calls):
+                outs[i] = fn()
+            sync()
+            best = min(best, time.perf_counter() - t0)
+            release(outs)
+            del outs
+    finally:
+        gc.enable()
+    return best / calls * 1e6
+
+
+class _Ctx:
+    """What the case builders use: our math/ml, torch, and host inputs."""
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def gpu_main(args: argparse.Namespace) -> int:
+    cases = _cases()
+    known = [c.name for c in cases] + ["sync_transpose"]
+    wanted = None
+    if args.ops:
+        wanted = [s.strip() for s in args.ops.split(",") if s.strip()]
+        unknown = [w for w in wanted if w not in known]
+        if unknown:
+            print(f"unknown --ops {unknown}; known: {', '.join(known)}", file=sys.stderr)
+            return 2
+        cases = [c for c in cases if c.name in wanted]
+
+    import json
+    import platform
+    import statistics
+    import numpy as np
+    from cuda_backend.cuda_math import get_cuda_math
+    from cuda_backend.cuda_ml import (ActivationType, ConvolutionConfig, OptimizerState,
+                                      get_cuda_ml)
+    from cuda_backend.performance.timing import make_timer
+
+    m = get_cuda_math()
+    ml = get_cuda_ml()
+    b = m.backend
+    torch = F = None
+    torch_note = "not installed"
+    if args.no_torch:
+        torch_note = "off (--no-torch)"
+    else:
+        try:
+            import torch
+            import torch.nn.functional as F
+            if not torch.cuda.is_available() or not b.is_available:
+                torch_note = "no CUDA device (torch.cuda.is_available() is False)" \
+                    if not torch.cuda.is_available() else "skipped: our backend is in fallback mode"
+                torch = F = None
+            else:
+                torch_note = torch.__version__
+                torch.backends.cuda.matmul.allow_tf32 = False
+                torch.backends.cudnn.allow_tf32 = False
+                torch.backends.cudnn.benchmark = True
+        except Exception as exc:      # noqa: BLE001 -- report and time ours only
+            torch_note = f"import failed: {type(exc).__name__}: {exc}"
+            torch = F = None
+    device = b.devices[0].name if b.is_available else \
+        f"fallback mode, NumPy on the host ({b.fallback_reason})"
+    print(f"device: {device}\ntorch: {torch_note}\n"
+          f"per call: best of {args.runs} runs of {args.calls} back-to-back calls + one sync, "
+          f"wall clock; {args.warmup} warm-up calls\n")
+
+    c = _Ctx()
+    c.m, c.ml, c.torch, c.F = m, ml, torch, F
+    c.ActivationType, c.ConvolutionConfig, c.OptimizerState = \
+        ActivationType, ConvolutionConfig, OptimizerState
+    rng = np.random.default_rng(0)
+    c.host = lambda shape: rng.uniform(0.5, 1.5, shape).astype(np.float32)
+    ours_sync = b.synchronize
+    torch_sync = torch.cuda.synchronize if torch is not None else None
+
+    def arrays(spec: list) -> list:
+        out = []
+        for s in spec:
+            shape, scale = (s, 1.0) if isinstance(s[0], int) else s
+            out.append(c.host(shape) * np.float32(scale))
+        return out
+
+    rows = []
+    print(f"{'op':<18} {'inputs':<38} {'ours us':>9} {'torch us':>9} {'ours/torch':>10}")
+    for case in cases:
+        row = {"op": case.name, "inputs": case.desc, "ours_us": None, "torch_us": None}
+        hosts = arrays(case.inputs)
+        ours_t = []
+        try:
+            ours_t = [m.from_numpy(h) for h in hosts]
+            fn = case.ours(c, *ours_t)
+            keep = tuple(ours_t)
+            row["ours_us"] = wall_per_call_us(fn, ours_sync,
+                                              lambda outs: _release_ours(outs, keep),
+                                              args.calls, args.runs, args.warmup)
+        except Exception as exc:      # noqa: BLE001 -- one failing case must not end the run
+            row["ours_error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            _release_ours(ours_t)
+        if torch is not None and case.theirs is not None:
+            try:
+                tt = [torch.as_tensor(h, device="cuda") for h in hosts]
+                fn = case.theirs(c, *tt)
+                row["torch_us"] = wall_per_call_us(fn, torch_sync, _release_none, args.calls,
+                                                   args.runs, args.warmup)
+            except Exception as exc:  # noqa: BLE001
+                row["torch_error"] = f"{type(exc).__name__}: {exc}"
+            tt = fn = None
+        if row["ours_us"] is not None and row["torch_us"]:
+            row["ours_over_torch"] = row["ours_us"] / row["torch_us"]
+        rows.append(row)
+        print(f"{case.name:<18} {case.desc:<38} {_fmt(row['ours_us']):>9} "
+              f"{_fmt(row['torch_us']):>9} {_fmt(row.get('ours_over_torch')):>10}", flush=True)
+        for side in ("ours", "torch"):
+            if f"{side}_error" in row:
+                print(f"    {side} failed: {row[side + '_error']}", flush=True)
+
+    sync_t = None
+    if wanted is None or "sync_transpose" in wanted:
+        sync_t = {"n": args.transpose_n}
+        n = args.transpose_n
+        print(f"\nsynchronous matrix_transpose of {n}x{n} float32 (us per call)")
+        x = None
+        try:
+            x = m.from_numpy(rng.uniform(0.5, 1.5, (n, n)).astype(np.float32))
+            walls = []
+            for i in range(23):
+                t0 = time.perf_counter()
+                out = m.matrix_transpose(x)
+                ours_sync()
+                dt = time.perf_counter() - t0
+                out.free()
+                if i >= 3:                     # 3 warm-up calls
+                    walls.append(dt * 1e6)
+            timer = make_timer(b, 0, False)
+            try:
+                gpu = [ms * 1e3 for ms in timer.time(lambda: m.matrix_transpose(x), 3, 20,
+                                                     release=lambda t: t.free())]
+            finally:
+                timer.close()
+            sync_t.update(wall_median_us=statistics.median(walls), wall_min_us=min(walls),
+                          gpu_median_us=statistics.median(gpu), gpu_min_us=min(gpu),
+                          gpu_timer=timer.kind)
+            sync_t["host_overhead_us"] = sync_t["wall_median_us"] - sync_t["gpu_median_us"]
+            print(f"  ours wall (call + sync)  median {sync_t['wall_median_us']:10.1f}  "
+                  f"best {sync_t['wall_min_us']:10.1f}\n"
+                  f"  ours GPU ({timer.kind:<11})  median {sync_t['gpu_median_us']:10.1f}  "
+                  f"best {sync_t['gpu_min_us']:10.1f}\n"
+                  f"  wall - GPU (median)      {sync_t['host_overhead_us']:10.1f}")
+        except Exception as exc:      # noqa: BLE001
+            sync_t["ours_error"] = f"{type(exc).__name__}: {exc}"
+            print(f"  ours failed: {sync_t['ours_error']}")
+        finally:
+            if x is not None:
+                x.free()
+        if torch is not None:
+            try:
+                tx = torch.rand((n, n), device="cuda")
+                walls = []
+                for i in range(23):
+                    t0 = time.perf_counter()
+                    out = tx.t().contiguous()
+                    torch_sync()
+                    if i >= 3:
+                        walls.append((time.perf_counter() - t0) * 1e6)
+                    del out
+                sync_t["torch_wall_median_us"] = statistics.median(walls)
+                sync_t["torch_wall_min_us"] = min(walls)
+                print(f"  torch wall (.t().contiguous() + sync) median "
+                      f"{sync_t['torch_wall_median_us']:10.1f}  best "
+                      f"{sync_t['torch_wall_min_us']:10.1f}")
+                del tx
+            except Exception as exc:  # noqa: BLE001
+                sync_t["torch_error"] = f"{type(exc).__name__}: {exc}"
+                print(f"  torch failed: {sync_t['torch_error']}")
+
+    if args.out:
+        doc = {"script": "perf/bench_host_path.py", "mode": "gpu" if b.is_available else
+               "fallback", "device": device, "torch": torch_note,
+               "python": platform.python_version(), "calls": args.calls, "runs": args.runs,
+               "warmup": args.warmup, "timing": "wall clock (time.perf_counter), best of runs "
+               "of back-to-back calls + one synchronize, us per call; results freed untimed",
+               "torch_tf32": False if torch is not None else None,
+               "cases": rows, "sync_transpose": sync_t}
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=2)
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stub", action="store_true",
+                    help="stub mode: our Python alone, PyCUDA replaced by stubs (the default "
+                         "when PyCUDA is missing)")
+    ap.add_argument("--gpu", action="store_true",
+                    help="GPU mode even without PyCUDA (then NumPy fallback: checks the script)")
+    ap.add_argument("--reps", type=int, default=20000, help="stub mode: calls per run")
+    ap.add_argument("--ops", help="GPU mode: comma-separated case names (default: all)")
+    ap.add_argument("--out", help="GPU mode: write the results as JSON")
+    ap.add_argument("--calls", type=int, default=1000, help="GPU mode: calls per run")
+    ap.add_argument("--runs", type=int, default=5, help="GPU mode: runs (the best counts)")
+    ap.add_argument("--warmup", type=int, default=20, help="GPU mode: warm-up calls")
+    ap.add_argument("--transpose-n", type=int, default=8192,
+                    help="GPU mode: sync_transpose size (N x N)")
+    ap.add_argument("--no-torch", action="store_true", help="GPU mode: time ours only")
+    args = ap.parse_args()
+    if args.stub and args.gpu:
+        ap.error("--stub and --gpu exclude each other")
+    if args.stub or not args.gpu:
+        import importlib.util
+        if args.stub or importlib.util.find_spec("pycuda") is None:
+            stub_main(args)
+            return 0
+    return gpu_main(args)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
