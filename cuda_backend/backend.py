@@ -89,6 +89,7 @@ class CudaBackend:
         self._transfers = TransferEngine(drv, self._contexts, self._pinned)
         self._compiler = KernelCompiler(drv, self._contexts, self.devices)
         self._launcher = Launcher(drv, self._compiler, self._contexts, self.devices)
+        self.direct_launch = self._launcher.direct     # the per-call check, one call deep
 
     def _init_fallback(self) -> None:
         self.devices = [host_device_info()]

@@ -40,6 +40,8 @@ class ContextManager:
         self._contexts: List[Optional[Any]] = [None] * device_count
         self._lock = threading.Lock()
         self._local = threading.local()
+        # this thread's stack of (device, context, persistent): local_state.__dict__.get("state")
+        self.local_state = self._local
         self._closed = False
         _ThreadState.stack_pop = staticmethod(drv.Context.pop)
 

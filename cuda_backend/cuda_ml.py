@@ -89,14 +89,17 @@ class CudaML:
 
         float32 is true FP32 by default; precision="tf32" opts into TF32 tensor cores.
         """
-        from .ops import conv2d
-        return conv2d.conv2d(self.math, input, kernel, config, bias, precision)
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_conv2d
+        except AttributeError:
+            from .ops.conv2d import conv2d as op
+            CudaML._op_conv2d = staticmethod(op)
+        return op(self.math, input, kernel, config, bias, precision)
 
     # -- activations ----------------------------------------------------------------------
     def activation(self, tensor: CudaTensor, activation_type: ActivationType,
                    alpha: Optional[float] = None) -> CudaTensor:
         """Elementwise activation; alpha applies to LEAKY_RELU (0.01) and ELU (1.0)."""
-        from .ops import elementwise
         if not isinstance(activation_type, ActivationType):
             raise InvalidArgumentError(
                 f"activation_type must be an ActivationType, got {activation_type!r}")
@@ -108,28 +111,65 @@ class CudaML:
             params["alpha"] = 0.01 if alpha is None else float(alpha)
         elif activation_type is ActivationType.ELU:
             params["alpha"] = 1.0 if alpha is None else float(alpha)
-        return elementwise.unary(self.math, activation_type.value, tensor, **params)
+        elif type(tensor) is CudaTensor:   # no parameter: the plan, as in gelu()
+            plan = self.math._ew_unary_plans.get(
+                (activation_type._value_, tensor.dtype._name_, tensor.device_id))
+            if plan is not None:
+                res = plan(tensor)
+                if res is not None:
+                    return res
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            unary = CudaML._op_unary
+        except AttributeError:
+            from .ops.elementwise import unary
+            CudaML._op_unary = staticmethod(unary)
+        return unary(self.math, activation_type._value_, tensor, **params)
 
     def gelu(self, tensor: CudaTensor, approximate: str = "tanh") -> CudaTensor:
         """GELU; approximate="tanh" (default) or "none" for the exact erf form."""
-        if approximate not in ("tanh", "none"):
+        if approximate == "tanh":
+            op = "gelu"
+        elif approximate == "none":
+            op = "gelu_exact"
+        else:
             raise InvalidArgumentError(
                 f"approximate must be 'tanh' or 'none', got {approximate!r}")
-        kind = ActivationType.GELU if approximate == "tanh" else ActivationType.GELU_EXACT
-        return self.activation(tensor, kind)
+        m = self.math
+        if type(tensor) is CudaTensor:
+            # the common call: elementwise.unary()'s plan, looked up here (as
+            # CudaMath.vector_add does add's): no activation() layer, no Enum .value
+            plan = m._ew_unary_plans.get((op, tensor.dtype._name_, tensor.device_id))
+            if plan is not None:
+                res = plan(tensor)
+                if res is not None:
+                    return res
+        try:
+            unary = CudaML._op_unary
+        except AttributeError:
+            from .ops.elementwise import unary
+            CudaML._op_unary = staticmethod(unary)
+        return unary(m, op, tensor)
 
     # -- pooling ------------------------------------------------------------------------
     def max_pool2d(self, tensor: CudaTensor, pool_size: Pair, stride: Optional[Pair] = None,
                    padding: Pair = (0, 0)) -> CudaTensor:
         """Max over windows of an NCHW tensor (stride defaults to pool_size)."""
-        from .ops import pooling
-        return pooling.pool2d(self.math, "max", tensor, pool_size, stride, padding)
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_pool2d
+        except AttributeError:
+            from .ops.pooling import pool2d as op
+            CudaML._op_pool2d = staticmethod(op)
+        return op(self.math, "max", tensor, pool_size, stride, padding)
 
     def avg_pool2d(self, tensor: CudaTensor, pool_size: Pair, stride: Optional[Pair] = None,
                    padding: Pair = (0, 0)) -> CudaTensor:
         """Mean over windows (padding counted in the divisor, as PyTorch's default)."""
-        from .ops import pooling
-        return pooling.pool2d(self.math, "avg", tensor, pool_size, stride, padding)
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_pool2d
+        except AttributeError:
+            from .ops.pooling import pool2d as op
+            CudaML._op_pool2d = staticmethod(op)
+        return op(self.math, "avg", tensor, pool_size, stride, padding)
 
     # -- normalization --------------------------------------------------------------------
     def batch_norm(self, input: CudaTensor, gamma: CudaTensor, beta: CudaTensor,
@@ -137,15 +177,22 @@ class CudaML:
                    training: bool = False, momentum: float = 0.1) -> CudaTensor:
         """Batch norm over N(,H,W) per channel. Inference uses mean/var; training=True uses
         the batch statistics and updates mean/var in place (running averages)."""
-        from .ops import normalization
-        return normalization.batch_norm(self.math, input, gamma, beta, mean, var, eps,
-                                        training, momentum)
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_batch_norm
+        except AttributeError:
+            from .ops.normalization import batch_norm as op
+            CudaML._op_batch_norm = staticmethod(op)
+        return op(self.math, input, gamma, beta, mean, var, eps, training, momentum)
 
     def layer_norm(self, x: CudaTensor, weight: Optional[CudaTensor],
                    bias: Optional[CudaTensor], eps: float = 1e-5) -> CudaTensor:
         """Layer norm over the last dimension."""
-        from .ops import normalization
-        return normalization.layer_norm(self.math, x, weight, bias, eps)
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_layer_norm
+        except AttributeError:
+            from .ops.normalization import layer_norm as op
+            CudaML._op_layer_norm = staticmethod(op)
+        return op(self.math, x, weight, bias, eps)
 
     def softmax(self, tensor: CudaTensor) -> CudaTensor:
         return self.math.softmax(tensor)
@@ -161,22 +208,33 @@ class CudaML:
         Counter-based RNG: the same seed gives the same mask. Returns the output, or
         (output, mask) with return_mask=True (mask is uint8).
         """
-        from .ops import dropout
-        return dropout.dropout(self.math, tensor, keep_prob, seed, return_mask)
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_dropout
+        except AttributeError:
+            from .ops.dropout import dropout as op
+            CudaML._op_dropout = staticmethod(op)
+        return op(self.math, tensor, keep_prob, seed, return_mask)
 
     # -- optimizers -----------------------------------------------------------------------
     def sgd_update(self, params: CudaTensor, gradients: CudaTensor,
                    momentum: Optional[CudaTensor], optimizer_state: OptimizerState) -> None:
         """One fused SGD step in place (momentum buffer optional; Nesterov and weight decay)."""
-        from .ops import optimizers
-        optimizers.sgd_update(self.math, params, gradients, momentum, optimizer_state)
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_sgd_update
+        except AttributeError:
+            from .ops.optimizers import sgd_update as op
+            CudaML._op_sgd_update = staticmethod(op)
+        op(self.math, params, gradients, momentum, optimizer_state)
 
     def adam_update(self, params: CudaTensor, gradients: CudaTensor, m_buffer: CudaTensor,
                     v_buffer: CudaTensor, optimizer_state: OptimizerState) -> None:
         """One fused Adam/AdamW step in place, with bias correction; advances state.step."""
-        from .ops import optimizers
-        optimizers.adam_update(self.math, params, gradients, m_buffer, v_buffer,
-                               optimizer_state)
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_adam_update
+        except AttributeError:
+            from .ops.optimizers import adam_update as op
+            CudaML._op_adam_update = staticmethod(op)
+        op(self.math, params, gradients, m_buffer, v_buffer, optimizer_state)
 
     # -- layers ---------------------------------------------------------------------------
     def fused_linear_gelu(self, x: CudaTensor, weight: CudaTensor,
@@ -185,14 +243,46 @@ class CudaML:
         """GELU(x Wᵀ + b) in one kernel; weight is (out_features, in_features). float32 is
         float32-accurate (3xTF32 on tensor cores where faster, else CUDA cores);
         precision="ieee" keeps CUDA cores, precision="tf32" uses TF32."""
+        m = self.math
+        if type(x) is CudaTensor and type(weight) is CudaTensor and \
+                (precision is None or type(precision) is str):
+            # the plan of ops/linear.py fused_linear_gelu (its key: _linear_key), looked up
+            # here too so that a repeated call skips the import and a call
+            if bias is None:
+                b = None
+            elif type(bias) is CudaTensor:
+                b = (bias.shape, bias.dtype, bias.device_id)
+            else:
+                b = False
+            plans = getattr(m, "plans", None)
+            fast = None if plans is None or b is False else plans.get(
+                ("fused_linear_gelu", x.shape, weight.shape, x.dtype, weight.dtype,
+                 x.device_id, weight.device_id, b, precision))
+            if fast is not None and m.backend.direct_launch(x.device_id):
+                res = fast(x, weight, bias)
+                if res is not None:
+                    return res
         from .ops import linear
-        return linear.fused_linear_gelu(self.math, x, weight, bias, precision)
+        return linear.fused_linear_gelu(m, x, weight, bias, precision)
 
     def flash_attention(self, q: CudaTensor, k: CudaTensor, v: CudaTensor,
                         scale: Optional[float] = None, causal: bool = False) -> CudaTensor:
         """softmax(q kᵀ · scale) v for (batch, heads, seq, head_dim), never forming seq×seq."""
+        m = self.math
+        if type(causal) is bool and (scale is None or type(scale) is float) and \
+                type(q) is CudaTensor and type(k) is CudaTensor and type(v) is CudaTensor:
+            # the plan of ops/attention.py flash_attention (same key), looked up here too so
+            # that a repeated call skips the import and a call
+            plans = getattr(m, "plans", None)
+            fast = None if plans is None else plans.get(
+                ("flash_attention", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+                 q.device_id, k.device_id, v.device_id, scale is None, causal))
+            if fast is not None and m.backend.direct_launch(q.device_id):
+                res = fast(q, k, v, scale)
+                if res is not None:
+                    return res
         from .ops import attention
-        return attention.flash_attention(self.math, q, k, v, scale, causal)
+        return attention.flash_attention(m, q, k, v, scale, causal)
 
     def sketched_linear(self, x: CudaTensor, U: CudaTensor, V: CudaTensor,
                         bias: Optional[CudaTensor] = None) -> CudaTensor:

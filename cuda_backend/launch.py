@@ -108,6 +108,7 @@ class Launcher:
         self._devices = devices
         self.profiler = None  # set by the backend when profiling is on
         self._packers: dict = {}
+        self._ctx_local = contexts.local_state
 
     @property
     def driver_error(self) -> type:
@@ -115,9 +116,12 @@ class Launcher:
 
     def direct(self, device_id: int) -> bool:
         """Whether a PreparedLaunch on device_id may launch directly now: the device's
-        context is current in this thread, no `with stream:` block is open, profiling is off."""
-        return self.profiler is None and self._contexts.top_device() == device_id and \
-            not _streams.local_state.__dict__.get("stack")
+        context is current in this thread, no `with stream:` block is open, profiling is off.
+        (Thread-local attributes read through __dict__: a missing one costs no exception.)"""
+        if self.profiler is not None or _streams.local_state.__dict__.get("stack"):
+            return False
+        st = self._ctx_local.__dict__.get("state")
+        return st is not None and bool(st.stack) and st.stack[-1][0] == device_id
 
     def prepare(self, kernel: CudaKernel, device_id: int, grid: Any, block: Any,
                 shared_mem: int = 0) -> PreparedLaunch:

@@ -139,6 +139,7 @@ def install_fake_pycuda(sm_count: int = 132) -> None:
     drv.device_attribute = drv.function_attribute = drv.event_flags = _Attrs()
     drv.memcpy_htod = drv.memcpy_dtoh = lambda *a: None
     drv.memcpy_htod_async = drv.memcpy_dtoh_async = drv.memcpy_dtod_async = lambda *a: None
+    drv.memset_d32_async = lambda *a: None
 
     tools = types.ModuleType("pycuda.tools")
 

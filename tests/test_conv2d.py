@@ -164,6 +164,48 @@ def test_conv2d_cases(m, fam, case):
     run_case(m, fam, case, np.random.default_rng())
 
 
+def call_through_plan(m, key, call):
+    """call() with m.plans[key] (the per-call plan an earlier call made, ops/common.py
+    remember_plan) wrapped to record what it returns: it must have run and taken the call."""
+    plan = m.plans[key]
+    seen = []
+    m.plans[key] = lambda *args: seen.append(plan(*args)) or seen[-1]
+    try:
+        res = call()
+    finally:
+        m.plans[key] = plan
+    assert len(seen) == 1 and seen[0] is not None, key
+    return res
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMILIES))
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5], CASES[7]],
+                         ids=[CASE_IDS[1], CASE_IDS[4], CASE_IDS[5], CASE_IDS[7]])
+def test_second_call_takes_the_plan(ml, fam, case):
+    """CudaML.conv2d twice on fresh inputs of odd shapes, with and without bias: the second
+    call goes through the plan the first made (after the autotuner's pick: the repacks into
+    their workspaces, the GEMM or the direct kernel), and both match the reference."""
+    m = ml.math
+    dtype, prec = FAMILIES[fam]
+    rng = np.random.default_rng(26)
+    xs, ws, s, p, d, g = case
+    cfg = config_of(case)
+    for with_bias in (True, False):
+        key = ("conv2d", xs, dtype, 0, ws, dtype, 0, ConvolutionConfig, cfg.kernel_size,
+               cfg.stride, cfg.padding, cfg.dilation, cfg.groups, not with_bias, prec)
+        m.plans.pop(key, None)
+        for second in (False, True):
+            x, xh = make(m, rng, xs, dtype)
+            w, wh = make(m, rng, ws, dtype)
+            b, bh = make(m, rng, (ws[0],), dtype) if with_bias else (None, None)
+            call = lambda: ml.conv2d(x, w, cfg, b, prec)  # noqa: E731
+            y = call_through_plan(m, key, call) if second else call()
+            assert key in m.plans
+            err = rel_err(m.to_numpy(y), ref_conv(xh, wh, bh, s, p, d, g))
+            assert err <= bound(fam, ws[1] * ws[2] * ws[3]), (fam, case, with_bias, second, err)
+
+
 @gpu
 @pytest.mark.parametrize("fam", ["fp32", "bf16"])
 def test_conv2d_without_bias_through_cudaml(ml, fam):

@@ -54,6 +54,20 @@ def check_values(out, a, keep, p, dtype, what=""):
     np.testing.assert_allclose(out[keep], ref[keep], rtol=rtol, err_msg=what)
 
 
+def call_through_plan(m, key, call):
+    """call() with m.plans[key] (the per-call plan an earlier call made, ops/common.py
+    remember_plan) wrapped to record what it returns: it must have run and taken the call."""
+    plan = m.plans[key]
+    seen = []
+    m.plans[key] = lambda *args: seen.append(plan(*args)) or seen[-1]
+    try:
+        res = call()
+    finally:
+        m.plans[key] = plan
+    assert len(seen) == 1 and seen[0] is not None and seen[0] is not False, key
+    return res
+
+
 # -- the generator ------------------------------------------------------------------------
 def test_philox_numpy_known_answers():
     for ctr, key, want in KAT:
@@ -106,6 +120,36 @@ def test_mask_layout_and_statistics():
 
 
 # -- GPU -------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
+@pytest.mark.parametrize("return_mask", [False, True], ids=["out", "mask"])
+def test_second_call_takes_the_plan(m, dtype, return_mask):
+    """CudaML.dropout twice on fresh inputs of odd shapes with fresh seeds: the second call
+    goes through the plan the first made (the seed is its argument), and both give the NumPy
+    generator's mask and values."""
+    ml = CudaML(m)
+    rng = np.random.default_rng(24)
+    for shape in [(1001,), (3, 7, 5), (17, 129)]:
+        n = int(np.prod(shape))
+        key = ("dropout", shape, dtype, 0, 0.7, return_mask)
+        m.plans.pop(key, None)
+        for second in (False, True):
+            x = m.from_numpy(rng.standard_normal(shape).astype(host_dtype(dtype)) + 2.0,
+                             dtype=dtype)
+            a = m.to_numpy(x).astype(np.float64).reshape(-1)
+            seed = int(rng.integers(0, 2**63))
+            call = lambda: ml.dropout(x, 0.7, seed, return_mask)  # noqa: E731
+            res = call_through_plan(m, key, call) if second else call()
+            assert key in m.plans
+            y, mk = res if return_mask else (res, None)
+            keep = dr.host_mask(n, 0.7, seed)
+            assert y.shape == shape
+            if mk is not None:
+                np.testing.assert_array_equal(m.to_numpy(mk).reshape(-1), keep.astype(np.uint8))
+            check_values(m.to_numpy(y).reshape(-1), a, keep, 0.7, dtype,
+                         f"{shape} second={second}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
 def test_mask_matches_numpy_generator(m, dtype):

@@ -749,3 +749,63 @@ def test_property_unary(m, shape, case, seed, offset):
     alpha = stored(m, make(m, [params.get("alpha", 0.0)], dtype)[0])[0] if dtype.is_floating \
         else 0
     check(stored(m, out), ref_unary(op, xv, alpha), dtype, op)
+
+
+# -- per-call plans -------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT16, DT.FLOAT64, DT.BFLOAT16],
+                         ids=lambda d: d.name_str)
+def test_plan_path_matches_numpy(m, dtype):
+    """The elementwise plans (same-shape binary, tensor-scalar, unary; gelu and activation()
+    of CudaML look the unary plan up themselves): each op twice on fresh random inputs of
+    odd sizes, the first through the general path (which makes the plan), the second
+    through the plan, then on views one element past an aligned pointer (the scalar path's
+    grid); every result against float64 NumPy."""
+    from cuda_backend.cuda_ml import ActivationType, CudaML
+    if not m.gpu:
+        pytest.skip("plans are made on the GPU path only")
+    ml = CudaML(m)
+    rng = np.random.default_rng()
+    sv = stored(m, make(m, [2.5], dtype)[0])[0]     # 2.5 as the dtype holds it
+    cases = [  # (plans, key op, call, reference)
+        (m._ew_binary_plans, "add", lambda a, b: m.vector_add(a, b), lambda x, y: x + y),
+        (m._ew_binary_plans, "multiply", lambda a, b: m.multiply(a, b), lambda x, y: x * y),
+        (m._ew_unary_plans, "relu", lambda a, b: m.relu(a), lambda x, y: ref_unary("relu", x)),
+        (m._ew_unary_plans, "sigmoid", lambda a, b: m.sigmoid(a),
+         lambda x, y: ref_unary("sigmoid", x)),
+        (m._ew_unary_plans, "gelu", lambda a, b: ml.gelu(a), lambda x, y: ref_unary("gelu", x)),
+        (m._ew_unary_plans, "gelu_exact", lambda a, b: ml.gelu(a, approximate="none"),
+         lambda x, y: ref_unary("gelu_exact", x)),
+        (m._ew_unary_plans, "silu", lambda a, b: ml.activation(a, ActivationType.SILU),
+         lambda x, y: ref_unary("silu", x)),
+    ]
+    if dtype is not DT.BFLOAT16:   # (no scalar plan for bfloat16)
+        cases.append((m._ew_scalar_plans, "subtract", lambda a, b: m.subtract(2.5, a),
+                      lambda x, y: sv - x))
+    for size in (1, 7, 1023, 4097, 2**20 + 3):
+        for plans, op, call, ref in cases:
+            key = (op, dtype._name_, 0)
+            plans.pop(key, None)
+            for i in range(3):
+                xv, yv = rand(rng, size + 1, dtype), rand(rng, size + 1, dtype)
+                ta, a = make(m, xv, dtype)
+                tb, b = make(m, yv, dtype)
+                off = 1 if i == 2 else 0   # the third call: views at an unaligned offset
+                x = CudaTensor((size,), dtype, 0, ta.ptr + off * dtype.itemsize, owner=ta)
+                y = CudaTensor((size,), dtype, 0, tb.ptr + off * dtype.itemsize, owner=tb)
+                if i:
+                    assert key in plans, key
+                    assert m.backend.direct_launch(0)
+                    plan, taken = plans[key], []
+
+                    def spy(*args, plan=plan, taken=taken):
+                        res = plan(*args)
+                        taken.append(res is not None)
+                        return res
+                    plans[key] = spy
+                out = call(x, y)
+                if i:
+                    assert taken == [True], (key, size, i)
+                    plans[key] = plan
+                check(stored(m, out), ref(a[off:off + size], b[off:off + size]), dtype, op)
+                out.free(), ta.free(), tb.free()

@@ -398,3 +398,40 @@ def test_fallback_mode_subprocess(tmp_path):
         ref = ref_attention(q, k, v, 1 / math.sqrt(24), causal)
         assert rel_err(res[f"float32_{causal}"], ref) <= 1e-6
         assert rel_err(res[f"float16_{causal}"], ref) <= 1e-2
+
+
+def _no_general_path(*args, **kwargs):
+    raise AssertionError("the general path ran where the per-call plan should have")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name_str)
+def test_plan_path(ml, dtype, monkeypatch):
+    """CudaML.flash_attention twice per case on fresh random inputs: the first call takes
+    the general path (it makes the plan), the second the plan (run_config made to raise);
+    both against the float64 reference within the dtype's bound, the output from a pool
+    block poisoned first. Off-grid lengths, seq_q != seq_kv, odd head_dim (element loads),
+    a given scale, causal."""
+    m = ml.math
+    rng = np.random.default_rng()
+    dev = m.backend.current_device
+    for shape, scale, causal in (((2, 3, 65, 130, 64), None, False),
+                                 ((1, 2, 33, 33, 100), 0.3, True),
+                                 ((1, 1, 45, 47, 37), None, True),
+                                 ((2, 1, 9, 200, 128), -0.2, False)):
+        for second in (False, True):
+            (q, k, v), (qh, kh, vh) = qkv(m, rng, shape, dtype)
+            key = ("flash_attention", q.shape, k.shape, v.shape, dtype, dtype, dtype,
+                   dev, dev, dev, scale is None, causal)
+            if not second:
+                m.plans.pop(key, None)
+            poisoned(m, q.shape, dtype).free()
+            with monkeypatch.context() as mp:
+                if second:
+                    mp.setattr(fa, "run_config", _no_general_path)
+                y = ml.flash_attention(q, k, v, scale=scale, causal=causal)
+            assert key in m.plans
+            assert y.shape == q.shape and y.dtype is dtype
+            sc = 1.0 / math.sqrt(shape[4]) if scale is None else scale
+            err = rel_err(m.to_numpy(y), ref_attention(qh, kh, vh, sc, causal))
+            assert err <= BOUNDS[dtype], f"{shape} {dtype.name_str} (plan: {second}): {err:.3g}"

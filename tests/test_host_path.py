@@ -155,3 +155,953 @@ def test_plans_match_general_path():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                          timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+
+
+# -- matmul, fused_linear_gelu, sketched_linear, flash_attention (ops/matmul.py, linear.py,
+# attention.py): every launch of the plan's call equals the general path's ---------------------
+GEMM_SCRIPT = textwrap.dedent(r'''
+    import math, os, sys, tempfile
+    sys.path.insert(0, os.path.join(ROOT, "perf"))
+    sys.path.insert(0, ROOT)
+    os.environ.pop("CUDA_BACKEND_FALLBACK", None)
+    from bench_host_path import install_fake_pycuda
+    install_fake_pycuda()
+    import numpy as np
+    import pytest
+    from cuda_backend.autotune import Autotuner
+    from cuda_backend.backend import CudaBackend
+    from cuda_backend.cuda_math import CudaMath
+    from cuda_backend.cuda_ml import CudaML
+    from cuda_backend.dtypes import CudaDataType as DT
+    from cuda_backend.errors import (DTypeMismatchError, InvalidArgumentError,
+                                     ShapeMismatchError, TensorFreedError)
+    from cuda_backend.ops import attention as fa, linear as lin, matmul as mm
+    from cuda_backend.tensor import CudaTensor
+
+    launches = []
+    Function = type(sys.modules["pycuda.compiler"].SourceModule("").get_function("k"))
+    def record(self, grid, block, buf, shared, stream):
+        assert min(grid) >= 1 and min(block) >= 1, f"empty launch: grid {grid} block {block}"
+        launches.append((grid, block, bytes(buf), shared, stream))
+    Function._launch_kernel = record
+
+    b = CudaBackend()
+    assert b.is_available
+    m = CudaMath(b)
+    m._autotuner = Autotuner(b, path=os.path.join(tempfile.mkdtemp(), "t.json"))
+    ml = CudaML(m)
+    pool = b.memory_pools[0]
+    rng = np.random.default_rng(0)
+
+    def t(*shape, dt=np.float32):
+        return m.from_numpy(rng.standard_normal(shape).astype(dt))
+
+    def freed(x):
+        x.free()
+        return x
+
+    def slots(x):
+        return {k: getattr(x, k) for k in CudaTensor.__slots__ if k != "__weakref__"}
+
+    real_run_config, real_fa_run_config = mm.run_config, fa.run_config
+    def general_path_off():
+        def off(*a, **k):
+            raise AssertionError("general path taken")
+        mm.run_config = fa.run_config = off
+    def general_path_on():
+        mm.run_config, fa.run_config = real_run_config, real_fa_run_config
+
+    def same_as_general(call, key, n=None):
+        """Warm call (compiles, autotunes), then a general-path call (key dropped: the plan
+        is made again) and a plan call after freeing its result: the same launches (grid,
+        block, packed arguments, shared memory, stream), a result like the general one,
+        temporaries back in the pool."""
+        call().free()
+        m.plans.pop(key, None)
+        active = pool._pool.active_blocks
+        launches.clear()
+        r1 = call()
+        assert key in m.plans, key
+        general = list(launches)
+        assert general and (n is None or len(general) == n), (n, general)
+        ref = slots(r1)
+        for k in ("_block", "_owner", "_pool"):   # (the general result may be a view)
+            del ref[k]
+        assert pool._pool.active_blocks == active + 1      # temporaries given back
+        r1.free()
+        launches.clear()
+        general_path_off()
+        try:
+            r2 = call()
+        finally:
+            general_path_on()
+        assert launches == general, (launches, general)
+        got = slots(r2)
+        assert got.pop("_owner") is None and got.pop("_block") is not None
+        assert got.pop("_pool") is pool
+        assert got == ref, (got, ref)
+        assert pool._pool.active_blocks == active + 1
+        return r2
+
+    # -- matmul: each family and launch shape
+    f32, f64, f16 = np.float32, np.float64, np.float16
+    X, W = t(64, 64), t(96, 64)
+    def mk(dt):
+        return DT.from_any(dt)
+    cases = [
+        ((64, 64), (64, 64), f32, None, 1),             # SIMT, small
+        ((64, 61), (61, 64), f32, None, 1),             # element loads (vec False)
+        ((256, 512), (512, 64), f32, None, 2),          # split-K: gemm + reduce, workspace
+        ((4, 64, 64), (64, 64), f32, None, 1),          # batch, B broadcast
+        ((3, 33, 17), (3, 17, 40), f32, None, 1),       # full batch
+        ((64,), (64, 32), f32, None, 1),                # 1-D
+        ((45,), (45,), f64, None, 1),
+        ((70, 130), (130, 72), f64, None, None),
+        ((64, 64), (64, 64), f16, None, 1),             # mma
+        ((67, 45), (45, 29), f16, None, 1),
+        ((64, 64), (64, 64), f32, "tf32", 1),           # mma TF32
+        ((512, 512), (512, 512), f32, "tf32", 2),       # wgmma: B transposed, then the GEMM
+        ((2, 512, 256), (2, 256, 512), f32, "TF32", 2), # wgmma, two B planes
+        ((70000, 3, 8), (70000, 8, 6), f32, None, 2),   # batch over grid z: two launches
+        ((70000, 3, 8), (8, 6), f32, "tf32", 2),
+        ((70000, 16, 16), (70000, 16, 16), f32, "tf32", 4),   # wgmma, 2 transposes, 2 GEMMs
+        ((64, 64), (64, 64), f32, "highest", 1),
+    ]
+    for sa, sb, dt, prec, n in cases:
+        a, bb = t(*sa, dt=dt), t(*sb, dt=dt)
+        key = ("matmul", a.shape, bb.shape, mk(dt), mk(dt), 0, 0, prec)
+        same_as_general(lambda: m.matrix_multiply(a, bb, precision=prec), key, n)
+    # the wgmma case took the transpose + wgmma launches
+    a, bb = t(512, 512), t(512, 512)
+    m.matrix_multiply(a, bb, precision="tf32")
+    hit = mm._cache(m)[(mm.plan_shapes(a.shape, bb.shape), DT.FLOAT32, "tf32", 0, True)]
+    assert hit[0] == mm.WGMMA_TEMPLATE, hit
+    # the @ operator reaches the same plans
+    m.matrix_multiply(X, X)
+    launches.clear()
+    general_path_off()
+    try:
+        r = X @ X
+    finally:
+        general_path_on()
+    assert len(launches) == 1 and r.shape == (64, 64)
+
+    # a misaligned view: the plan steps aside, the general path adds that alignment class
+    base = t(64 * 64 + 1)
+    view = CudaTensor((64, 64), DT.FLOAT32, 0, base.ptr + 4, owner=base)
+    key = ("matmul", (64, 64), (64, 64), DT.FLOAT32, DT.FLOAT32, 0, 0, None)
+    same_as_general(lambda: m.matrix_multiply(view, X), key, 1)
+    plan = m.plans[key]
+    m.matrix_multiply(X, X)
+    assert set(plan.runners) == {False, True}
+    launches.clear()
+    m.matrix_multiply(view, X)
+    unaligned = launches[-1]
+    m.matrix_multiply(X, X)
+    assert launches[-1] != unaligned       # another kernel (vec) for aligned operands
+
+    # the general path's errors after a plan exists for the shapes
+    m.matrix_multiply(X, X)
+    dead = t(64, 64)
+    dead.free()
+    with pytest.raises(TensorFreedError):
+        m.matrix_multiply(X, dead)
+    with pytest.raises(TensorFreedError):
+        m.matrix_multiply(dead, X)
+    with pytest.raises(DTypeMismatchError):
+        m.matrix_multiply(X, t(64, 64, dt=f64))
+    with pytest.raises(InvalidArgumentError):
+        m.matrix_multiply(X, X, precision="fp8")
+    with pytest.raises(InvalidArgumentError):
+        m.matrix_multiply(X, X, precision=True)
+    with pytest.raises(InvalidArgumentError):
+        m.matrix_multiply(t(64, 64, dt=f64), t(64, 64, dt=f64), precision="tf32")
+    with pytest.raises(ShapeMismatchError):
+        m.matrix_multiply(X, W)
+    out = m.create_tensor((64, 64))
+    assert mm.matmul(m, X, X, out=out) is out           # out= takes the general path
+    with pytest.raises(InvalidArgumentError):
+        mm.matmul(m, X, X, out=X)                        # (and its overlap check)
+
+    # a `with stream:` block and profiling take the general path; an operand last used on
+    # another stream too (its use on the default stream is recorded there), then the plan
+    s = b.stream()
+    launches.clear()
+    with s:
+        m.matrix_multiply(X, X)
+    assert launches[-1][4] is s.pycuda_stream
+    assert X.stream is s.pycuda_stream
+    r = m.matrix_multiply(X, X)
+    assert X.stream is None and launches[-1][4] is None
+    b.enable_profiling = True
+    m.matrix_multiply(X, X)
+    assert "kernel_execution_times" in b.get_performance_stats()
+    b.enable_profiling = False
+
+    # -- fused_linear_gelu
+    bias = t(96)
+    for x, w, bi, prec in ((X, W, bias, None), (X, W, None, None), (t(2, 32, 64), W, bias, None),
+                           (t(64), W, bias, None), (t(7, 13), t(5, 13), t(5), "ieee"),
+                           (t(33, 40), t(24, 40), t(24), "tf32"),
+                           (t(30, 64, dt=f16), t(96, 64, dt=f16), t(96, dt=f16), None),
+                           (t(9, 16, dt=f64), t(8, 16, dt=f64), None, None)):
+        key = lin._linear_key(x, w, bi, prec)
+        r = same_as_general(lambda: ml.fused_linear_gelu(x, w, bi, precision=prec), key, 1)
+        assert r.shape == x.shape[:-1] + (w.shape[0],)
+        assert key in m.plans
+    ml.fused_linear_gelu(X, W, bias)
+    with pytest.raises(TensorFreedError):
+        ml.fused_linear_gelu(X, W, freed(t(96)))
+    with pytest.raises(TensorFreedError):
+        ml.fused_linear_gelu(dead, W, bias)
+    with pytest.raises(DTypeMismatchError):
+        ml.fused_linear_gelu(X, W, t(96, dt=f64))
+    with pytest.raises(InvalidArgumentError):
+        ml.fused_linear_gelu(X, W, bias, precision="fp16")
+    with pytest.raises(InvalidArgumentError):
+        ml.fused_linear_gelu(X, W, bias, precision=1)
+
+    # -- sketched_linear: the products through their plans, then the same reduction and
+    # in-place scale and bias launches
+    U, V = ml.sketched_linear_params(64, 48, 3, 8, seed=0)
+    bs = t(48)
+    for bi in (bs, None):
+        key = lin._sketched_key(X, U, V, bi)
+        ml.sketched_linear(X, U, V, bi).free()
+        m.plans.pop(key)
+        launches.clear()
+        r1 = ml.sketched_linear(X, U, V, bi)
+        assert key in m.plans
+        general = list(launches)
+        r1.free()
+        launches.clear()
+        mmul = m.matrix_multiply
+        m.matrix_multiply = None             # the plan calls the products' plans directly
+        try:
+            r2 = ml.sketched_linear(X, U, V, bi)
+        finally:
+            del m.matrix_multiply
+        assert launches == general and len(general) == (5 if bi is not None else 4)
+        assert r2.shape == (64, 48)
+    with pytest.raises(TensorFreedError):
+        ml.sketched_linear(X, U, V, freed(t(48)))
+
+    # -- flash_attention: scale and causal in the key, the scale's value per call
+    for shape_q, shape_k, dt, scale, causal in (
+            ((1, 2, 64, 64), (1, 2, 64, 64), f32, None, False),
+            ((1, 2, 64, 64), (1, 2, 64, 64), f32, 0.2, True),
+            ((2, 3, 33, 40), (2, 3, 70, 40), f16, None, True),
+            ((1, 2, 17, 100), (1, 2, 9, 100), f16, -0.3, False),
+            ((1, 1, 45, 37), (1, 1, 47, 37), f32, 0.0, False),
+            ((1, 1, 20, 200), (1, 1, 20, 200), f32, None, False)):
+        q = t(*shape_q, dt=dt)
+        k, v = t(*shape_k, dt=dt), t(*shape_k, dt=dt)
+        key = ("flash_attention", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+               0, 0, 0, scale is None, causal)
+        same_as_general(lambda: ml.flash_attention(q, k, v, scale=scale, causal=causal), key, 1)
+        same_as_general(lambda: fa.flash_attention(m, q, k, v, scale, causal), key, 1)
+    base = t(2 * 33 * 40 + 1, dt=f16)                    # element loads (vec 0)
+    qv = CudaTensor((1, 2, 33, 40), DT.FLOAT16, 0, base.ptr + 2, owner=base)
+    key = ("flash_attention", qv.shape, qv.shape, qv.shape) + (DT.FLOAT16,) * 3 + \
+        (0, 0, 0, True, False)
+    same_as_general(lambda: ml.flash_attention(qv, qv, qv), key, 1)
+    q = t(1, 2, 64, 64)
+    ml.flash_attention(q, q, q, scale=0.5)
+    launches.clear()
+    ml.flash_attention(q, q, q, scale=0.25)              # another scale: the plan, its value
+    general_path_off()
+    try:
+        ml.flash_attention(q, q, q, scale=0.25)
+        ml.flash_attention(q, q, q, scale=-0.0)
+    finally:
+        general_path_on()
+    assert launches[0] == launches[1] and launches[1] != launches[2]
+    ml.flash_attention(q, q, q, scale=-0.0)
+    assert launches[-1] == launches[2]
+    for bad in (math.inf, math.nan):
+        with pytest.raises(InvalidArgumentError, match="finite"):
+            ml.flash_attention(q, q, q, scale=bad)
+    with pytest.raises(InvalidArgumentError):
+        ml.flash_attention(q, q, q, scale=True)
+    ml.flash_attention(q, q, q, causal=True)
+    with pytest.raises(InvalidArgumentError, match="causal must be a bool"):
+        ml.flash_attention(q, q, q, causal=1)
+    with pytest.raises(TensorFreedError):
+        ml.flash_attention(q, q, freed(t(1, 2, 64, 64)))
+    with pytest.raises(DTypeMismatchError):
+        ml.flash_attention(q, q, t(1, 2, 64, 64, dt=f16))
+    ml.flash_attention(q, q, q, scale=np.float32(0.5))   # NumPy scalars: the general path
+    print("OK")
+''').replace("ROOT", repr(ROOT))
+
+
+def test_gemm_and_attention_plans_match_general_path():
+    """matmul (SIMT, element loads, split-K, batches, 1-D, mma, TF32 mma and wgmma, batches
+    over grid z), fused_linear_gelu, sketched_linear and flash_attention: the plan's call
+    launches what the general path launches, and bad inputs still get its errors."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_BACKEND_FALLBACK"}
+    out = subprocess.run([sys.executable, "-c", GEMM_SCRIPT], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+
+
+# -- reductions, matrix_transpose and gelu: their plans in m.plans (ops/common.py) -------------
+PLANS_SCRIPT = textwrap.dedent(r'''
+    import os, sys
+    sys.path.insert(0, os.path.join(ROOT, "perf"))
+    sys.path.insert(0, ROOT)
+    os.environ.pop("CUDA_BACKEND_FALLBACK", None)
+    from bench_host_path import install_fake_pycuda
+    install_fake_pycuda()
+    import numpy as np
+    import pytest
+    from cuda_backend.backend import CudaBackend
+    from cuda_backend.cuda_math import CudaMath
+    from cuda_backend.cuda_ml import ActivationType, CudaML
+    from cuda_backend.dtypes import CudaDataType as DT
+    from cuda_backend.errors import (InvalidArgumentError, ShapeMismatchError,
+                                     TensorFreedError, DTypeMismatchError)
+    from cuda_backend.tensor import CudaTensor
+
+    launches = []
+    Function = type(sys.modules["pycuda.compiler"].SourceModule("").get_function("k"))
+    def record(self, grid, block, buf, shared, stream):
+        assert min(grid) >= 1 and min(block) >= 1, f"empty launch: grid {grid} block {block}"
+        launches.append((id(self), grid, block, bytes(buf), shared, stream))  # + the kernel
+    Function._launch_kernel = record
+    drv = sys.modules["pycuda.driver"]
+    if not hasattr(drv, "memset_d32_async"):      # (the ticket counters' clearing)
+        drv.memset_d32_async = lambda *args: None
+
+    b = CudaBackend()
+    assert b.is_available
+    m = CudaMath(b)
+    ml = CudaML(m)
+    pool = b.memory_pools[0]
+    rng = np.random.default_rng(0)
+
+    def slots(t):
+        return {k: getattr(t, k) for k in CudaTensor.__slots__ if k != "__weakref__"}
+
+    def same_as_general(call, key, nlaunch=None):
+        """call() through the general path (which makes the plan m.plans[key]), then through
+        the plan: the same launches (grid, block, packed arguments, shared memory, stream),
+        the same temporaries (pool counters) and a result like the general path's."""
+        m.plans.pop(key, None)
+        launches.clear()
+        r1 = call()
+        plan = m.plans.get(key)
+        assert plan is not None, key
+        ref = list(launches)
+        if nlaunch is not None:
+            assert len(ref) == nlaunch, (key, ref)
+        ref_slots = slots(r1)
+        r1.free()                       # the pool hands the same blocks back
+        before = pool.get_stats()
+        launches.clear()
+        seen = []
+        m.plans[key] = lambda *a: seen.append(1) or plan(*a)
+        r2 = call()
+        m.plans[key] = plan
+        after = pool.get_stats()
+        assert seen == [1], key                         # the plan ran, and returned
+        assert launches == ref, (key, launches, ref)
+        got = slots(r2)
+        ref_slots["_block"] = got["_block"]
+        assert got == ref_slots, (got, ref_slots)
+        init = CudaTensor(r2.shape, r2.dtype, 0, r2._ptr, block=r2._block, pool=pool)
+        assert slots(init) == got
+        assert after["active_blocks"] - before["active_blocks"] == 1   # temporaries freed
+        return r2
+
+    def t(shape, dtype=np.float32):
+        return m.from_numpy(rng.standard_normal(shape).astype(dtype))
+
+    # reductions: every op, rows and middle-axis passes, several passes, split launches
+    # (partials and ticket counters), keepdims, negative and tuple axes, int and half dtypes
+    X = t((37, 53))
+    X3 = t((5, 7, 9))
+    for name, fn in (("reduce_sum", m.reduce_sum), ("reduce_mean", m.reduce_mean),
+                     ("reduce_max", m.reduce_max), ("reduce_min", m.reduce_min)):
+        for axis, kd in ((None, False), (1, False), (0, False), (-1, True), ((0, 1), False),
+                         (None, True)):
+            same_as_general(lambda: fn(X, axis=axis, keepdims=kd),
+                            (name, X.shape, X.dtype, axis, kd, 0), 1)
+        same_as_general(lambda: fn(X3, axis=(0, 2)), (name, X3.shape, X3.dtype, (0, 2), False, 0),
+                        2)
+        same_as_general(lambda: fn(X3, axis=1), (name, X3.shape, X3.dtype, 1, False, 0), 1)
+    for axis, kd in ((None, False), (0, False), (1, True), (-1, False)):
+        same_as_general(lambda: m.argmax(X, axis=axis, keepdims=kd),
+                        ("argmax", X.shape, X.dtype, axis, kd, 0), 1)
+    for dt in (np.int32, np.int64, np.float16, np.float64):
+        Y = m.from_numpy((rng.standard_normal((19, 33)) * 10).astype(dt))
+        same_as_general(lambda: m.reduce_sum(Y, axis=0), ("reduce_sum", Y.shape, Y.dtype, 0,
+                                                          False, 0), 1)
+        same_as_general(lambda: m.reduce_mean(Y), ("reduce_mean", Y.shape, Y.dtype, None,
+                                                   False, 0), 1)
+        same_as_general(lambda: m.argmax(Y, axis=1), ("argmax", Y.shape, Y.dtype, 1, False, 0),
+                        1)
+    long_rows = t((2, 100003))     # split rows: partials and ticket counters
+    same_as_general(lambda: m.reduce_sum(long_rows, axis=1),
+                    ("reduce_sum", long_rows.shape, long_rows.dtype, 1, False, 0), 1)
+    tall = t((4099, 3))            # split middle axis
+    same_as_general(lambda: m.reduce_mean(tall, axis=0),
+                    ("reduce_mean", tall.shape, tall.dtype, 0, False, 0), 1)
+    # a middle-axis pass sizes by its input's alignment: a plan made on an aligned input
+    # launches on an unaligned one as the general path does
+    base = t((4 * 64 + 1,))
+    for shape, axis in (((4, 64), 0), ((2, 4, 32), 1)):
+        aligned = CudaTensor(shape, DT.FLOAT32, 0, base._ptr)
+        odd = CudaTensor(shape, DT.FLOAT32, 0, base._ptr + 4)
+        key = ("reduce_sum", shape, DT.FLOAT32, axis, False, 0)
+        m.plans.pop(key, None)
+        m.reduce_sum(aligned, axis=axis).free()
+        plan = m.plans.pop(key)
+        launches.clear()
+        m.reduce_sum(odd, axis=axis).free()           # the general path, on odd
+        ref = list(launches)
+        m.plans[key] = plan
+        launches.clear()
+        m.reduce_sum(odd, axis=axis).free()           # the aligned plan, on odd
+        assert launches == ref, (launches, ref)
+        assert m.plans[key] is plan
+        same_as_general(lambda: m.reduce_sum(odd, axis=axis), key, 1)
+
+    # matrix_transpose: odd shapes, 16-byte, 8-byte and element access, batches (over the
+    # 65535 planes of a launch too), an autotuned size, unaligned pointers
+    for shape, dt in (((37, 53), np.float32), ((64, 64), np.float32), ((3, 40, 24), np.float16),
+                      ((33, 17), np.int64), ((2, 16, 6), np.float32), ((65537, 1, 2), np.float32),
+                      ((8, 12), np.float64)):
+        T = t(shape, dt)
+        same_as_general(lambda: m.matrix_transpose(T), ("matrix_transpose", T.shape, T.dtype, 0))
+    big = t((1024, 1100))
+    m.matrix_transpose(big).free()                     # tunes
+    same_as_general(lambda: m.matrix_transpose(big),
+                    ("matrix_transpose", big.shape, big.dtype, 0), 1)
+    base = t((64 * 64 + 4,))
+    key = ("matrix_transpose", (64, 64), DT.FLOAT32, 0)
+    aligned = CudaTensor((64, 64), DT.FLOAT32, 0, base._ptr)
+    for off in (4, 8):
+        odd = CudaTensor((64, 64), DT.FLOAT32, 0, base._ptr + off)
+        m.plans.pop(key, None)
+        m.matrix_transpose(aligned).free()
+        plan = m.plans.pop(key)
+        launches.clear()
+        m.matrix_transpose(odd).free()
+        ref = list(launches)
+        m.plans[key] = plan
+        launches.clear()
+        m.matrix_transpose(odd).free()
+        assert launches == ref, (off, launches, ref)
+        assert m.plans[key] is plan
+
+    # gelu and activation(): the elementwise unary plan, without the general path's layers
+    x = t((1023,))
+    up = m._ew_unary_plans
+    for call, op in ((lambda: ml.gelu(x), "gelu"), (lambda: ml.gelu(x, "none"), "gelu_exact"),
+                     (lambda: ml.activation(x, ActivationType.GELU), "gelu"),
+                     (lambda: ml.activation(x, ActivationType.SILU), "silu")):
+        up.pop((op, "FLOAT32", 0), None)
+        launches.clear()
+        r1 = call()
+        assert (op, "FLOAT32", 0) in up
+        ref = list(launches)
+        r1.free()
+        launches.clear()
+        call().free()
+        assert launches == ref
+    launches.clear()
+    ml.activation(x, ActivationType.LEAKY_RELU, 0.2).free()
+    ml.activation(x, ActivationType.ELU).free()
+    assert len(launches) == 2
+
+    # bad calls whose key may match a plan: the general path's typed errors
+    dead = t((37, 53))
+    dead.free()
+    for call in (lambda: m.reduce_sum(dead, axis=1), lambda: m.reduce_mean(dead),
+                 lambda: m.argmax(dead), lambda: m.argmax(dead, axis=0),
+                 lambda: m.matrix_transpose(dead), lambda: ml.gelu(dead),
+                 lambda: ml.activation(dead, ActivationType.GELU)):
+        with pytest.raises(TensorFreedError):
+            call()
+    m.reduce_sum(X, axis=1), m.argmax(X, axis=1), m.argmax(X)
+    for call in (lambda: m.reduce_sum(X, axis=True), lambda: m.reduce_sum(X, axis=1.0),
+                 lambda: m.reduce_sum(X, axis=(1.0,)), lambda: m.reduce_sum(X, axis=(True,)),
+                 lambda: m.reduce_sum(X, axis=(1, 1)), lambda: m.reduce_sum(X, axis=2),
+                 lambda: m.argmax(X, axis=True), lambda: m.argmax(X, axis=1.0),
+                 lambda: m.argmax(X, axis=(1,)), lambda: ml.gelu(x, "tanh "),
+                 lambda: m.reduce_sum(X, axis=[1.5])):
+        with pytest.raises(InvalidArgumentError):
+            call()
+    from cuda_backend.ops import reduction, transpose
+    with pytest.raises(InvalidArgumentError):
+        reduction.reduce(m, "prod", X, axis=1)
+    with pytest.raises(ShapeMismatchError):
+        reduction.reduce(m, "sum", X, axis=1, out=m.from_numpy(np.zeros(3, np.float32)))
+    with pytest.raises(DTypeMismatchError):
+        reduction.reduce(m, "sum", X, axis=1, out=m.from_numpy(np.zeros(37, np.float64)))
+    with pytest.raises(ShapeMismatchError):
+        transpose.transpose(m, X, out=X)
+    o = m.from_numpy(np.zeros(37, np.float32))
+    assert reduction.reduce(m, "sum", X, axis=1, out=o) is o      # out=: the general path
+    o = m.from_numpy(np.zeros((53, 37), np.float32))
+    assert transpose.transpose(m, X, out=o) is o
+
+    # `with stream:`, profiling, and an operand last used on a stream: the general path
+    s = b.stream()
+    launches.clear()
+    with s:
+        m.reduce_sum(X, axis=1)
+        m.matrix_transpose(X)
+        ml.gelu(x)
+        Z = t((37, 53))
+    assert [l[5] for l in launches] == [s.pycuda_stream] * 3
+    assert Z.stream is s.pycuda_stream
+    m.reduce_sum(Z, axis=1)          # the general path records the legacy stream's use
+    assert Z.stream is None
+    b.enable_profiling = True
+    m.reduce_sum(X, axis=1), m.matrix_transpose(X), m.argmax(X)
+    stats = b.get_performance_stats()["kernel_execution_times"]
+    assert len(stats) >= 2, stats
+    b.enable_profiling = False
+    print("OK")
+''').replace("ROOT", repr(ROOT))
+
+
+def test_reduce_transpose_gelu_plans_match_general_path():
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_BACKEND_FALLBACK"}
+    out = subprocess.run([sys.executable, "-c", PLANS_SCRIPT], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+
+
+# -- layer_norm, batch_norm, pooling, conv2d, dropout, sgd/adam: their plans in m.plans -------
+NN_SCRIPT = textwrap.dedent(r'''
+    import os, sys
+    sys.path.insert(0, os.path.join(ROOT, "perf"))
+    sys.path.insert(0, ROOT)
+    os.environ.pop("CUDA_BACKEND_FALLBACK", None)
+    from bench_host_path import install_fake_pycuda
+    install_fake_pycuda()
+    import numpy as np
+    import pytest
+    from cuda_backend.backend import CudaBackend
+    from cuda_backend.cuda_math import CudaMath
+    from cuda_backend.cuda_ml import ConvolutionConfig, CudaML, OptimizerState
+    from cuda_backend.dtypes import CudaDataType as DT
+    from cuda_backend.errors import (DTypeMismatchError, InvalidArgumentError,
+                                     ShapeMismatchError, TensorFreedError)
+    from cuda_backend.tensor import CudaTensor
+
+    launches = []
+    Function = type(sys.modules["pycuda.compiler"].SourceModule("").get_function("k"))
+    def record(self, grid, block, buf, shared, stream):
+        assert min(grid) >= 1 and min(block) >= 1, f"empty launch: grid {grid} block {block}"
+        launches.append((grid, block, bytes(buf), shared, stream))
+    Function._launch_kernel = record
+
+    b = CudaBackend()
+    assert b.is_available
+    m = CudaMath(b)
+    ml = CudaML(m)
+    pool = b.memory_pools[0]
+    rng = np.random.default_rng(0)
+    WHICH = sys.argv[1]
+
+    def slots(t):
+        return {k: getattr(t, k) for k in CudaTensor.__slots__ if k != "__weakref__"}
+
+    def results(r):
+        return [] if r is None else list(r) if isinstance(r, tuple) else [r]
+
+    def same_as_general(call, key, nlaunch):
+        """call() through the general path (which makes the plan m.plans[key]), then through
+        the plan: the same launches (grid, block, packed arguments, shared memory, stream),
+        temporaries released (pool counters) and results like the general path's."""
+        m.plans.pop(key, None)
+        launches.clear()
+        counts = lambda: (pool._explicit_frees, pool.get_stats()["allocation_count"],
+                          pool.get_stats()["total_allocated"])
+        c0 = counts()
+        r1 = results(call())
+        c1 = counts()
+        plan = m.plans.get(key)
+        assert plan is not None, (key, list(m.plans))
+        ref = list(launches)
+        assert len(ref) == nlaunch, (key, ref)
+        ref_slots = [slots(r) for r in r1]
+        for r in reversed(r1):
+            r.free()                     # the pool hands the same blocks back, in order
+        before = pool.get_stats()
+        c2 = counts()
+        launches.clear()
+        seen = []
+        m.plans[key] = lambda *a: seen.append(plan(*a)) or seen[-1]
+        r2 = results(call())
+        m.plans[key] = plan
+        after = pool.get_stats()
+        assert len(seen) == 1 and seen[0] is not None, key   # the plan ran and returned...
+        assert launches == ref, (key, launches, ref)     # ...and launched what the general did
+        # the same allocations (count, bytes) and temporaries released as the general path
+        assert [b - a for a, b in zip(c2, counts())] == [b - a for a, b in zip(c0, c1)], key
+        for r, want in zip(r2, ref_slots):
+            got = slots(r)
+            want["_block"] = got["_block"]
+            assert got == want, (got, want)
+            init = CudaTensor(r.shape, r.dtype, 0, r._ptr, block=r._block, pool=pool)
+            assert slots(init) == got
+        assert after["active_blocks"] - before["active_blocks"] == len(r2), key  # temporaries
+        for r in r2:
+            r.free()
+
+    def t(shape, dtype=np.float32):
+        return m.from_numpy(rng.standard_normal(shape).astype(dtype))
+
+    def odd_view(shape, dtype=np.float32):
+        """A tensor one element past a 16-byte boundary (the unvectorized variants)."""
+        base = t((int(np.prod(shape)) + 1,), dtype)
+        return CudaTensor(shape, DT.from_any(dtype), 0, base._ptr + np.dtype(dtype).itemsize,
+                          owner=base)
+
+    def variant_then_plan(call_odd, call_aligned, key, nlaunch):
+        """A plan made on an unaligned input steps aside for an aligned one (the general
+        path launches it and adds that variant to the same plan), then takes both, each
+        launching what the general path launched for it."""
+        m.plans.pop(key, None)
+        launches.clear()
+        call_odd()
+        odd_ref = list(launches)
+        assert len(odd_ref) == nlaunch
+        plan = m.plans[key]
+        launches.clear()
+        call_aligned()
+        ref = list(launches)
+        assert m.plans[key] is plan
+        assert len(plan.variants) == 2
+        launches.clear()
+        call_aligned()
+        assert launches == ref
+        launches.clear()
+        call_odd()
+        assert launches == odd_ref
+
+    if WHICH == "layer_norm":
+        for shape, dt, wb in (((64, 64), np.float32, (True, True)), ((5, 33), np.float32,
+                              (False, False)), ((3, 7, 1000), np.float32, (True, False)),
+                              ((4, 4096), np.float16, (False, True)),
+                              ((2, 70001), np.float32, (True, True)),
+                              ((3, 129), np.float64, (True, True)),
+                              ((6, 256), DT.BFLOAT16, (True, True))):
+            npdt = np.float32 if dt is DT.BFLOAT16 else dt
+            X = m.from_numpy(rng.standard_normal(shape).astype(npdt), dtype=dt)
+            D = shape[-1]
+            w = m.from_numpy(np.ones(D, npdt), dtype=dt) if wb[0] else None
+            bb = m.from_numpy(np.zeros(D, npdt), dtype=dt) if wb[1] else None
+            key = ("layer_norm", X.shape, X.dtype, 0, 1e-5, w is None, bb is None)
+            same_as_general(lambda: ml.layer_norm(X, w, bb), key, 1)
+            same_as_general(lambda: ml.layer_norm(X, w, bb, eps=0.1),
+                            key[:4] + (0.1,) + key[5:], 1)
+        big = t((1024, 4096))            # large: the autotuner picks, then the plan
+        w = t((4096,))
+        ml.layer_norm(big, w, None).free()
+        same_as_general(lambda: ml.layer_norm(big, w, None),
+                        ("layer_norm", big.shape, big.dtype, 0, 1e-5, False, True), 1)
+        X, w, Xo = t((8, 64)), t((64,)), odd_view((8, 64))
+        key = ("layer_norm", (8, 64), X.dtype, 0, 1e-5, False, True)
+        variant_then_plan(lambda: ml.layer_norm(Xo, w, None).free(),
+                          lambda: ml.layer_norm(X, w, None).free(), key, 1)
+        wo, bo = odd_view((64,)), odd_view((64,))       # an unaligned weight or bias
+        same_as_general(lambda: ml.layer_norm(X, wo, None), key, 1)
+        same_as_general(lambda: ml.layer_norm(X, None, bo),
+                        ("layer_norm", (8, 64), X.dtype, 0, 1e-5, True, False), 1)
+        ml.layer_norm(X, w, None)
+        dead = t((8, 64))
+        dead.free()
+        with pytest.raises(TensorFreedError):
+            ml.layer_norm(dead, w, None)
+        wdead = t((64,))
+        wdead.free()
+        with pytest.raises(TensorFreedError):
+            ml.layer_norm(X, wdead, None)
+        with pytest.raises(ShapeMismatchError):
+            ml.layer_norm(X, t((63,)), None)
+        with pytest.raises(DTypeMismatchError):
+            ml.layer_norm(X, t((64,), np.float64), None)
+        with pytest.raises(InvalidArgumentError):
+            ml.layer_norm(X, np.ones(64, np.float32), None)
+        with pytest.raises(InvalidArgumentError):
+            ml.layer_norm(X, w, None, eps=True)
+        ml.layer_norm(X, w, None, eps=1.0)
+        with pytest.raises(InvalidArgumentError):
+            ml.layer_norm(X, w, None, eps=True)
+
+    if WHICH == "batch_norm":
+        for shape, dt in (((4, 8, 5, 5), np.float32), ((16, 12), np.float32),
+                          ((3, 6, 7), np.float64), ((2, 16, 8, 8), np.float16),
+                          ((4096, 16), np.float64)):
+            X = t(shape, dt)
+            C = shape[1]
+            ps = [t((C,), dt) for _ in range(3)] + [m.from_numpy(np.ones(C, dt))]
+            key = ("batch_norm", X.shape, X.dtype, 0, 1e-5, 0.1, False)
+            same_as_general(lambda: ml.batch_norm(X, *ps), key, 1)
+            key = ("batch_norm", X.shape, X.dtype, 0, 1e-3, 0.25, True)
+            same_as_general(lambda: ml.batch_norm(X, *ps, eps=1e-3, training=True,
+                                                  momentum=0.25), key, 3)
+        X = t((4, 8, 4, 4))
+        ps = [t((8,)) for _ in range(3)] + [m.from_numpy(np.ones(8, np.float32))]
+        for training in (False, True):
+            key = ("batch_norm", X.shape, X.dtype, 0, 1e-5, 0.1, training)
+            odd = odd_view((4, 8, 4, 4))
+            same_as_general(lambda: ml.batch_norm(odd, *ps, training=training), key,
+                            3 if training else 1)               # the plan from an odd input
+            launches.clear()
+            m.plans[key], plan = None, m.plans[key]
+            ml.batch_norm(X, *ps, training=training).free()     # the general path, aligned
+            ref = list(launches)
+            m.plans[key] = plan
+            launches.clear()
+            ml.batch_norm(X, *ps, training=training).free()     # the odd input's plan
+            assert launches == ref
+        dead = t((4, 8, 4, 4))
+        dead.free()
+        with pytest.raises(TensorFreedError):
+            ml.batch_norm(dead, *ps)
+        gdead = t((8,))
+        gdead.free()
+        with pytest.raises(TensorFreedError):
+            ml.batch_norm(X, gdead, *ps[1:], training=True)
+        with pytest.raises(ShapeMismatchError):
+            ml.batch_norm(X, t((7,)), *ps[1:])
+        with pytest.raises(DTypeMismatchError):
+            ml.batch_norm(X, *ps[:3], t((8,), np.float64), training=True)
+        with pytest.raises(InvalidArgumentError):
+            ml.batch_norm(X, *ps, eps=-1.0)
+        ml.batch_norm(X, *ps, momentum=1.0, training=True)
+        with pytest.raises(InvalidArgumentError):
+            ml.batch_norm(X, *ps, momentum=True, training=True)
+        with pytest.raises(InvalidArgumentError):
+            ml.batch_norm(t((1, 8)), *ps, training=True)
+        ml.batch_norm(X, *ps, training=1)             # truthy non-bool: the general path
+
+    if WHICH == "pooling":
+        for shape, dt in (((1, 8, 16, 16), np.float32), ((2, 3, 17, 19), np.float32),
+                          ((2, 4, 8, 24), np.float16), ((1, 2, 6, 8), np.float64)):
+            X = t(shape, dt)
+            for kind, call in (("max_pool2d", ml.max_pool2d), ("avg_pool2d", ml.avg_pool2d)):
+                for args in ((2, None, (0, 0)), (3, 2, 1), ((2, 3), (1, 2), (1, 0)),
+                             ((2, 2), 2, 0)):
+                    key = (kind, X.shape, X.dtype, 0) + args
+                    same_as_general(lambda: call(X, *args), key, 1)
+        X, Xo = t((1, 8, 16, 16)), odd_view((1, 8, 16, 16))
+        variant_then_plan(lambda: ml.max_pool2d(Xo, 2).free(),
+                          lambda: ml.max_pool2d(X, 2).free(),
+                          ("max_pool2d", X.shape, X.dtype, 0, 2, None, (0, 0)), 1)
+        dead = t((1, 8, 16, 16))
+        dead.free()
+        with pytest.raises(TensorFreedError):
+            ml.max_pool2d(dead, 2)
+        ml.max_pool2d(X, 1), ml.avg_pool2d(X, (2, 2), (1, 1))
+        for call in (lambda: ml.max_pool2d(X, True), lambda: ml.max_pool2d(X, 2.0),
+                     lambda: ml.avg_pool2d(X, (2.0, 2)), lambda: ml.avg_pool2d(X, (2, 2), 1.0),
+                     lambda: ml.max_pool2d(X, 2, padding=(0.0, 0)),
+                     lambda: ml.max_pool2d(X, 2, padding=2)):
+            with pytest.raises(InvalidArgumentError):
+                call()
+
+    if WHICH == "conv2d":
+        cases = (((1, 8, 16, 16), (8, 8, 3, 3), ConvolutionConfig(3, padding=1), None, False),
+                 ((2, 16, 9, 11), (32, 16, 3, 3), ConvolutionConfig(3, stride=2), None, True),
+                 ((1, 8, 16, 16), (8, 8, 3, 3), ConvolutionConfig(3, padding=1), "tf32", True),
+                 ((2, 8, 7, 9), (16, 4, 1, 3), ConvolutionConfig((1, 3), groups=2), None, False),
+                 ((1, 8, 16, 16), (8, 1, 3, 3), ConvolutionConfig(3, padding=1, groups=8),
+                  None, True),
+                 ((2, 24, 10, 10), (64, 24, 3, 3), ConvolutionConfig(3, dilation=2), None,
+                  True))
+        for xs, ws, cfg, prec, has_bias in cases:
+            for dt in ((np.float32,) if prec else (np.float32, np.float16)):
+                X, W = t(xs, dt), t(ws, dt)
+                bias = t((ws[0],), dt) if has_bias else None
+                key = ("conv2d", X.shape, X.dtype, 0, W.shape, W.dtype, 0, ConvolutionConfig,
+                       cfg.kernel_size, cfg.stride, cfg.padding, cfg.dilation, cfg.groups,
+                       bias is None, prec)
+                ml.conv2d(X, W, cfg, bias, prec).free()      # tunes
+                from cuda_backend.ops.conv2d import family, plan as geometry
+                fam = family(geometry(xs, ws, cfg), DT.from_any(dt),
+                             "tf32" if prec else None)
+                same_as_general(lambda: ml.conv2d(X, W, cfg, bias, prec), key,
+                                {"direct": 1, "simt": 2, "mma": 3}[fam])
+        X, W = t((1, 8, 16, 16)), t((8, 8, 3, 3))
+        cfg = ConvolutionConfig(3, padding=1)
+        ml.conv2d(X, W, cfg)
+        ml.conv2d(X, W, ConvolutionConfig(3, padding=1))       # an equal config: the plan
+        dead = t((8, 8, 3, 3))
+        dead.free()
+        with pytest.raises(TensorFreedError):
+            ml.conv2d(X, dead, cfg)
+        with pytest.raises(InvalidArgumentError):
+            ml.conv2d(X, W, {"kernel_size": 3})
+        with pytest.raises(InvalidArgumentError):
+            ml.conv2d(X, W, cfg, precision="fp8")
+        with pytest.raises(ShapeMismatchError):
+            ml.conv2d(X, t((8, 8, 2, 2)), cfg)
+        with pytest.raises(DTypeMismatchError):
+            ml.conv2d(X, t((8, 8, 3, 3), np.float16), cfg)
+        ml.conv2d(X, W, cfg, bias=t((8,)))
+        with pytest.raises(ShapeMismatchError):
+            ml.conv2d(X, W, cfg, bias=t((9,)))
+        with pytest.raises(DTypeMismatchError):
+            ml.conv2d(X, W, cfg, bias=t((8,), np.float64))
+        with pytest.raises(InvalidArgumentError):
+            ml.conv2d(X, W, cfg, bias=np.ones(8, np.float32))
+
+    if WHICH == "dropout":
+        for shape, dt in (((1024,), np.float32), ((3, 333), np.float16), ((7,), np.float64)):
+            X = t(shape, dt)
+            for keep in (0.5, 0.9):
+                for mask in (False, True):
+                    key = ("dropout", X.shape, X.dtype, 0, keep, mask)
+                    same_as_general(lambda: ml.dropout(X, keep, 12345, mask), key, 1)
+                    same_as_general(lambda: ml.dropout(X, keep, -3, mask), key, 1)
+        X = t((1024,))
+        key = ("dropout", X.shape, X.dtype, 0, 0.5, False)
+        ml.dropout(X, 0.5)
+        launches.clear()
+        seen = []
+        plan = m.plans[key]
+        m.plans[key] = lambda *a: seen.append(plan(*a)) or seen[-1]
+        ml.dropout(X, 0.5), ml.dropout(X, 0.5)            # seed None: fresh seeds, the plan
+        m.plans[key] = plan
+        assert len(seen) == 2 and None not in seen and launches[0][2] != launches[1][2]
+        assert ml.dropout(X, 1.0).shape == X.shape          # keep_prob 1: a copy, no plan
+        dead = t((1024,))
+        dead.free()
+        with pytest.raises(TensorFreedError):
+            ml.dropout(dead, 0.5, 1)
+        for call in (lambda: ml.dropout(X, 0.5, seed="abc"), lambda: ml.dropout(X, 0.5, 1.0),
+                     lambda: ml.dropout(X, 0.5, True), lambda: ml.dropout(X, 0.0),
+                     lambda: ml.dropout(X, 1.5), lambda: ml.dropout(X, float("nan"))):
+            with pytest.raises(InvalidArgumentError):
+                call()
+        ml.dropout(X, 0.5, np.int64(3))                     # NumPy seed: the general path
+
+    if WHICH == "optimizers":
+        def same_in_place(call, key, make_state):
+            """Two runs on fresh states with equal fields: the general path's launch, then
+            the plan's, and state.step advanced by both."""
+            m.plans.pop(key, None)
+            launches.clear()
+            s1 = make_state()
+            call(s1)
+            assert key in m.plans and len(launches) == 1
+            ref = list(launches)
+            launches.clear()
+            s2 = make_state()
+            plan, seen = m.plans[key], []
+            m.plans[key] = lambda *a: seen.append(plan(*a)) or seen[-1]
+            call(s2)
+            m.plans[key] = plan
+            assert seen == [True] and launches == ref and s1.step == s2.step
+            before = pool.get_stats()["active_blocks"]
+            call(s2)                                            # a later step: the plan
+            assert pool.get_stats()["active_blocks"] == before
+
+        for n, dt in ((1024, np.float32), (1001, np.float16), (17, np.float64)):
+            sdt = np.float64 if dt is np.float64 else np.float32
+            P, G, M1, V1 = t((n,), dt), t((n,), dt), t((n,), sdt), t((n,), sdt)
+            for step in (0, 3):
+                for kw in ({}, {"nesterov": True, "weight_decay": 0.01}):
+                    same_in_place(lambda s: ml.sgd_update(P, G, M1, s),
+                                  ("sgd_update", P.shape, P.dtype, 0, False),
+                                  lambda: OptimizerState(0.01, step=step, **kw))
+                same_in_place(lambda s: ml.sgd_update(P, G, None, s),
+                              ("sgd_update", P.shape, P.dtype, 0, True),
+                              lambda: OptimizerState(0.01, step=step))
+                for kw in ({}, {"decoupled": True, "weight_decay": 0.1}):
+                    same_in_place(lambda s: ml.adam_update(P, G, M1, V1, s),
+                                  ("adam_update", P.shape, P.dtype, 0),
+                                  lambda: OptimizerState(1e-3, step=step, **kw))
+        P, G, M1, V1 = t((64,)), t((64,)), t((64,)), t((64,))
+        for i, o in enumerate((P, G, M1, V1)):     # one unaligned operand: aligned=0
+            ops = [P, G, M1, V1]
+            ops[i] = odd_view((64,))
+            same_in_place(lambda s: ml.adam_update(*ops, s), ("adam_update", (64,), P.dtype, 0),
+                          lambda: OptimizerState(1e-3))
+            if i < 3:
+                same_in_place(lambda s: ml.sgd_update(*ops[:3], s),
+                              ("sgd_update", (64,), P.dtype, 0, False),
+                              lambda: OptimizerState(1e-3))
+        for i in range(2):
+            ops = [P, G, M1, V1]
+            ops[i] = odd_view((64,))
+            same_in_place(lambda s: ml.sgd_update(ops[0], ops[1], None, s),
+                          ("sgd_update", (64,), P.dtype, 0, True), lambda: OptimizerState(1e-3))
+        ml.sgd_update(P, G, M1, OptimizerState(0.1)), ml.adam_update(P, G, M1, V1,
+                                                                     OptimizerState(0.1))
+        dead = t((64,))
+        dead.free()
+        bad = [lambda: ml.sgd_update(P, dead, M1, OptimizerState(0.1)),
+               lambda: ml.adam_update(P, G, M1, dead, OptimizerState(0.1))]
+        for call in bad:
+            with pytest.raises(TensorFreedError):
+                call()
+        with pytest.raises(ShapeMismatchError):
+            ml.sgd_update(P, t((63,)), M1, OptimizerState(0.1))
+        with pytest.raises(DTypeMismatchError):
+            ml.adam_update(P, G, t((64,), np.float64), V1, OptimizerState(0.1))
+        with pytest.raises(InvalidArgumentError):
+            ml.adam_update(P, G, None, V1, OptimizerState(0.1))
+        for state in (OptimizerState(-1.0), OptimizerState(float("nan")),
+                      OptimizerState(0.1, momentum=True), OptimizerState(0.1, step=-1),
+                      OptimizerState(0.1, step=1.0), OptimizerState(0.1, weight_decay=-1.0)):
+            with pytest.raises(InvalidArgumentError):
+                ml.sgd_update(P, G, M1, state)
+        with pytest.raises(InvalidArgumentError):
+            ml.sgd_update(P, G, None, OptimizerState(0.1, nesterov=True))
+        with pytest.raises(InvalidArgumentError):
+            ml.sgd_update(P, G, M1, OptimizerState(0.1, momentum=0.0, nesterov=True))
+        for state in (OptimizerState(0.1, beta1=1.0), OptimizerState(0.1, beta2=-0.5),
+                      OptimizerState(0.1, epsilon=float("inf")), OptimizerState(0.1, step=-2)):
+            with pytest.raises(InvalidArgumentError):
+                ml.adam_update(P, G, M1, V1, state)
+        with pytest.raises(InvalidArgumentError):
+            ml.sgd_update(P, G, M1, object())
+        s = OptimizerState(1, momentum=0, weight_decay=0)     # ints: the general path
+        ml.sgd_update(P, G, M1, s)
+        assert s.step == 1
+
+    # `with stream:`, profiling and an operand last used on a stream: the general path
+    X = t((4, 8, 16, 16))
+    ml.max_pool2d(X, 2)
+    st = b.stream()
+    launches.clear()
+    with st:
+        ml.max_pool2d(X, 2)
+        Z = t((4, 8, 16, 16))
+    assert [l[4] for l in launches] == [st.pycuda_stream]
+    assert Z.stream is st.pycuda_stream
+    ml.max_pool2d(Z, 2)              # the general path records the legacy stream's use
+    assert Z.stream is None
+    b.enable_profiling = True
+    ml.max_pool2d(X, 2)
+    assert b.get_performance_stats()["kernel_execution_times"]
+    b.enable_profiling = False
+    print("OK")
+''').replace("ROOT", repr(ROOT))
+
+
+import pytest  # noqa: E402  (this section's parametrization)
+
+
+@pytest.mark.parametrize("which", ["layer_norm", "batch_norm", "pooling", "conv2d", "dropout",
+                                   "optimizers"])
+def test_nn_plans_match_general_path(which):
+    """layer_norm, batch_norm (inference and training: statistics, finalize with the
+    running-statistics update, normalize), max/avg_pool2d, conv2d (direct, SIMT, TF32 and
+    float16 mma, autotuned), dropout (with and without mask; the seed an argument) and
+    sgd/adam (in place): the plan's call launches what the general path launches, with its
+    temporaries released, unaligned inputs take their own variant, and bad inputs still get
+    the general path's typed errors."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_BACKEND_FALLBACK"}
+    out = subprocess.run([sys.executable, "-c", NN_SCRIPT, which], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr

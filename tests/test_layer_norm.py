@@ -76,7 +76,42 @@ def case(m, rows, D, dtype, rng, affine=(True, True), eps=1e-5, offset=0.5, cfg=
             t.free()
 
 
+def call_through_plan(m, key, call):
+    """call() with m.plans[key] (the per-call plan an earlier call made, ops/common.py
+    remember_plan) wrapped to record what it returns: it must have run and taken the call."""
+    plan = m.plans[key]
+    seen = []
+    m.plans[key] = lambda *args: seen.append(plan(*args)) or seen[-1]
+    try:
+        res = call()
+    finally:
+        m.plans[key] = plan
+    assert len(seen) == 1 and seen[0] is not None and seen[0] is not False, key
+    return res
+
+
 # -- GPU -------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
+def test_second_call_takes_the_plan(m, dtype):
+    """CudaML.layer_norm twice on fresh inputs of odd shapes: the second call goes through
+    the plan the first made, and both match the reference."""
+    ml = CudaML(m)
+    rng = np.random.default_rng(21)
+    for shape, affine in (((7, 3, 129), (True, True)), ((5, 1000), (False, True)),
+                          ((3, 4097), (True, False)), ((11, 33), (False, False))):
+        D = shape[-1]
+        key = ("layer_norm", shape, dtype, 0, 1e-5, not affine[0], not affine[1])
+        m.plans.pop(key, None)
+        for second in (False, True):
+            x, a = to_dev(m, rng.standard_normal(shape) * 2 + 0.5, dtype)
+            wt, w = to_dev(m, rng.standard_normal(D), dtype) if affine[0] else (None, None)
+            bt, b = to_dev(m, rng.standard_normal(D), dtype) if affine[1] else (None, None)
+            call = lambda: ml.layer_norm(x, wt, bt)  # noqa: E731
+            y = call_through_plan(m, key, call) if second else call()
+            assert key in m.plans
+            check(m.to_numpy(y), a, w, b, 1e-5, dtype, f"{shape} {affine} second={second}")
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
 def test_matches_numpy(m, dtype):

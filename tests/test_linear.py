@@ -595,3 +595,67 @@ def test_gpu_linear_x3_configs(ml, cfg):
             err = _err(m.to_numpy(out), ref, scale)
             assert err <= bound, (cfg, (M, K, N), vec, bias is not None, err)
             out.free()
+
+
+def _no_general_path(*args, **kwargs):
+    raise AssertionError("the general path ran where the per-call plan should have")
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMS))
+def test_gpu_fused_linear_gelu_plan_path(ml, fam, monkeypatch):
+    """fused_linear_gelu twice per shape on fresh random inputs: the first call takes the
+    general path (it makes the plan), the second the plan (run_config made to raise); both
+    within the family's bound, the output from a pool block poisoned first."""
+    m = ml.math
+    dtype, prec, bound = FAMS[fam]
+    rng = np.random.default_rng()
+    for x_shape, n, with_bias in (((129, 127), 131, True), ((3, 5, 33), 65, False),
+                                  ((33,), 17, True), ((64, 200), 72, True)):
+        for second in (False, True):
+            (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, x_shape, n, with_bias)
+            key = lin._linear_key(tx, tw, tb, prec)
+            if not second:
+                m.plans.pop(key, None)
+            _poison(m, x_shape[:-1] + (n,), dtype).free()
+            with monkeypatch.context() as mp:
+                if second:
+                    mp.setattr(mm, "run_config", _no_general_path)
+                y = ml.fused_linear_gelu(tx, tw, tb, precision=prec)
+            assert key in m.plans
+            assert y.shape == x_shape[:-1] + (n,) and y.dtype is dtype
+            ref, scale = _reference(xr, wr, br)
+            err = _err(m.to_numpy(y), ref, scale)
+            assert err <= bound, f"{fam} {x_shape} x W({n}) (plan: {second}): {err:.3g}"
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT64])
+@pytest.mark.parametrize("dims", [(5, 7, 4, 3, 2), (33, 64, 48, 4, 16)])
+def test_gpu_sketched_linear_plan_path(ml, dtype, dims, monkeypatch):
+    """sketched_linear twice on fresh random inputs: the general path (it makes the plan),
+    then the plan (its products through their matmul plans: m.matrix_multiply and
+    run_config made to raise); both within test_sketched_linear's bound."""
+    m = ml.math
+    batch, inf, outf, terms, rank = dims
+    rng = np.random.default_rng()
+    for second in (False, True):
+        U, V = ml.sketched_linear_params(inf, outf, terms, rank, dtype=dtype,
+                                         seed=int(rng.integers(1 << 30)))
+        x, b = rng.standard_normal((batch, inf)), rng.standard_normal(outf)
+        tx = m.from_numpy(x.astype(dtype.numpy_dtype))
+        tb = m.from_numpy(b.astype(dtype.numpy_dtype))
+        key = lin._sketched_key(tx, U, V, tb)
+        if not second:
+            m.plans.pop(key, None)
+        with monkeypatch.context() as mp:
+            if second:
+                mp.setattr(m, "matrix_multiply", _no_general_path)
+                mp.setattr(mm, "run_config", _no_general_path)
+            y = ml.sketched_linear(tx, U, V, tb)
+        assert key in m.plans
+        Uh, Vh = m.to_numpy(U).astype(np.float64), m.to_numpy(V).astype(np.float64)
+        xr = m.to_numpy(tx).astype(np.float64)
+        ref = sum(xr @ Uh[i] @ Vh[i] for i in range(terms)) / terms + b
+        assert y.shape == (batch, outf)
+        assert rel(m.to_numpy(y), ref) < TOL[dtype] * 10

@@ -709,3 +709,38 @@ def test_gpu_wgmma_batch_over_grid_z(m):
             err = rel_err(m.to_numpy(out), ref, scale)
             assert err <= 2e-6, (cfg, b_shape, err)
             out.free()
+
+
+def _no_general_path(*args, **kwargs):
+    raise AssertionError("the general path ran where the per-call plan should have")
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMILIES))
+def test_gpu_plan_path(m, fam, monkeypatch):
+    """matrix_multiply twice per shape on fresh random inputs: the first call takes the
+    general path (autotuning, then the plan is made), the second the plan (run_config made
+    to raise); both within the family's bound. Odd shapes, a broadcast and a full batch,
+    split-K sizes, 1-D, and a TF32 size of the wgmma classes; the result comes from a pool
+    block poisoned (NaN) first."""
+    dtype, prec, bound = FAMILIES[fam]
+    rng = np.random.default_rng()
+    dev = m.backend.current_device
+    for a_shape, b_shape in (((67, 45), (45, 29)), ((3, 33, 17), (17, 40)),
+                             ((3, 130, 132), (3, 132, 70)), ((40, 1000), (1000, 30)),
+                             ((45,), (45, 29)), ((2, 257, 516), (516, 300))):
+        key = ("matmul", a_shape, b_shape, dtype, dtype, dev, dev, prec)
+        m.plans.pop(key, None)
+        for second in (False, True):
+            a = to_dev(m, rand(rng, a_shape, dtype), dtype)
+            b = to_dev(m, rand(rng, b_shape, dtype), dtype)
+            ref, scale = reference(m, a, b)
+            poisoned(m, ref.shape, dtype).free()
+            with monkeypatch.context() as mp:
+                if second:
+                    mp.setattr(mm, "run_config", _no_general_path)
+                res = m.matrix_multiply(a, b, precision=prec)
+            assert key in m.plans
+            assert res.shape == ref.shape and res.dtype is dtype
+            err = rel_err(m.to_numpy(res), ref, scale)
+            assert err <= bound, f"{fam} {a_shape}@{b_shape} (plan: {second}): {err:.3g}"

@@ -123,7 +123,65 @@ def run_adam(m, n, dtype, cfg, steps, rng, lr=1e-3):
     return pt, p, mt, mb, vt, vb
 
 
+def call_through_plan(m, key, call):
+    """call() with m.plans[key] (the per-call plan an earlier call made, ops/common.py
+    remember_plan) wrapped to record what it returns: it must have run and taken the call."""
+    plan = m.plans[key]
+    seen = []
+    m.plans[key] = lambda *args: seen.append(plan(*args)) or seen[-1]
+    try:
+        res = call()
+    finally:
+        m.plans[key] = plan
+    assert len(seen) == 1 and seen[0] is not None and seen[0] is not False, key
+    return res
+
+
 # -- GPU -------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT64, DT.FLOAT16, DT.BFLOAT16],
+                         ids=lambda d: d.name_str)
+def test_second_call_takes_the_plan(m, dtype):
+    """CudaML.sgd_update / adam_update twice on fresh parameters and gradients of odd sizes
+    (fresh states): the second call goes through the plan the first made, updates in place
+    and advances state.step; both match the float64 reference."""
+    ml = CudaML(m)
+    rng = np.random.default_rng(25)
+    sdt = opt.state_dtype(dtype)
+    tol = {**TOL, DT.FLOAT16: 2e-3, DT.BFLOAT16: 1.5e-2}[dtype]
+    for n in (1001, 7, 4099):
+        for op in ("sgd", "adam"):
+            key = ("sgd_update", (n,), dtype, 0, False) if op == "sgd" else \
+                ("adam_update", (n,), dtype, 0)
+            m.plans.pop(key, None)
+            for second in (False, True):
+                pt, p = tensor(m, rng.standard_normal(n), dtype)
+                gt, g = tensor(m, rng.standard_normal(n), dtype)
+                bt, b = tensor(m, rng.standard_normal(n), sdt)
+                vt, v = tensor(m, rng.random(n), sdt)
+                if op == "sgd":
+                    state = OptimizerState(learning_rate=0.01, momentum=0.9, weight_decay=0.01,
+                                           nesterov=True, step=3)
+                    call = lambda: ml.sgd_update(pt, gt, bt, state)  # noqa: E731
+                    p_ref, b_ref = ref_sgd(p, g, b, 0.01, 0.9, 0.01, True, False)
+                    v_ref = v
+                else:
+                    state = OptimizerState(learning_rate=1e-3, weight_decay=0.1, decoupled=True,
+                                           step=4)
+                    call = lambda: ml.adam_update(pt, gt, bt, vt, state)  # noqa: E731
+                    p_ref, b_ref, v_ref = ref_adam(p, g, b, v, 5, 1e-3, 0.9, 0.999, 1e-8, 0.1,
+                                                   True)
+                if second:
+                    call_through_plan(m, key, call)
+                else:
+                    call()
+                assert key in m.plans
+                assert state.step == (4 if op == "sgd" else 5)
+                what = f"{op} n={n} second={second}"
+                assert prel(m.to_numpy(pt).astype(np.float64), round_to(p_ref, dtype)) < tol, what
+                assert prel(m.to_numpy(bt).astype(np.float64), b_ref) < TOL[sdt], what
+                assert rel(m.to_numpy(vt).astype(np.float64), v_ref) < TOL[sdt], what
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT64], ids=lambda d: d.name_str)
 @pytest.mark.parametrize("cfg", SGD_CONFIGS, ids=str)

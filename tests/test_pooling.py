@@ -97,7 +97,43 @@ def check(out, ref, kind, dtype, what=""):
                                    atol=AVG_RTOL[dtype] * 4, err_msg=what)
 
 
+def call_through_plan(m, key, call):
+    """call() with m.plans[key] (the per-call plan an earlier call made, ops/common.py
+    remember_plan) wrapped to record what it returns: it must have run and taken the call."""
+    plan = m.plans[key]
+    seen = []
+    m.plans[key] = lambda *args: seen.append(plan(*args)) or seen[-1]
+    try:
+        res = call()
+    finally:
+        m.plans[key] = plan
+    assert len(seen) == 1 and seen[0] is not None and seen[0] is not False, key
+    return res
+
+
 # -- GPU -------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
+@pytest.mark.parametrize("kind", ["max", "avg"])
+def test_second_call_takes_the_plan(m, dtype, kind):
+    """CudaML.max_pool2d / avg_pool2d twice on fresh inputs of odd shapes (the 2x2 kernel and
+    the generic one): the second call goes through the plan the first made, and both match
+    the reference."""
+    ml = CudaML(m)
+    call_pool = ml.max_pool2d if kind == "max" else ml.avg_pool2d
+    rng = np.random.default_rng(23)
+    for shape, k, s, p in [((3, 5, 10, 16), 2, None, (0, 0)), ((2, 3, 17, 19), 3, 2, 1),
+                           ((1, 7, 9, 13), (2, 3), (1, 2), (1, 0))]:
+        key = (f"{kind}_pool2d", shape, dtype, 0, k, s, p)
+        m.plans.pop(key, None)
+        for second in (False, True):
+            x, a = make(m, shape, dtype, rng)
+            call = lambda: call_pool(x, k, s, p)  # noqa: E731
+            y = call_through_plan(m, key, call) if second else call()
+            assert key in m.plans
+            check(m.to_numpy(y), reference(a, kind, k, s, p), kind, dtype,
+                  f"{shape} {k} {s} {p} second={second}")
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
 @pytest.mark.parametrize("kind", ["max", "avg"])

@@ -490,3 +490,62 @@ def test_property_any_axes(m, shape, data, op, dtype, keepdims):
         check(op, dtype, m.to_numpy(run_op(m, op, x, axis, keepdims)), a, axis, keepdims,
               f"{op} {shape} {axis}")
     x.free()
+
+
+# -- per-call plans (ops/common.py): the second call of a shape goes through m.plans ----------
+def _spy_plan(m, key):
+    """Replace the plan under key by one that notes whether it gave the result."""
+    plan, taken = m.plans[key], []
+
+    def spy(x):
+        res = plan(x)
+        taken.append(res is not None)
+        return res
+    m.plans[key] = spy
+    return taken
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS + ["argmax"])
+@pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT16, DT.FLOAT64, DT.INT32],
+                         ids=lambda d: d.name_str)
+def test_plan_path_matches_numpy(m, op, dtype):
+    """Each call on fresh random inputs of odd shapes: the first through the general path
+    (which keeps the plan), the second through the plan; both against float64 NumPy. Shapes
+    cover rows, a middle axis, two passes, split launches (partials, ticket counters) and a
+    view one element past an aligned pointer."""
+    rng = np.random.default_rng()
+    cases = [((37, 53), 1, False), ((37, 53), None, False), ((129, 40), 0, True),
+             ((5, 7, 9), -1, False), ((3, 4097), -1, False), ((4099, 3), 0, False),
+             ((5, 66, 8), 1, False)]
+    if op != "argmax":
+        cases += [((5, 7, 9), (0, 2), True), ((2, 3, 4, 5), (1, 3), False)]
+    for shape, axis, keepdims in cases:
+        name = "argmax" if op == "argmax" else "reduce_" + op
+        key = (name, shape, dtype, axis, keepdims, 0)
+        m.plans.pop(key, None)
+        for i in range(3):
+            base = None
+            if i < 2:
+                x, a = make(m, shape, dtype, rng)
+            else:   # a view one element past an aligned pointer
+                base, b = make(m, (math.prod(shape) + 1,), dtype, rng)
+                x = CudaTensor(shape, dtype, base.device_id, base.ptr + dtype.itemsize,
+                               owner=base)
+                a = b[1:].reshape(shape)
+            if i:
+                assert key in m.plans, key
+                assert m.backend.direct_launch(x.device_id)
+                taken = _spy_plan(m, key)
+            if op == "argmax":
+                got = m.to_numpy(m.argmax(x, axis=axis, keepdims=keepdims))
+                np.testing.assert_array_equal(got, np.argmax(a, axis=axis, keepdims=keepdims),
+                                              err_msg=f"{shape} axis={axis}")
+            else:
+                check(op, dtype, m.to_numpy(run_op(m, op, x, axis, keepdims)), a, axis,
+                      keepdims, f"{op} {shape} axis={axis} call {i}")
+            if i:
+                assert taken == [True], (key, taken)
+            x.free()
+            if base is not None:
+                base.free()

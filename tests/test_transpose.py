@@ -301,3 +301,46 @@ def test_transpose_zero_size_and_host_path(m):
     rng = np.random.default_rng()
     x, ref = make(m, (5, 9), DT.FLOAT32, rng)
     np.testing.assert_array_equal(m.to_numpy(m.matrix_transpose(x)), ref.T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT16, DT.FLOAT64, DT.INT32],
+                         ids=lambda d: d.name_str)
+def test_plan_path_matches_numpy(m, dtype):
+    """Per-call plans (ops/common.py): each shape twice on fresh random inputs, the first
+    through the general path (which keeps the plan), the second through m.plans, then a
+    view one element past an aligned pointer (a narrower access width, configured on first
+    use); every result against NumPy. An autotuned size too."""
+    rng = np.random.default_rng()
+    for shape in [(37, 53), (64, 64), (3, 40, 24), (1000, 3), (2, 96, 32), (1023, 1031)]:
+        key = ("matrix_transpose", shape, dtype, 0)
+        m.plans.pop(key, None)
+        for i in range(3):
+            base = None
+            if i < 2:
+                x, ref = make(m, shape, dtype, rng)
+            else:
+                n = int(np.prod(shape))
+                base, b = make(m, (n + 1,), dtype, rng)
+                x = CudaTensor(shape, dtype, base.device_id, base.ptr + dtype.itemsize,
+                               owner=base)
+                ref = b[1:].reshape(shape)
+            if i:
+                assert key in m.plans, key
+                assert m.backend.direct_launch(x.device_id)
+                plan, taken = m.plans[key], []
+
+                def spy(t, plan=plan, taken=taken):
+                    res = plan(t)
+                    taken.append(res is not None)
+                    return res
+                m.plans[key] = spy
+            out = m.matrix_transpose(x)
+            if i:
+                assert taken == [True], (key, i)   # the plan gave the result
+                m.plans[key] = plan
+            np.testing.assert_array_equal(m.to_numpy(out), np.swapaxes(ref, -1, -2),
+                                          err_msg=f"{shape} call {i}")
+            out.free(), x.free()
+            if base is not None:
+                base.free()

@@ -137,6 +137,17 @@ def flash_attention(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor,
                     scale: Optional[float] = None, causal: bool = False,
                     out: Optional[CudaTensor] = None) -> CudaTensor:
     """softmax(scale * q kᵀ [+ causal mask]) v; out= (internal) receives the result."""
+    if out is None and type(q) is CudaTensor and type(k) is CudaTensor and \
+            type(v) is CudaTensor and type(causal) is bool and \
+            (scale is None or type(scale) is float):
+        plans = getattr(m, "plans", None)
+        fast = None if plans is None else plans.get(
+            ("flash_attention", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+             q.device_id, k.device_id, v.device_id, scale is None, causal))
+        if fast is not None and m.backend.direct_launch(q.device_id):
+            res = fast(q, k, v, scale)
+            if res is not None:
+                return res
     dtype = check_inputs(q, k, v)
     B, Hh, Sq, D = q.shape
     Skv = k.shape[2]
@@ -155,27 +166,83 @@ def flash_attention(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor,
     if out.size == 0:
         return out
     try:
-        _compute(m, q, k, v, out, sc, bool(causal))
+        cfg = _compute(m, q, k, v, out, sc, bool(causal))
     except BaseException:
         if owned:
             out.free()  # nothing leaks from a failed launch
         raise
+    if cfg is not None and type(q) is CudaTensor and type(k) is CudaTensor and \
+            type(v) is CudaTensor and type(causal) is bool and \
+            (scale is None or type(scale) is float) and \
+            getattr(m, "plans", None) is not None and hasattr(m.backend, "prepare_launch"):
+        common.remember_plan(
+            m, ("flash_attention", q.shape, k.shape, v.shape, dtype, dtype, dtype, dev, dev,
+                dev, scale is None, causal), _fast_plan(m, cfg, q, k, causal))
     return out
 
 
+def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
+               causal: bool) -> Any:
+    """The per-call plan (ops/common.py remember_plan) of flash_attention on operands shaped
+    like q, k (v as k) with this causal flag, after the general path chose cfg: the result
+    from the pool and run_config's launch, prepared; scale (None or a float, as the key
+    says) and the pointer-dependent vec / pair flags per call, as run_config computes them."""
+    from ..tensor import pool_tensor
+    dtype, dev = q.dtype, q.device_id
+    shape = q.shape
+    B, Hh, Sq, D = shape
+    Skv = k.shape[2]
+    kernel = m.backend.get_kernel(_kernel(m, TEMPLATE, dev, {**dtype_params(dtype), **cfg}).name,
+                                  dev)
+    blocks = B * Hh * -(-Sq // block_rows(cfg))
+    go = m.backend.prepare_launch(kernel, (blocks, 1, 1), (32 * cfg["nw"], 1, 1),
+                                  shared_bytes(cfg, dtype), dev)
+    pool = m.backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    size, nbytes = q.size, q.nbytes
+    d_vec, d_pair = D % (16 // dtype.itemsize) == 0, D % 2 == 0
+    scaled = float(_scale(None, D) * LOG2E)
+    flag = int(causal)
+    isfinite = math.isfinite
+
+    def run(q: CudaTensor, k: CudaTensor, v: CudaTensor,
+            scale: Optional[float]) -> Optional[CudaTensor]:
+        pq, pk, pv = q._ptr, k._ptr, v._ptr
+        if pq is None or pk is None or pv is None or q.stream is not None or \
+                k.stream is not None or v.stream is not None:
+            return None
+        if scale is None:
+            sc = scaled
+        elif isfinite(scale):
+            sc = scale * LOG2E   # float(scale * LOG2E), as run_config
+        else:
+            return None   # the general path's error
+        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
+        po = out._ptr
+        try:
+            go(pq, pk, pv, po, Sq, Skv, D, sc, flag,
+               int(d_vec and not (pq | pk | pv) & 15), int(d_pair and not po & 7))
+        except BaseException:
+            out.free()   # as the general path: nothing leaks from a failed launch
+            raise
+        return out
+    return run
+
+
 def _compute(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor, out: CudaTensor,
-             sc: float, causal: bool) -> None:
-    """Fill out: NumPy in fallback mode, zeros for no keys, else the autotuned kernel."""
+             sc: float, causal: bool) -> Optional[Dict[str, Any]]:
+    """Fill out: NumPy in fallback mode, zeros for no keys, else the autotuned kernel (its
+    config returned; None for the other two)."""
     dtype, dev = q.dtype, q.device_id
     B, Hh, Sq, D = q.shape
     Skv = k.shape[2]
     if not m.gpu:
         _write_host(m, out, reference(common.host_array(m, q), common.host_array(m, k),
                                       common.host_array(m, v), sc, causal))
-        return
+        return None
     if Skv == 0:
         _fill_zero(m, out, dev)
-        return
+        return None
     hd = padded_head_dim(D)
     cands = configs(dtype, hd)
 
@@ -193,6 +260,7 @@ def _compute(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor, out: CudaTenso
     else:
         cfg = cands[0]
     run(cfg)
+    return cfg
 
 
 def _bucket(x: int) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 from ..dtypes import CudaDataType, to_bfloat16_bits
 from ..errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 from ..kernels import dtype_params
-from ..tensor import CudaTensor
+from ..tensor import CudaTensor, pool_tensor
 from . import common
 
 DT = CudaDataType
@@ -215,6 +215,15 @@ def conv2d(m: Any, x: CudaTensor, w: CudaTensor, config: Any,
     float32 is true FP32 on CUDA cores unless precision='tf32'; float16 / bfloat16 use
     tensor cores (or the direct kernel) with float32 accumulation. out= receives the result.
     """
+    if out is None and type(x) is CudaTensor and type(w) is CudaTensor:
+        try:  # the per-call plan (ops/common.py remember_plan)
+            fast = m.plans.get(_plan_key(x, w, config, bias is None, precision))
+        except (AttributeError, TypeError):  # not a config, unhashable fields: the checks
+            fast = None
+        if fast is not None and m.backend.direct_launch(x.device_id):
+            res = fast(x, w, bias)
+            if res is not None:
+                return res
     common.check_tensor(x, "input")
     common.check_tensor(w, "kernel")
     if bias is not None:
@@ -230,13 +239,139 @@ def conv2d(m: Any, x: CudaTensor, w: CudaTensor, config: Any,
     try:
         if not m.gpu:
             _fallback(m, x, w, bias, geom, prec, out)
-        else:
-            _launch(m, x, w, bias, geom, dtype, prec, out, dev)
+            return out
+        cfg = _launch(m, x, w, bias, geom, dtype, prec, out, dev)
     except BaseException:
         if owned:
             out.free()  # nothing leaks from a failed launch
         raise
+    if owned:
+        from ..cuda_ml import ConvolutionConfig
+        if type(config) is ConvolutionConfig and (precision is None or
+                                                  type(precision) is str):
+            key = _plan_key(x, w, config, bias is None, precision)
+            if key not in m.plans:
+                common.remember_plan(m, key, _fast_plan(m, geom, dtype, prec, dev,
+                                                        bias is not None, cfg))
     return out
+
+
+def _plan_key(x: CudaTensor, w: CudaTensor, config: Any, no_bias: bool,
+              precision: Any) -> tuple:
+    """The plan cache key of a conv2d: the operands' shapes, dtypes and devices, the
+    config's type and fields, bias presence (the bias itself is checked by the plan) and
+    precision as given."""
+    return ("conv2d", x.shape, x.dtype, x.device_id, w.shape, w.dtype, w.device_id,
+            type(config), config.kernel_size, config.stride, config.padding, config.dilation,
+            config.groups, no_bias, precision)
+
+
+def _fast_plan(m: Any, g: Geometry, dtype: CudaDataType, prec: Optional[str], dev: int,
+               has_bias: bool, cfg: Optional[Dict[str, int]]) -> Any:
+    """The per-call plan of conv2d for one key (ops/common.py remember_plan), made after
+    the general path has launched (so after the autotuner's pick, cfg): the bias checked as
+    the general path would (a mismatch returns None: the general path raises), the result
+    allocated, and the general path's launches prepared, with its temporaries: direct one
+    launch; simt the filter repack into wt, the GEMM (out_vec from the result's pointer),
+    wt released; mma the input repack into xt (one launch per max-grid-z images), the filter
+    repack into wt, the GEMM, wt and xt released. A failed launch frees the result, as
+    conv2d does."""
+    size = g.N * g.K * g.P * g.Q
+    nbytes = size * dtype.itemsize
+    out_shape, es = g.out_shape, dtype.itemsize
+    kshape = (g.K,)
+    prep = m.backend.prepare_launch
+    pool = m.backend.memory_pools[dev]
+    alloc, release = pool.allocate_current, pool.release
+    hb = int(has_bias)
+    geo = (g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.M)
+    fam = family(g, dtype, prec)
+    if fam == "direct":
+        total = g.N * g.K * g.P * -(-g.Q // DIRECT_VQ)
+        go = prep(_kernel(m, DIRECT_TEMPLATE, dev, {**dtype_params(dtype), "vq": DIRECT_VQ}),
+                  (_grid_1d(m, total, dev), 1, 1), (256, 1, 1), 0, dev)
+        args = (g.C, g.H, g.W, g.Cg, g.Kg, g.K, g.P, g.Q, g.R, g.S, *geo[:-1], total)
+    elif fam == "simt":
+        kgp = -(-g.Kg // 4) * 4
+        wt_size = g.groups * g.R * g.S * g.Cg * kgp
+        wt_bytes = wt_size * es
+        wprep = prep(_kernel(m, PREP_TEMPLATE, dev, {**dtype_params(dtype),
+                                                     "kind": "weight_rsck"}),
+                     (_grid_1d(m, wt_size, dev), 1, 1), (256, 1, 1), 0, dev)
+        wargs = (g.Kg, g.Cg, g.R * g.S, kgp, wt_size)
+        assert cfg is not None
+        threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"]) * cfg["slices"]
+        go = prep(_kernel(m, SIMT_TEMPLATE, dev, {**dtype_params(DT.FLOAT32), **cfg}),
+                  (-(-g.M // cfg["bm"]), -(-g.Kg // cfg["bn"]), g.groups), (threads, 1, 1), 0,
+                  dev)
+        args = (g.C, g.H, g.W, g.Cg, g.Kg, kgp, g.K, g.P, g.Q, g.R, g.S, *geo)
+    else:
+        cgp = padded_channels(g, dtype)
+        ct, hw = g.groups * cgp, g.H * g.W
+        xt_bytes = g.N * hw * ct * es
+        ikernel = _kernel(m, PREP_TEMPLATE, dev, {**dtype_params(dtype), "kind": "input_nhwc"})
+        max_z = m.backend.get_device_info(dev).max_grid_dims[2]
+        iprep = [(prep(ikernel, (-(-hw // 32), -(-ct // 32), min(max_z, g.N - n0)), (32, 8, 1),
+                       0, dev), n0 * g.C * hw * es, n0 * hw * ct * es)
+                 for n0 in range(0, g.N, max_z)]
+        iargs = (g.C, hw, g.Cg, cgp, ct)
+        wt_size = g.K * g.R * g.S * cgp
+        wt_bytes = wt_size * es
+        wprep = prep(_kernel(m, PREP_TEMPLATE, dev, {**dtype_params(dtype),
+                                                     "kind": "weight_krsc"}),
+                     (_grid_1d(m, wt_size, dev), 1, 1), (256, 1, 1), 0, dev)
+        wargs = (g.Cg, g.R * g.S, cgp, wt_size)
+        assert cfg is not None
+        threads = (cfg["bm"] // cfg["wm"]) * (cfg["bn"] // cfg["wn"]) * 32
+        go = prep(_kernel(m, MMA_TEMPLATE, dev, {**dtype_params(dtype), **cfg}),
+                  (-(-g.M // cfg["bm"]), -(-g.Kg // cfg["bn"]), g.groups), (threads, 1, 1),
+                  mma_shared_bytes(cfg, dtype), dev)
+        args = (g.H, g.W, ct, cgp, g.Kg, g.K, g.P, g.Q, g.R, g.S, *geo)
+
+    def run(x: CudaTensor, w: CudaTensor, bias: Any) -> Optional[CudaTensor]:
+        px, pw = x._ptr, w._ptr
+        if px is None or pw is None or x.stream is not None or w.stream is not None:
+            return None
+        pb = 0
+        if has_bias:
+            if type(bias) is not CudaTensor or bias.shape != kshape or \
+                    bias.dtype is not dtype or bias.device_id != dev or \
+                    bias.stream is not None or bias._ptr is None:
+                return None
+            pb = bias._ptr
+        out = pool_tensor(out_shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
+        po = out._ptr
+        try:
+            if fam == "direct":
+                go(px, pw, pb, po, hb, *args)
+            elif fam == "simt":
+                wt = alloc(wt_bytes)
+                try:
+                    pwt = int(wt)
+                    wprep(pw, pwt, *wargs)
+                    go(px, pwt, pb, po, hb, int(po % 16 == 0), *args)
+                finally:
+                    release(wt)  # as the general path's wt.free()
+            else:
+                xt = alloc(xt_bytes)
+                try:
+                    pxt = int(xt)
+                    for ilaunch, x_off, xt_off in iprep:
+                        ilaunch(px + x_off, pxt + xt_off, *iargs)
+                    wt = alloc(wt_bytes)
+                    try:
+                        pwt = int(wt)
+                        wprep(pw, pwt, *wargs)
+                        go(pxt, pwt, pb, po, hb, *args)
+                    finally:
+                        release(wt)
+                finally:
+                    release(xt)
+        except BaseException:
+            out.free()  # nothing leaks from a failed launch
+            raise
+        return out
+    return run
 
 
 def _validate(m: Any, x: CudaTensor, w: CudaTensor, config: Any, bias: Optional[CudaTensor],
@@ -426,11 +561,13 @@ def shape_key(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> List[Any
 
 
 def _launch(m: Any, x: CudaTensor, w: CudaTensor, bias: Optional[CudaTensor], g: Geometry,
-            dtype: CudaDataType, prec: Optional[str], out: CudaTensor, dev: int) -> None:
+            dtype: CudaDataType, prec: Optional[str], out: CudaTensor,
+            dev: int) -> Optional[Dict[str, int]]:
+    """The launches of one convolution; returns the tile config used (None: direct)."""
     fam = family(g, dtype, prec)
     if fam == "direct":
         run_direct(m, x, w, bias, g, out, dev)
-        return
+        return None
     memo = m.__dict__.setdefault("_conv2d_configs", {})
     mkey = (g, dtype, prec, dev)
     cfg = memo.get(mkey)
@@ -444,7 +581,7 @@ def _launch(m: Any, x: CudaTensor, w: CudaTensor, bias: Optional[CudaTensor], g:
             run(cfg)
         finally:
             wt.free()
-        return
+        return cfg
     xt = prepare_input_mma(m, x, g, dev)
     try:
         wt = prepare_weight_mma(m, w, g, dev)
@@ -458,6 +595,7 @@ def _launch(m: Any, x: CudaTensor, w: CudaTensor, bias: Optional[CudaTensor], g:
             wt.free()
     finally:
         xt.free()  # back to the pool; later work on this stream is ordered after the launch
+    return cfg
 
 
 def _choose(m: Any, op: str, g: Geometry, dtype: CudaDataType, prec: Optional[str],

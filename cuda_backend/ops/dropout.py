@@ -16,7 +16,7 @@ import numpy as np
 from ..dtypes import CudaDataType
 from ..errors import InvalidArgumentError
 from ..kernels import dtype_params
-from ..tensor import CudaTensor
+from ..tensor import CudaTensor, pool_tensor
 from . import common
 
 TEMPLATE = "dropout.cu.j2"
@@ -122,6 +122,15 @@ def dropout(m: Any, x: CudaTensor, keep_prob: float = 0.5, seed: Optional[int] =
             mask: Optional[CudaTensor] = None) -> Union[CudaTensor, Tuple[CudaTensor, CudaTensor]]:
     """Dropout of x; returns the output, or (output, uint8 mask) with return_mask=True.
     out= / mask= (internal, tests) receive the results instead of new tensors."""
+    if out is None and mask is None and type(x) is CudaTensor and type(keep_prob) is float \
+            and type(return_mask) is bool:
+        # the per-call plan (ops/common.py remember_plan): the seed is an argument of it,
+        # not part of the key
+        fast = m.plans.get(("dropout", x.shape, x.dtype, x.device_id, keep_prob, return_mask))
+        if fast is not None and m.backend.direct_launch(x.device_id):
+            res = fast(x, seed)
+            if res is not None:
+                return res
     common.check_tensor(x, "tensor")
     common.require_dtype(x, DTYPES, "dropout")
     p = _keep_prob(keep_prob)
@@ -166,12 +175,60 @@ def dropout(m: Any, x: CudaTensor, keep_prob: float = 0.5, seed: Optional[int] =
         aligned = int(x.ptr % 16 == 0 and y.ptr % 16 == 0
                       and (mk is None or mk.ptr % chunk == 0))
         kernel = m.kernel(TEMPLATE, dev, **_params(x.dtype))
-        chunks = -(-n // chunk)
-        grid = max(1, min(-(-chunks // BLOCK), 2**31 - 1))  # one chunk per thread
+        grid = _grid(n, chunk)
         m.backend.launch_kernel(kernel.name, grid, x, y, mk if mk is not None else 0, n, s,
                                 threshold_for(p), 1.0 / p, aligned,
                                 block_size=(BLOCK, 1, 1), device_id=dev)
+        if out is None and mask is None and type(keep_prob) is float and \
+                type(return_mask) is bool:
+            key = ("dropout", x.shape, x.dtype, dev, keep_prob, return_mask)
+            if key not in m.plans:
+                common.remember_plan(m, key, _fast_plan(m, x, p, return_mask, kernel))
     return (y, mk) if return_mask else y
+
+
+def _grid(n: int, chunk: int) -> int:
+    """One chunk of max(4, vec) elements per thread."""
+    chunks = -(-n // chunk)
+    return max(1, min(-(-chunks // BLOCK), 2**31 - 1))
+
+
+def _fast_plan(m: Any, x: CudaTensor, p: float, return_mask: bool, kernel: Any) -> Any:
+    """The per-call plan of dropout on tensors shaped like x with keep probability p < 1
+    (ops/common.py remember_plan): the seed checked and drawn as `_seed` does (anything but
+    None or an int returns None: the general path checks it), the output (and mask)
+    allocated, `aligned` from the pointers as dropout() computes it, one prepared launch."""
+    dev, shape, dtype = x.device_id, x.shape, x.dtype
+    n, nbytes = x.size, x.nbytes
+    chunk = max(4, _vec(dtype))
+    go = m.backend.prepare_launch(kernel, _grid(n, chunk), (BLOCK, 1, 1), 0, dev)
+    thr, scale = threshold_for(p), 1.0 / p
+    u8 = CudaDataType.UINT8
+    pool = m.backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    randbits = secrets.randbits
+    chunk_mask = chunk - 1  # a power of two
+
+    def run(x: CudaTensor, seed: Any) -> Any:
+        px = x._ptr
+        if px is None or x.stream is not None:
+            return None
+        if seed is None:
+            s = randbits(64)
+        elif type(seed) is int:
+            s = seed % (1 << 64)
+        else:
+            return None
+        y = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, n, nbytes)
+        py = y._ptr
+        if return_mask:
+            mk = pool_tensor(shape, u8, dev, alloc(n), pool, n, n)
+            pm = mk._ptr
+            go(px, py, pm, n, s, thr, scale, int(not (px | py) & 15 and not pm & chunk_mask))
+            return y, mk
+        go(px, py, 0, n, s, thr, scale, int(not (px | py) & 15))
+        return y
+    return run
 
 
 def _store(m: Any, values: np.ndarray, dtype: CudaDataType, dev: int,

@@ -168,51 +168,39 @@ def _remember_plan(m: Any, attr: str, key: tuple, kind: str, op: str, dtype: Cud
 
 
 def _make_plan(m: Any, kind: str, op: str, dtype: CudaDataType, dev: int) -> Optional[Callable]:
+    """The plan of one (kind, op, dtype, device), on the backend's public launch API: a
+    PreparedLaunch gives the kernel's launch function, argument packer and validated block
+    (the grid is the only per-call launch value: it follows the element count and the
+    pointers' alignment, and stays under the cap checked here); `direct_launch` says when a
+    direct launch is right; the pool's `allocate_current` allocates."""
     backend = m.backend
-    launcher = getattr(backend, "_launcher", None)
-    if launcher is None or not m.gpu:
+    if not m.gpu:
         return None
-    from .. import streams
+    from ..driver import load_driver
     from ..errors import driver_failure
     from ..tensor import pool_tensor
-    name, per_block, vec, zero, cap = m._elementwise_cache[dev].kernels[
+    name, per_block, vec, zero, cap = _cache(m, dev).kernels[
         ("binary" if kind == "scalar" else kind, op, dtype)]
-    kernel = backend._compiler.get(name, dev)
-    fmt = kernel.arg_format
-    launcher._validate(kernel, dev, 1, _BLOCK_DIMS, 0)   # the block, once (grid x <= cap)
-    cap = min(cap, backend.devices[dev].max_grid_dims[0])
-    pack = struct.Struct(fmt).pack
-    sample = (1, 2, 4, zero) if kind == "unary" else (1, 2, 3, zero, 4, 0)
-    try:
-        if pack(*sample) != launcher._pack(fmt, *sample):
-            return None     # a layout the standard packer does not reproduce: general path
-    except Exception:
-        return None
-    launch = kernel.function._launch_kernel
+    kernel = backend.get_kernel(name, dev)
+    prepared = backend.prepare_launch(kernel, (1, 1, 1), _BLOCK_DIMS, 0, dev)
+    cap = min(cap, backend.get_device_info(dev).max_grid_dims[0])
+    pack, launch, block = prepared.pack, prepared.launch_fn, prepared.block
+    direct = backend.direct_launch
     pool = backend.memory_pools[dev]
-    alloc = pool._allocate_locked
-    ctx_local = backend._contexts._local
-    stream_local = streams._local   # .__dict__.get: a missing attribute of a thread-local
-                                    # costs a raised and caught AttributeError (~1 us)
-    itemsize = dtype.itemsize
-    block = _BLOCK_DIMS
-    drv_error = backend._drv.Error
+    alloc = pool.allocate_current    # stream None: direct() says no `with stream:` block
+    drv_error = load_driver()[0].Error
     what = f"launch of kernel '{name}'"
 
     if kind == "binary":
         def plan(a: CudaTensor, b: CudaTensor) -> Optional[CudaTensor]:
             # a.dtype is dtype and a.device_id == dev: the plan's key says so
             pa, pb, shape = a._ptr, b._ptr, a.shape
-            if pa is None or pb is None or b.dtype is not dtype or b.device_id != dev or \
-                    b.shape != shape:
-                return None
             n = a.size
-            st = getattr(ctx_local, "state", None)
-            if not n or st is None or not st.stack or st.stack[-1][0] != dev or \
-                    launcher.profiler is not None or stream_local.__dict__.get("stack"):
+            if pa is None or pb is None or b.dtype is not dtype or b.device_id != dev or \
+                    b.shape != shape or not n or not direct(dev):
                 return None
-            nbytes = n * itemsize
-            res = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, n, nbytes)
+            nbytes = a.nbytes
+            res = pool_tensor(shape, dtype, dev, alloc(nbytes, None), pool, n, nbytes)
             po = res._ptr
             grid = -(-(n // vec if not ((po | pa | pb) & 15) else n) // per_block) or 1
             try:
@@ -240,9 +228,7 @@ def _make_plan(m: Any, kind: str, op: str, dtype: CudaDataType, dev: int) -> Opt
             # t.dtype is dtype and t.device_id == dev; s is a float or an int (not a bool)
             pt = t._ptr
             n = t.size
-            st = getattr(ctx_local, "state", None)
-            if pt is None or not n or st is None or not st.stack or st.stack[-1][0] != dev or \
-                    launcher.profiler is not None or stream_local.__dict__.get("stack"):
+            if pt is None or not n or not direct(dev):
                 return None
             if lo is None:
                 try:
@@ -255,8 +241,8 @@ def _make_plan(m: Any, kind: str, op: str, dtype: CudaDataType, dev: int) -> Opt
                 v = s
             else:
                 return None
-            nbytes = n * itemsize
-            res = pool_tensor(t.shape, dtype, dev, alloc(nbytes), pool, n, nbytes)
+            nbytes = t.nbytes
+            res = pool_tensor(t.shape, dtype, dev, alloc(nbytes, None), pool, n, nbytes)
             po = res._ptr
             grid = -(-(n // vec if not ((po | pt) & 15) else n) // per_block) or 1
             if mode == 1 or commutes:
@@ -273,12 +259,10 @@ def _make_plan(m: Any, kind: str, op: str, dtype: CudaDataType, dev: int) -> Opt
     def plan(x: CudaTensor) -> Optional[CudaTensor]:   # unary
         px = x._ptr
         n = x.size
-        st = getattr(ctx_local, "state", None)
-        if px is None or not n or st is None or not st.stack or st.stack[-1][0] != dev or \
-                launcher.profiler is not None or stream_local.__dict__.get("stack"):
+        if px is None or not n or not direct(dev):
             return None
-        nbytes = n * itemsize
-        res = pool_tensor(x.shape, dtype, dev, alloc(nbytes), pool, n, nbytes)
+        nbytes = x.nbytes
+        res = pool_tensor(x.shape, dtype, dev, alloc(nbytes, None), pool, n, nbytes)
         po = res._ptr
         grid = -(-(n // vec if not ((po | px) & 15) else n) // per_block) or 1
         try:

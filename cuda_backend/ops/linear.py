@@ -47,13 +47,45 @@ def fused_linear_gelu(m: Any, x: CudaTensor, weight: CudaTensor,
     (out, in) -> (..., out). float32 is float32-accurate: 3xTF32 on tensor cores or CUDA-core
     FMA, whichever the autotuner times faster; precision='ieee' keeps CUDA cores and
     precision='tf32' uses TF32."""
+    key = _linear_key(x, weight, bias, precision)
+    if key is not None:
+        plans = getattr(m, "plans", None)
+        fast = None if plans is None else plans.get(key)
+        if fast is not None and m.backend.direct_launch(x.device_id):
+            res = fast(x, weight, bias)
+            if res is not None:
+                return res
     from . import matmul as mm
     _check_linear(x, weight, bias)
     lead = x.shape[:-1]
     rows = int(np.prod(lead)) if lead else 1
     x2 = _reshaped(x, (rows, x.shape[-1]))
     y = mm.linear(m, x2, weight, bias, "bias_gelu", precision)
+    if key is not None and y.size and m.gpu:
+        # the plan (matmul.remember): y's allocation with the result's shape and the launch
+        # of the config mm.linear memoized for this alignment class
+        N = weight.shape[0]
+        p = mm.Plan(1, rows, N, x.shape[-1], 0, 0, (rows, N))
+        mm.remember(m, key, p, x.dtype, mm.normalize_precision(precision, x.dtype),
+                    x.device_id, mm.is_vec_ok(x2, weight, y, p), lead + (N,), "bias_gelu")
     return _reshaped(y, lead + (weight.shape[0],))
+
+
+def _linear_key(x: Any, weight: Any, bias: Any, precision: Any) -> Optional[tuple]:
+    """fused_linear_gelu's plan key (ops/common.py remember_plan): every operand's shape,
+    dtype and device, and the precision as given; None where no plan applies (an operand
+    that is not a CudaTensor, a precision that is neither None nor a string)."""
+    if type(x) is not CudaTensor or type(weight) is not CudaTensor or \
+            not (precision is None or type(precision) is str):
+        return None
+    if bias is None:
+        b = None
+    elif type(bias) is CudaTensor:
+        b = (bias.shape, bias.dtype, bias.device_id)
+    else:
+        return None
+    return ("fused_linear_gelu", x.shape, weight.shape, x.dtype, weight.dtype, x.device_id,
+            weight.device_id, b, precision)
 
 
 def _reshaped(t: CudaTensor, shape: Tuple[int, ...]) -> CudaTensor:
@@ -74,6 +106,14 @@ def sketched_linear(m: Any, x: CudaTensor, U: CudaTensor, V: CudaTensor,
     V (terms, rank, out), bias (out,)."""
     from . import elementwise as ew
     from . import reduction as red
+    key = _sketched_key(x, U, V, bias)
+    if key is not None:
+        plans = getattr(m, "plans", None)
+        fast = None if plans is None else plans.get(key)
+        if fast is not None and m.backend.direct_launch(x.device_id):
+            res = fast(x, U, V, bias)
+            if res is not None:
+                return res
     for t, name in ((x, "x"), (U, "U"), (V, "V")):
         common.check_tensor(t, name)
     if U.ndim != 3 or V.ndim != 3 or U.shape[0] != V.shape[0] or U.shape[2] != V.shape[1]:
@@ -97,6 +137,13 @@ def sketched_linear(m: Any, x: CudaTensor, U: CudaTensor, V: CudaTensor,
         xuv = m.matrix_multiply(xu, V)    # (terms, batch, out)
     finally:
         xu.free()
+    if key is not None and m.gpu and xuv.size and xu.size:
+        plans = getattr(m, "plans", None)
+        dt, dev = x.dtype, x.device_id
+        mm1 = plans.get(("matmul", x.shape, U.shape, dt, dt, dev, dev, None))
+        mm2 = plans.get(("matmul", xu.shape, V.shape, dt, dt, dev, dev, None))
+        if mm1 is not None and mm2 is not None:
+            common.remember_plan(m, key, _sketched_plan(m, mm1, mm2, terms))
     try:
         y = red.reduce(m, "sum", xuv, axis=0)
     finally:
@@ -105,6 +152,54 @@ def sketched_linear(m: Any, x: CudaTensor, U: CudaTensor, V: CudaTensor,
     if bias is not None:
         ew.binary(m, "add", y, bias, out=y)
     return y
+
+
+def _sketched_key(x: Any, U: Any, V: Any, bias: Any) -> Optional[tuple]:
+    """sketched_linear's plan key: every operand's shape, dtype and device (None: no plan
+    applies, an operand is not a CudaTensor)."""
+    if type(x) is not CudaTensor or type(U) is not CudaTensor or type(V) is not CudaTensor:
+        return None
+    if bias is None:
+        b = None
+    elif type(bias) is CudaTensor:
+        b = (bias.shape, bias.dtype, bias.device_id)
+    else:
+        return None
+    return ("sketched_linear", x.shape, U.shape, V.shape, x.dtype, U.dtype, V.dtype,
+            x.device_id, U.device_id, V.device_id, b)
+
+
+def _sketched_plan(m: Any, mm1: Any, mm2: Any, terms: int) -> Any:
+    """The per-call plan of sketched_linear (ops/common.py remember_plan): the general path's
+    steps without its checks: the two products through their matmul plans (mm1: x @ U, mm2:
+    xu @ V, as m.matrix_multiply takes them), then the same reduction and in-place scale and
+    bias calls. None (general path) where a product's plan steps aside."""
+    from . import elementwise as ew
+    from . import reduction as red
+    inv = 1.0 / terms
+
+    def run(x: CudaTensor, U: CudaTensor, V: CudaTensor,
+            bias: Optional[CudaTensor]) -> Optional[CudaTensor]:
+        if bias is not None and bias._ptr is None:
+            return None   # the general path's TensorFreedError, before any launch
+        xu = mm1(x, U, None)
+        if xu is None:
+            return None
+        try:
+            xuv = mm2(xu, V, None)
+        finally:
+            xu.free()
+        if xuv is None:
+            return None
+        try:
+            y = red.reduce(m, "sum", xuv, axis=0)
+        finally:
+            xuv.free()
+        ew.binary(m, "multiply", y, inv, out=y)
+        if bias is not None:
+            ew.binary(m, "add", y, bias, out=y)
+        return y
+    return run
 
 
 def sketched_linear_params(m: Any, in_features: int, out_features: int, num_terms: int,

@@ -508,6 +508,15 @@ def matmul(m: Any, a: CudaTensor, b: CudaTensor, precision: Optional[str] = None
     """a @ b with NumPy's matmul shape rules (batch: full or broadcast). float32 is true FP32
     on CUDA cores unless precision='tf32'; float16/bfloat16 use tensor cores with float32
     accumulation; float64 runs on CUDA cores. out= (optional) receives the result."""
+    if out is None and type(a) is CudaTensor and type(b) is CudaTensor and \
+            (precision is None or type(precision) is str):
+        plans = getattr(m, "plans", None)
+        fast = None if plans is None else plans.get(
+            ("matmul", a.shape, b.shape, a.dtype, b.dtype, a.device_id, b.device_id, precision))
+        if fast is not None and m.backend.direct_launch(a.device_id):
+            res = fast(a, b, None)
+            if res is not None:
+                return res
     common.check_tensor(a, "a")
     common.check_tensor(b, "b")
     dtype = common.same_dtype(a, b)
@@ -527,7 +536,11 @@ def matmul(m: Any, a: CudaTensor, b: CudaTensor, precision: Optional[str] = None
     if p.K == 0:
         _fill_zero(m, out, dev)
         return out
-    _launch(m, a, b, out, p, dtype, prec, dev)
+    vec = _launch(m, a, b, out, p, dtype, prec, dev)
+    if type(a) is CudaTensor and type(b) is CudaTensor and \
+            (precision is None or type(precision) is str):
+        remember(m, ("matmul", a.shape, b.shape, dtype, dtype, dev, dev, precision), p, dtype,
+                 prec, dev, vec, p.out_shape)
     return out
 
 
@@ -694,7 +707,8 @@ def _kernel(m: Any, template: str, dev: int, params: Dict[str, Any]) -> Any:
 
 def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
             dtype: CudaDataType, prec: Optional[str], dev: int, epilogue: Optional[str] = None,
-            bias: Optional[CudaTensor] = None) -> None:
+            bias: Optional[CudaTensor] = None) -> bool:
+    """Launch the call's (autotuned) config; returns vec (the plan's alignment class)."""
     vec = is_vec_ok(a, b, out, p)
     cache = _cache(m)
     key = (p, dtype, prec, dev, vec) if epilogue is None else \
@@ -731,6 +745,7 @@ def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
             if len(cands) > 1 else cands[0]
         hit = cache[key] = (config_template(cfg, template), cfg)
     run_config(m, hit[0], hit[1], a, b, out, p, dtype, vec, dev, epilogue=epilogue, bias=bias)
+    return vec
 
 
 def tune_key(p: Plan, shape_cls: str, vec: bool, prec: Optional[str]) -> List[Any]:
@@ -966,6 +981,210 @@ def _offsets(a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan, b0: int,
         return a, b, out
     return (a.ptr + b0 * p.stride_a * esize, b.ptr + b0 * p.stride_b * esize,
             out.ptr + b0 * p.M * p.N * esize)
+
+
+# -- per-call plans (ops/common.py remember_plan) ---------------------------------------------
+# A plan of matmul (key: "matmul", both shapes, dtypes and devices, the precision as given) or
+# of fused_linear_gelu (ops/linear.py) allocates the result and runs the launches run_config
+# makes for the config _launch memoized, as PreparedLaunches. That config depends on vec (the
+# operands' and result's alignment), so a plan holds one runner per vec seen by the general
+# path and returns None (general path) for another. Operands last used on another stream
+# (tensor.stream set) take the general path too, which records their use on this one.
+
+def remember(m: Any, key: tuple, p: Plan, dtype: CudaDataType, prec: Optional[str], dev: int,
+             vec: bool, shape: Tuple[int, ...], epilogue: Optional[str] = None) -> None:
+    """After a general-path call of key with alignment class vec: make sure key's plan has
+    the runner for vec (the plan made on first use)."""
+    plans = getattr(m, "plans", None)
+    if plans is None or not m.gpu or not hasattr(m.backend, "prepare_launch"):
+        return
+    plan = plans.get(key)
+    runners = getattr(plan, "runners", None)
+    if runners is None:
+        plan = common.remember_plan(m, key, _op_plan(m, p, dtype, dev, shape))
+        runners = plan.runners
+    if vec not in runners:
+        ckey = (p, dtype, prec, dev, vec) if epilogue is None else \
+            ("linear", p, dtype, prec, dev, vec, epilogue)
+        hit = _cache(m).get(ckey)
+        if hit is not None:
+            runners[vec] = _runner(m, hit[0], hit[1], p, dtype, vec, dev, epilogue)
+
+
+def _op_plan(m: Any, p: Plan, dtype: CudaDataType, dev: int, shape: Tuple[int, ...]) -> Any:
+    """plan(a, b, bias): the result (of `shape`) from the pool and the runner of the call's
+    alignment class; None where the general path must run."""
+    from ..tensor import pool_tensor
+    pool = m.backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    size = p.batch * p.M * p.N
+    nbytes = size * dtype.itemsize
+    vw = 16 // dtype.itemsize
+    shape_vec = p.K % vw == 0 and p.N % vw == 0
+    runners: Dict[bool, Any] = {}
+    get = runners.get
+
+    def plan(a: CudaTensor, b: CudaTensor, bias: Optional[CudaTensor]) -> Optional[CudaTensor]:
+        pa, pb = a._ptr, b._ptr
+        if pa is None or pb is None or a.stream is not None or b.stream is not None:
+            return None
+        if bias is None:
+            pbias = 0
+        else:
+            pbias = bias._ptr
+            if pbias is None or bias.stream is not None:
+                return None
+        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
+        pc = out._ptr
+        run = get(shape_vec and not (pa | pb | pc) & 15)
+        if run is None:
+            out.free()
+            return None
+        run(pa, pb, pc, pbias)
+        return out
+
+    plan.runners = runners
+    return plan
+
+
+def _runner(m: Any, template: str, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType,
+            vec: bool, dev: int, epilogue: Optional[str] = None) -> Any:
+    """run(pa, pb, pc, pbias): run_config's launches of one config (pointers as ints; pbias 0
+    for no bias), as PreparedLaunches: the same kernels, grids and arguments, the split-K
+    workspace and the wgmma B copy taken from the pool and given back after the launches."""
+    backend = m.backend
+    info = backend.get_device_info(dev)
+    max_z = info.max_grid_dims[2]
+    splits = None
+    if "split" in cfg:
+        cfg = dict(cfg)
+        splits = max(1, min(cfg.pop("split"), max_z // max(1, p.batch)))
+    if template == WGMMA_TEMPLATE:
+        return _wgmma_runner(m, cfg, p, dev, max_z)
+    prep, get = backend.prepare_launch, backend.get_kernel
+    esize = dtype.itemsize
+    M, N, K, sa, sb, batch = p.M, p.N, p.K, p.stride_a, p.stride_b, p.batch
+    tiles = -(-M // cfg["bm"]) * -(-N // cfg["bn"])
+    if epilogue is None:
+        params = simt_params(dtype, cfg, vec) if template == SIMT_TEMPLATE else \
+            {**dtype_params(dtype), **cfg, "vec": vec}
+    else:
+        params = linear_params(template, dtype, cfg, vec, epilogue)
+        splits = 1
+    if template == SIMT_TEMPLATE:
+        kernel = _kernel(m, SIMT_TEMPLATE, dev, params)
+        threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"])
+        smem = simt_smem(cfg, esize, epilogue is not None)
+        if splits is None:
+            splits = split_count(cfg, p, info.multiprocessor_count, max_z,
+                                 blocks_per_sm(cfg, getattr(kernel, "num_regs", 0)))
+        splits = max(1, min(splits, max_z // max(1, batch)))
+        if splits > 1:
+            chunk = -(-K // splits)
+            chunk = -(-chunk // cfg["bk"]) * cfg["bk"]
+            splits = -(-K // chunk)
+            wbytes = splits * batch * M * N * esize
+            gemm = prep(get(kernel.name, dev), (tiles, 1, batch * splits), (threads, 1, 1),
+                        smem, dev)
+            red = _kernel(m, SIMT_TEMPLATE, dev, {"kind": "splitk_reduce",
+                                                  "block_size": REDUCE_BLOCK,
+                                                  **dtype_params(dtype)})
+            n = batch * M * N
+            grid = common.grid_1d(n, REDUCE_BLOCK, info.multiprocessor_count, waves=4)
+            reduce = prep(get(red.name, dev), (grid, 1, 1), (REDUCE_BLOCK, 1, 1), 0, dev)
+            pool = backend.memory_pools[dev]
+            alloc, release = pool.allocate_current, pool.release
+
+            def run_split(pa: int, pb: int, pc: int, pbias: int) -> None:
+                block = alloc(wbytes)
+                try:
+                    pw = int(block)
+                    gemm(pa, pb, pw, M, N, K, sa, sb, batch, chunk)
+                    reduce(pw, pc, n, splits)
+                finally:
+                    release(block)   # as work.free(): the pool is stream-ordered
+            return run_split
+    else:
+        kernel = _kernel(m, MMA_TEMPLATE, dev, params)
+        threads = (cfg["bm"] // cfg["wm"]) * (cfg["bn"] // cfg["wn"]) * 32
+        smem = cfg["stages"] * (cfg["bm"] * cfg["bk"] + cfg["bk"] * cfg["bn"]) * esize
+    kernel = get(kernel.name, dev)
+    chunks = []
+    for b0 in range(0, batch, max_z):
+        nb = min(max_z, batch - b0)
+        tail = (M, N, K, sa, sb, nb, K) if template == SIMT_TEMPLATE else (M, N, K, sa, sb)
+        chunks.append((prep(kernel, (tiles, 1, nb), (threads, 1, 1), smem, dev),
+                       b0 * sa * esize, b0 * sb * esize, b0 * M * N * esize, tail))
+    if len(chunks) == 1:
+        go, _, _, _, tail = chunks[0]
+        if epilogue is None:
+            def run(pa: int, pb: int, pc: int, pbias: int) -> None:
+                go(pa, pb, pc, *tail)
+        else:
+            def run(pa: int, pb: int, pc: int, pbias: int) -> None:
+                go(pa, pb, pc, pbias, *tail)
+        return run
+    bias_args = () if epilogue is None else None
+
+    def run_chunks(pa: int, pb: int, pc: int, pbias: int) -> None:
+        extra = (pbias,) if bias_args is None else bias_args
+        for go, oa, ob, oc, tail in chunks:
+            go(pa + oa, pb + ob, pc + oc, *extra, *tail)
+    return run_chunks
+
+
+def _wgmma_runner(m: Any, cfg: Dict[str, Any], p: Plan, dev: int, max_z: int) -> Any:
+    """_run_wgmma's launches: B transposed and rounded into a pool block (the transpose's
+    config from its access width, which depends on the pointers: per call), the wgmma
+    kernel over the batch chunks, the block given back."""
+    from . import transpose as tr
+    backend = m.backend
+    prep, get = backend.prepare_launch, backend.get_kernel
+    M, N, K, sa = p.M, p.N, p.K, p.stride_a
+    planes = 1 if p.stride_b == 0 else p.batch
+    btbytes = planes * N * K * 4
+    kernel = get(_kernel(m, WGMMA_TEMPLATE, dev, wgmma_params(cfg)).name, dev)
+    threads = cfg["bm"] // 64 * 128
+    tiles = -(-M // cfg["bm"]) * -(-N // cfg["bn"])
+    stride_bt = 0 if p.stride_b == 0 else N * K
+    chunks = []
+    for b0 in range(0, p.batch, max_z):
+        nb = min(max_z, p.batch - b0)
+        chunks.append((prep(kernel, (tiles, 1, nb), (threads, 1, 1), wgmma_smem(cfg), dev),
+                       b0 * sa * 4, b0 * stride_bt * 4, b0 * M * N * 4, (M, N, K, sa, stride_bt)))
+    shape16, shape8 = K % 4 == 0 and N % 4 == 0, K % 2 == 0 and N % 2 == 0
+    transposes: Dict[int, list] = {}   # access width -> [(launch, plane offset, args)]
+    t_max_z = tr._max_z(m, dev)
+    plane = K * N * 4
+
+    def transpose_launches(vb: int, pb: int, pbt: int) -> list:
+        tcfg = tr.candidates(DT.FLOAT32, K, N, pb, pbt)[0]   # transpose_tf32's choice
+        params = {**tr.config_params(DT.FLOAT32, tcfg), "round_tf32": True}
+        tk = get(m.kernel(tr.TEMPLATE, dev, **params).name, dev)
+        out = [(prep(tk, grid, (tcfg["threads"], 1, 1), 0, dev), b0 * plane,
+                (K, N, tcfg["group"]))
+               for b0, grid in tr.launch_grids(tcfg, planes, K, N, t_max_z)]
+        if tcfg["vec_bytes"] == vb:   # (always: vb is vec_width's rule)
+            transposes[vb] = out
+        return out
+
+    pool = backend.memory_pools[dev]
+    alloc, release = pool.allocate_current, pool.release
+
+    def run(pa: int, pb: int, pc: int, pbias: int) -> None:
+        block = alloc(btbytes)
+        try:
+            pbt = int(block)
+            both = pb | pbt
+            vb = 16 if shape16 and not both & 15 else (8 if shape8 and not both & 7 else 4)
+            launches = transposes.get(vb) or transpose_launches(vb, pb, pbt)
+            for go, off, args in launches:
+                go(pb + off, pbt + off, *args)
+            for go, oa, obt, oc, tail in chunks:
+                go(pa + oa, pbt + obt, pc + oc, *tail)
+        finally:
+            release(block)   # as bt.free(): the pool is stream-ordered
+    return run
 
 
 def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8,

@@ -24,6 +24,7 @@ DT = CudaDataType
 TEMPLATE = "optimizers.cu.j2"
 BLOCK = 256
 DTYPES = common.FLOATS
+_INF = math.inf
 
 
 def state_dtype(dtype: CudaDataType) -> CudaDataType:
@@ -112,6 +113,12 @@ def sgd_update(m: Any, params: CudaTensor, grads: CudaTensor,
                momentum_buf: Optional[CudaTensor], state: Any) -> None:
     """p -= lr * g with g = grad + wd * p, through the momentum buffer when one is given
     (b = g on step 0, else momentum * b + g; Nesterov uses g + momentum * b)."""
+    if type(params) is CudaTensor:  # the per-call plan (ops/common.py remember_plan)
+        fast = m.plans.get(("sgd_update", params.shape, params.dtype, params.device_id,
+                            momentum_buf is None))
+        if fast is not None and m.backend.direct_launch(params.device_id) and \
+                fast(params, grads, momentum_buf, state):
+            return
     dev = _check(params, grads, {"momentum": momentum_buf}, "sgd_update")
     lr = _hyper(state, "learning_rate", 0.0)
     momentum = _hyper(state, "momentum", 0.0)
@@ -133,7 +140,58 @@ def sgd_update(m: Any, params: CudaTensor, grads: CudaTensor,
             momentum_buf if momentum_buf is not None else 0, n, lr, momentum, wd,
             int(nesterov), int(first), _aligned(params, grads, momentum_buf),
             block_size=(BLOCK, 1, 1), device_id=dev)
+        key = ("sgd_update", params.shape, params.dtype, dev, momentum_buf is None)
+        if key not in m.plans:
+            common.remember_plan(m, key, _sgd_plan(m, params, momentum_buf is not None,
+                                                   kernel))
     state.step = step + 1
+
+
+def _live(t: Any, shape: tuple, dtype: CudaDataType, dev: int) -> bool:
+    """t is a live CudaTensor of this shape, dtype and device, last used on the legacy
+    stream (what a plan may launch on without the general path's checks)."""
+    return type(t) is CudaTensor and t.shape == shape and t.dtype is dtype and \
+        t.device_id == dev and t.stream is None and t._ptr is not None
+
+
+def _sgd_plan(m: Any, params: CudaTensor, has_buf: bool, kernel: Any) -> Any:
+    """The per-call plan of sgd_update on params shaped like these (ops/common.py
+    remember_plan): the operands and hyper-parameters checked as the general path would,
+    with only floats (an int step) taken (anything else returns None: the general path
+    checks and raises), the flags and `aligned` computed as there, one prepared launch,
+    then state.step advanced. Returns True when it ran."""
+    dev, shape, dtype = params.device_id, params.shape, params.dtype
+    sdt = state_dtype(dtype)
+    n = params.size
+    go = m.backend.prepare_launch(kernel, (_grid(n, _vec(dtype)), 1, 1), (BLOCK, 1, 1), 0, dev)
+
+    def run(params: CudaTensor, grads: Any, buf: Any, state: Any) -> bool:
+        if params.stream is not None or params._ptr is None or \
+                not _live(grads, shape, dtype, dev):
+            return False
+        pb = 0
+        if has_buf:
+            if not _live(buf, shape, sdt, dev):
+                return False
+            pb = buf._ptr
+        try:
+            lr, mom, wd = state.learning_rate, state.momentum, state.weight_decay
+            step, nesterov = state.step, state.nesterov
+        except AttributeError:
+            return False
+        if type(lr) is not float or type(mom) is not float or type(wd) is not float or \
+                type(step) is not int or not (0.0 <= lr < _INF and 0.0 <= mom < _INF and
+                                              0.0 <= wd < _INF and step >= 0):
+            return False
+        nesterov = bool(nesterov)
+        if nesterov and (not has_buf or mom <= 0.0):
+            return False
+        pp, pg = params._ptr, grads._ptr
+        go(pp, pg, pb, n, lr, mom, wd, int(nesterov), int(step == 0),
+           int(not (pp | pg | pb) & 15))
+        state.step = step + 1
+        return True
+    return run
 
 
 def _sgd_host(m: Any, params: CudaTensor, grads: CudaTensor, buf: Optional[CudaTensor],
@@ -154,6 +212,11 @@ def _sgd_host(m: Any, params: CudaTensor, grads: CudaTensor, buf: Optional[CudaT
 def adam_update(m: Any, params: CudaTensor, grads: CudaTensor, m_buf: CudaTensor,
                 v_buf: CudaTensor, state: Any) -> None:
     """One Adam (or AdamW with state.decoupled) step with bias correction, in place."""
+    if type(params) is CudaTensor:  # the per-call plan (ops/common.py remember_plan)
+        fast = m.plans.get(("adam_update", params.shape, params.dtype, params.device_id))
+        if fast is not None and m.backend.direct_launch(params.device_id) and \
+                fast(params, grads, m_buf, v_buf, state):
+            return
     if m_buf is None or v_buf is None:
         raise InvalidArgumentError("adam_update needs both m_buffer and v_buffer")
     dev = _check(params, grads, {"m_buffer": m_buf, "v_buffer": v_buf}, "adam_update")
@@ -179,7 +242,49 @@ def adam_update(m: Any, params: CudaTensor, grads: CudaTensor, m_buf: CudaTensor
             1.0 - beta1, beta2, 1.0 - beta2, eps, wd, 1.0 - lr * wd, int(decoupled), step_size,
             inv_bc2_sqrt, _aligned(params, grads, m_buf, v_buf), block_size=(BLOCK, 1, 1),
             device_id=dev)
+        key = ("adam_update", params.shape, params.dtype, dev)
+        if key not in m.plans:
+            common.remember_plan(m, key, _adam_plan(m, params, kernel))
     state.step = t
+
+
+def _adam_plan(m: Any, params: CudaTensor, kernel: Any) -> Any:
+    """The per-call plan of adam_update on params shaped like these (ops/common.py
+    remember_plan), as _sgd_plan: the same checks and scalars as adam_update (float
+    hyper-parameters, an int step; anything else returns None), one prepared launch, then
+    state.step advanced. Returns True when it ran."""
+    dev, shape, dtype = params.device_id, params.shape, params.dtype
+    sdt = state_dtype(dtype)
+    n = params.size
+    go = m.backend.prepare_launch(kernel, (_grid(n, _vec(dtype)), 1, 1), (BLOCK, 1, 1), 0, dev)
+    sqrt = math.sqrt
+
+    def run(params: CudaTensor, grads: Any, m_buf: Any, v_buf: Any, state: Any) -> bool:
+        if params.stream is not None or params._ptr is None or \
+                not _live(grads, shape, dtype, dev) or not _live(m_buf, shape, sdt, dev) or \
+                not _live(v_buf, shape, sdt, dev):
+            return False
+        try:
+            lr, beta1, beta2 = state.learning_rate, state.beta1, state.beta2
+            eps, wd = state.epsilon, state.weight_decay
+            decoupled, step = state.decoupled, state.step
+        except AttributeError:
+            return False
+        if type(lr) is not float or type(beta1) is not float or type(beta2) is not float or \
+                type(eps) is not float or type(wd) is not float or type(step) is not int or \
+                not (0.0 <= lr < _INF and 0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0 and
+                     0.0 <= eps < _INF and 0.0 <= wd < _INF and step >= 0):
+            return False
+        t = step + 1
+        bc1 = 1.0 - beta1 ** t
+        step_size = lr / bc1
+        inv_bc2_sqrt = 1.0 / sqrt(1.0 - beta2 ** t)
+        pp, pg, pm, pv = params._ptr, grads._ptr, m_buf._ptr, v_buf._ptr
+        go(pp, pg, pm, pv, n, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, wd, 1.0 - lr * wd,
+           int(bool(decoupled)), step_size, inv_bc2_sqrt, int(not (pp | pg | pm | pv) & 15))
+        state.step = t
+        return True
+    return run
 
 
 def _adam_host(m: Any, params: CudaTensor, grads: CudaTensor, m_buf: CudaTensor,

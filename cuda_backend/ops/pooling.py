@@ -17,12 +17,13 @@ import numpy as np
 from ..dtypes import CudaDataType
 from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..kernels import dtype_params
-from ..tensor import CudaTensor
+from ..tensor import CudaTensor, pool_tensor
 from . import common
 
 TEMPLATE = "pool2d.cu.j2"
 BLOCK = 256
 KINDS = ("max", "avg")
+_OP_NAME = {"max": "max_pool2d", "avg": "avg_pool2d"}  # the plans' key: the public name
 DTYPES = common.FLOATS
 Pair = Union[int, Tuple[int, int]]
 
@@ -74,6 +75,18 @@ def pool2d(m: Any, kind: str, x: CudaTensor, pool_size: Pair, stride: Optional[P
            padding: Pair = (0, 0), out: Optional[CudaTensor] = None) -> CudaTensor:
     """Max ("max") or average ("avg") pooling of an NCHW tensor; out= (internal, tests)
     receives the result instead of a new tensor."""
+    if out is None and type(x) is CudaTensor and \
+            (type(pool_size) is int or _plain(pool_size)) and \
+            (stride is None or type(stride) is int or _plain(stride)) and \
+            (type(padding) is int or _plain(padding)):
+        # the per-call plan (ops/common.py remember_plan): int or (int, int) window, stride
+        # and padding only (no equal-valued float or bool reaches it unchecked)
+        fast = m.plans.get((_OP_NAME.get(kind), x.shape, x.dtype, x.device_id, pool_size,
+                            stride, padding))
+        if fast is not None and m.backend.direct_launch(x.device_id):
+            res = fast(x)
+            if res is not None:
+                return res
     if kind not in KINDS:
         raise InvalidArgumentError(f"pool kind must be 'max' or 'avg', got {kind!r}")
     op = f"{kind}_pool2d"
@@ -105,29 +118,82 @@ def pool2d(m: Any, kind: str, x: CudaTensor, pool_size: Pair, stride: Optional[P
         _write_host(m, values, out)
         return out
     dev = x.device_id
-    if out is None:
+    owned = out is None
+    if owned:
         out = m.backend.empty(shape, x.dtype, dev)
     if out.size == 0:
         return out
-    n, c, h, w = x.shape
-    oh, ow = shape[2], shape[3]
     vec = _vec(x.dtype)
-    fast = (k == (2, 2) and s == (2, 2) and p == (0, 0) and w % vec == 0
+    fast = (k == (2, 2) and s == (2, 2) and p == (0, 0) and x.shape[3] % vec == 0
             and x.ptr % 16 == 0 and out.ptr % (vec // 2 * x.dtype.itemsize) == 0)
     kernel = m.kernel(TEMPLATE, dev, **_params(kind, x.dtype, fast))
+    grid, args = _launch_args(x.shape, shape, k, s, p, vec, fast)
+    m.backend.launch_kernel(kernel.name, grid, x, out, *args, block_size=(BLOCK, 1, 1),
+                            device_id=dev)
+    if owned and _plain(pool_size) and (stride is None or _plain(stride)) and _plain(padding):
+        key = (op, x.shape, x.dtype, dev, pool_size, stride, padding)
+        plan = m.plans.get(key)
+        if not hasattr(plan, "variants"):
+            plan = common.remember_plan(m, key, _fast_plan(m, x, shape, k, s, p))
+        if fast not in plan.variants:
+            plan.variants[fast] = (m.backend.prepare_launch(kernel, grid, (BLOCK, 1, 1), 0,
+                                                            dev), args)
+    return out
+
+
+def _plain(v: Any) -> bool:
+    """v is an int or a tuple of two ints (not bools, floats or NumPy scalars): a pool
+    parameter that may key a plan (an equal float or bool must reach the checks)."""
+    t = type(v)
+    return t is int or (t is tuple and len(v) == 2 and type(v[0]) is int
+                        and type(v[1]) is int)
+
+
+def _launch_args(in_shape: Tuple[int, ...], shape: Tuple[int, ...], k: Tuple[int, int],
+                 s: Tuple[int, int], p: Tuple[int, int], vec: int,
+                 fast: bool) -> Tuple[int, tuple]:
+    """(grid, the arguments after x and out) of the 2x2 kernel (fast) or the generic one."""
+    n, c, h, w = in_shape
+    oh, ow = shape[2], shape[3]
     if fast:
         total = n * c * oh * (w // vec)
-        grid = _grid(total)
-        m.backend.launch_kernel(kernel.name, grid, x, out, total, h, w, *fast_divisor(oh),
-                                *fast_divisor(w // vec), block_size=(BLOCK, 1, 1),
-                                device_id=dev)
-    else:
-        total = out.size
-        grid = _grid(total)
-        m.backend.launch_kernel(kernel.name, grid, x, out, total, h, w, *fast_divisor(oh),
-                                *fast_divisor(ow), k[0], k[1], s[0], s[1], p[0], p[1],
-                                block_size=(BLOCK, 1, 1), device_id=dev)
-    return out
+        return _grid(total), (total, h, w, *fast_divisor(oh), *fast_divisor(w // vec))
+    total = n * c * oh * ow
+    return _grid(total), (total, h, w, *fast_divisor(oh), *fast_divisor(ow), k[0], k[1],
+                          s[0], s[1], p[0], p[1])
+
+
+def _fast_plan(m: Any, x: CudaTensor, shape: Tuple[int, ...], k: Tuple[int, int],
+               s: Tuple[int, int], p: Tuple[int, int]) -> Any:
+    """The per-call plan of pooling on inputs shaped like x (ops/common.py remember_plan):
+    the result's allocation and one prepared launch. The 2x2 kernel is taken as pool2d
+    takes it, from the pointers' alignment: `variants` maps that choice to the launch the
+    general path made for it, and a choice not seen yet returns None (the general path
+    launches it and adds it)."""
+    dev, dtype = x.device_id, x.dtype
+    size = shape[0] * shape[1] * shape[2] * shape[3]
+    nbytes = size * dtype.itemsize
+    vec = _vec(dtype)
+    two_by_two = k == (2, 2) and s == (2, 2) and p == (0, 0) and x.shape[3] % vec == 0
+    out_align = vec // 2 * dtype.itemsize
+    pool = m.backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    variants: Dict[bool, Any] = {}
+
+    def run(x: CudaTensor) -> Optional[CudaTensor]:
+        px = x._ptr
+        if px is None or x.stream is not None:
+            return None
+        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
+        po = out._ptr
+        v = variants.get(two_by_two and px % 16 == 0 and po % out_align == 0)
+        if v is None:
+            out.free()
+            return None
+        v[0](px, po, *v[1])
+        return out
+    run.variants = variants  # type: ignore[attr-defined]
+    return run
 
 
 def fast_divisor(d: int) -> Tuple[int, int, int]:

@@ -33,7 +33,7 @@ from ..dtypes import CudaDataType, to_bfloat16_bits
 from ..errors import InvalidArgumentError, ShapeMismatchError, DTypeMismatchError
 from ..kernels import accumulator_type
 from ..streams import current_pycuda_stream
-from ..tensor import CudaTensor
+from ..tensor import CudaTensor, pool_tensor
 from . import common
 
 OPS = ("sum", "mean", "max", "min")
@@ -216,11 +216,7 @@ def _ticket_counters(m: Any, dev: int, stream: Any) -> CudaTensor:
             if len(per) >= MAX_COUNTER_STREAMS:
                 per.pop(next(iter(per))).free()   # stream-ordered: see memory.py
             t = m.backend.empty((MAX_SPLIT_GROUPS,), CudaDataType.INT32, dev)
-            zeros = np.zeros(MAX_SPLIT_GROUPS, np.int32)
-            if stream is None:
-                m.backend.copy_to_device(zeros, t)
-            else:
-                m.backend.copy_to_device(zeros, t, stream=stream)
+            m.backend.memset_async(t, 0, stream)    # an async memset: capturable
             per[key] = t
         return t
 
@@ -230,6 +226,16 @@ def reduce(m: Any, op: str, x: CudaTensor, axis: Any = None, keepdims: bool = Fa
            out: Optional[CudaTensor] = None) -> CudaTensor:
     """op ("sum", "mean", "max", "min") over `axis` (None: all, an int or a tuple), like
     NumPy's; `out` (optional) must have the result's shape, dtype and device."""
+    if out is None and type(x) is CudaTensor:
+        key = _plan_key(_NAMES.get(op) if type(op) is str else None, x, axis, keepdims)
+        if key is not None:
+            fast = m.plans.get(key)
+            if fast is not None and m.backend.direct_launch(x.device_id):
+                res = fast(x)
+                if res is not None:
+                    return res
+    else:
+        key = None
     if op not in OPS:
         raise InvalidArgumentError(f"unknown reduction '{op}'; expected one of {', '.join(OPS)}")
     x = common.check_tensor(x, "tensor")
@@ -250,13 +256,22 @@ def reduce(m: Any, op: str, x: CudaTensor, axis: Any = None, keepdims: bool = Fa
         values = _host_reduce(m, op, x, axes, bool(keepdims)) if x.size else \
             np.full(shape, 0 if op == "sum" else np.nan, dtype=_host_dtype(dtype))
         return _host_result(m, values, dtype, x.device_id, out)
-    return _gpu_reduce(m, op, x, axes, shape, dtype, count, out)
+    return _gpu_reduce(m, op, x, axes, shape, dtype, count, out, key)
 
 
 def argmax(m: Any, x: CudaTensor, axis: Optional[int] = None, keepdims: bool = False,
            out: Optional[CudaTensor] = None) -> CudaTensor:
     """Index (int64) of the first maximum over the flattened tensor (axis None) or one axis;
     NaN counts as the maximum, like NumPy."""
+    key = None
+    if out is None and type(x) is CudaTensor:
+        key = _plan_key("argmax", x, axis, keepdims)
+        if key is not None:
+            fast = m.plans.get(key)
+            if fast is not None and m.backend.direct_launch(x.device_id):
+                res = fast(x)
+                if res is not None:
+                    return res
     x = common.check_tensor(x, "tensor")
     common.require_dtype(x, SUPPORTED, "argmax")
     if (axis is not None and not isinstance(axis, (int, np.integer))) or isinstance(axis, bool):
@@ -281,16 +296,43 @@ def argmax(m: Any, x: CudaTensor, axis: Optional[int] = None, keepdims: bool = F
             values = np.zeros(shape, np.int64)
         return _host_result(m, np.asarray(values).reshape(shape), CudaDataType.INT64,
                             x.device_id, out)
-    return _gpu_reduce(m, "argmax", x, axes, shape, CudaDataType.INT64, count, out)
+    return _gpu_reduce(m, "argmax", x, axes, shape, CudaDataType.INT64, count, out, key)
+
+
+# -- per-call plans (ops/common.py remember_plan) -------------------------------------------
+_NAMES = {op: "reduce_" + op for op in OPS}   # op -> the public name that starts a plan key
+
+
+def _plan_key(name: Optional[str], x: CudaTensor, axis: Any, keepdims: Any) -> Optional[tuple]:
+    """The key of the per-call plan of `name` ("reduce_sum", ..., "argmax") on x, or None
+    where the call takes the general path: axis must be None, an int or a tuple of ints and
+    keepdims a bool (other values that compare and hash equal to these, 1.0 or True for 1,
+    must meet the general path's checks). With the shape in the key, equal keys mean equal
+    normalized axes (axis=-1 and axis=1 just keep two plans)."""
+    if name is None or type(keepdims) is not bool:
+        return None
+    if axis is not None and type(axis) is not int:
+        if type(axis) is not tuple:
+            return None
+        for a in axis:
+            if type(a) is not int:
+                return None
+    return (name, x.shape, x.dtype, axis, keepdims, x.device_id)
 
 
 # -- GPU path ------------------------------------------------------------------------------
 def _gpu_reduce(m: Any, op: str, x: CudaTensor, axes: Tuple[int, ...], shape: Tuple[int, ...],
-                dtype: CudaDataType, count: int, out: Optional[CudaTensor]) -> CudaTensor:
+                dtype: CudaDataType, count: int, out: Optional[CudaTensor],
+                key: Optional[tuple] = None) -> CudaTensor:
+    """The passes over x; with `key` (a new result, see _plan_key), the per-call plan of
+    the same launches is kept in m.plans afterwards."""
     dev = x.device_id
     passes = plan_passes(x.shape, axes)
     if out is None:
         out = m.backend.empty(shape, dtype, dev)
+    else:
+        key = None
+    steps = []
     cur = x
     for n, (outer, R, inner) in enumerate(passes):
         last = n == len(passes) - 1
@@ -299,6 +341,8 @@ def _gpu_reduce(m: Any, op: str, x: CudaTensor, axes: Tuple[int, ...], shape: Tu
         pdtype = result_dtype(cur.dtype, pop)
         target = out if last else m.backend.empty((outer * inner,), pdtype, dev)
         divisor = float(count) if (last and op == "mean") else 1.0
+        steps.append((pop, cur.dtype, outer, R, inner, divisor,
+                      0 if last else target.nbytes))
         try:
             _launch_pass(m, dev, pop, cur, target, outer, R, inner, divisor)
         except BaseException:
@@ -309,7 +353,84 @@ def _gpu_reduce(m: Any, op: str, x: CudaTensor, axes: Tuple[int, ...], shape: Tu
             if cur is not x:
                 cur.free()
         cur = target
+    if key is not None:
+        common.remember_plan(m, key, _fast_plan(m, dev, shape, dtype, steps))
     return out
+
+
+def _fast_plan(m: Any, dev: int, shape: Tuple[int, ...], dtype: CudaDataType,
+               steps: List[tuple]) -> Any:
+    """The per-call plan of one reduction (ops/common.py remember_plan): the result's
+    allocation, then per pass (op, input dtype, outer, R, inner, divisor, intermediate
+    bytes or 0 for the last) what _gpu_reduce and _launch_pass do: the intermediate's and
+    the partials' allocations, one PreparedLaunch, the frees in the same order. A pass over
+    a middle axis sizes by its input's 16-byte alignment: both variants are prepared on
+    first use."""
+    backend = m.backend
+    pool = backend.memory_pools[dev]
+    alloc, release = pool.allocate_current, pool.release
+    size = math.prod(shape)
+    nbytes = size * dtype.itemsize
+    counters: List[Any] = [None]
+
+    def variant(pop: str, pdtype: CudaDataType, outer: int, R: int, inner: int,
+                aligned: bool) -> tuple:
+        p = _pass_for(m, dev, pop, pdtype, outer, R, inner, aligned)
+        go = backend.prepare_launch(backend.get_kernel(p.name, dev), p.grid, p.block, 0, dev)
+        return go, max(p.part_bytes, 16) if p.part_bytes else 0, p.args
+
+    plan_steps = []
+    for pop, pdtype, outer, R, inner, divisor, tmp_bytes in steps:
+        if inner == 1:   # rows: the sizing does not depend on alignment
+            v = variant(pop, pdtype, outer, R, inner, True)
+            variants = {True: v, False: v}
+        else:
+            variants = {}
+        plan_steps.append((variants, (pop, pdtype, outer, R, inner), divisor, tmp_bytes))
+
+    def ticket_counters() -> int:
+        t = counters[0]
+        if t is None or t._ptr is None:   # evicted (freed) ones are made again
+            t = counters[0] = _ticket_counters(m, dev, None)
+        return t._ptr
+
+    def run(x: CudaTensor) -> Optional[CudaTensor]:
+        px = x._ptr
+        if px is None or x.stream is not None:   # (the launcher would record_stream it)
+            return None
+        res = pool_tensor(shape, dtype, dev, alloc(nbytes, None), pool, size, nbytes)
+        cur, cur_block = px, None
+        for variants, spec, divisor, tmp_bytes in plan_steps:
+            aligned = cur % 16 == 0
+            v = variants.get(aligned)
+            if v is None:
+                v = variants[aligned] = variant(*spec, aligned)
+            go, part_bytes, args = v
+            try:
+                if tmp_bytes:
+                    target_block = alloc(tmp_bytes, None)
+                    target = int(target_block)
+                else:
+                    target_block, target = None, res._ptr
+                try:
+                    if part_bytes:
+                        part = alloc(part_bytes, None)
+                        try:
+                            go(cur, target, int(part), ticket_counters(), *args, divisor)
+                        finally:
+                            release(part)   # stream-ordered (memory.py)
+                    else:
+                        go(cur, target, 0, 0, *args, divisor)
+                except BaseException:
+                    if target_block is not None:
+                        release(target_block)
+                    raise
+            finally:
+                if cur_block is not None:
+                    release(cur_block)
+            cur, cur_block = target, target_block
+        return res
+    return run
 
 
 class _Pass:
@@ -323,24 +444,23 @@ class _Pass:
             name, grid, block, args, part_bytes
 
 
-_plans: "weakref.WeakKeyDictionary[Any, Dict[tuple, _Pass]]" = weakref.WeakKeyDictionary()
-_MAX_PLANS = 4096
+def _pass_for(m: Any, dev: int, op: str, dtype: CudaDataType, outer: int, R: int, inner: int,
+              aligned: bool) -> _Pass:
+    """The sizing of one pass, kept in the CudaMath's plan cache (m.plans, under
+    "reduce_pass": ops/common.py) per device, dtype, op, shape and input alignment."""
+    key = ("reduce_pass", dev, dtype, op, outer, R, inner, aligned)
+    p = m.plans.get(key)
+    if p is None:
+        p = common.remember_plan(m, key, _plan_pass(m, dev, op, dtype, outer, R, inner,
+                                                     aligned))
+    return p
 
 
 def _launch_pass(m: Any, dev: int, op: str, x: CudaTensor, out: CudaTensor, outer: int, R: int,
                  inner: int, divisor: float) -> None:
-    """One single-axis pass: out[outer][inner] = op over R of x[outer][R][inner]. Plans are
-    kept per CudaMath and shape, so a repeated call costs a dict lookup and the launch."""
-    key = (dev, x.dtype, op, outer, R, inner, x.ptr % 16 == 0)
-    plans = _plans.get(m)
-    if plans is None:
-        plans = _plans.setdefault(m, {})
-    p = plans.get(key)
-    if p is None:
-        p = _plan_pass(m, dev, op, x.dtype, outer, R, inner, key[-1])
-        if len(plans) >= _MAX_PLANS:
-            plans.clear()
-        plans[key] = p
+    """One single-axis pass: out[outer][inner] = op over R of x[outer][R][inner]. The
+    sizing is planned once per shape (_pass_for)."""
+    p = _pass_for(m, dev, op, x.dtype, outer, R, inner, x.ptr % 16 == 0)
     part = _partials(m, dev, p.part_bytes) if p.part_bytes else None
     try:
         m.backend.launch_kernel(

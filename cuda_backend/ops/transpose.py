@@ -19,7 +19,7 @@ import numpy as np
 from ..dtypes import CudaDataType
 from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..kernels import dtype_params
-from ..tensor import CudaTensor
+from ..tensor import CudaTensor, pool_tensor
 from . import common
 
 TEMPLATE = "transpose.cu.j2"
@@ -108,6 +108,12 @@ def candidates(dtype: CudaDataType, rows: int, cols: int, *ptrs: int) -> List[Di
 
 def transpose(m: Any, x: CudaTensor, out: Optional[CudaTensor] = None) -> CudaTensor:
     """(rows, cols) -> (cols, rows); (batch, rows, cols) -> (batch, cols, rows)."""
+    if out is None and type(x) is CudaTensor:
+        fast = m.plans.get(("matrix_transpose", x.shape, x.dtype, x.device_id))
+        if fast is not None and m.backend.direct_launch(x.device_id):
+            res = fast(x)
+            if res is not None:
+                return res
     common.check_tensor(x, "tensor")
     if x.ndim not in (2, 3):
         raise InvalidArgumentError(
@@ -130,7 +136,8 @@ def transpose(m: Any, x: CudaTensor, out: Optional[CudaTensor] = None) -> CudaTe
         m.backend.copy_to_device(_host_bits(values, x.dtype), out)
         return out
     dev = x.device_id
-    if out is None:
+    new = out is None
+    if new:
         out = m.backend.empty(shape, x.dtype, dev)
     if x.size == 0:
         return out
@@ -139,7 +146,63 @@ def transpose(m: Any, x: CudaTensor, out: Optional[CudaTensor] = None) -> CudaTe
             f"matrix_transpose supports planes under 2^31 elements, got {rows}x{cols}")
     cfg = _pick(m, x, out, batch, rows, cols)
     _launch(m, cfg, x, out, batch, rows, cols)
+    if new:
+        common.remember_plan(m, ("matrix_transpose", x.shape, x.dtype, dev),
+                             _fast_plan(m, x, shape, batch, rows, cols,
+                                        vec_width(x.dtype, rows, cols, x.ptr, out.ptr), cfg))
     return out
+
+
+def _fast_plan(m: Any, x: CudaTensor, shape: Tuple[int, ...], batch: int, rows: int,
+               cols: int, vb: int, cfg: Dict[str, int]) -> Any:
+    """The per-call plan of transposes of tensors shaped like x (ops/common.py
+    remember_plan): the result's allocation and the PreparedLaunches of the config the
+    general path chose (autotuned or default) for the access width `vb` those pointers
+    allowed. The width follows the pointers' alignment, so it is found per call; a width
+    not seen yet gets its config as the general path would (_pick, with this call's
+    tensors) and its launches prepared then."""
+    backend = m.backend
+    dev, dtype = x.device_id, x.dtype
+    pool = backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    size, nbytes, itemsize = x.size, x.nbytes, dtype.itemsize
+    plane = rows * cols * itemsize
+    # the widths vec_width may give, as far as the shape decides: 16, 8 (when wider than an
+    # element and rows, cols are multiples of their vectors), then the element size
+    widths = [vb for vb in (16, 8) if vb > itemsize and rows % (vb // itemsize) == 0 and
+              cols % (vb // itemsize) == 0]
+    max_z = _max_z(m, dev)
+
+    def prepare(cfg: Dict[str, int]) -> List[tuple]:
+        kernel = m.kernel(TEMPLATE, dev, **config_params(dtype, cfg))
+        if cfg["kernel"] == "tile":
+            block, extra = (32, cfg["block_rows"], 1), ()
+        else:
+            block, extra = (cfg["threads"], 1, 1), (cfg["group"],)
+        return [(b0 * plane, backend.prepare_launch(kernel, grid, block, 0, dev), extra)
+                for b0, grid in launch_grids(cfg, batch, rows, cols, max_z)]
+
+    by_width = {vb: prepare(cfg)}
+
+    def run(x: CudaTensor) -> Optional[CudaTensor]:
+        px = x._ptr
+        if px is None or x.stream is not None:   # (the launcher would record_stream it)
+            return None
+        out = pool_tensor(shape, dtype, dev, alloc(nbytes, None), pool, size, nbytes)
+        po = out._ptr
+        both = px | po
+        w = itemsize
+        for vb in widths:
+            if not both % vb:
+                w = vb
+                break
+        launches = by_width.get(w)
+        if launches is None:
+            launches = by_width[w] = prepare(_pick(m, x, out, batch, rows, cols))
+        for off, go, extra in launches:
+            go(px + off, po + off, rows, cols, *extra)
+        return out
+    return run
 
 
 def config_params(dtype: CudaDataType, cfg: Dict[str, int]) -> Dict[str, Any]:
