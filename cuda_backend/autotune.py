@@ -1,8 +1,14 @@
 """Autotuner: times a small set of kernel configs once per (device, op, shape class) and
 keeps the winner in memory and in a JSON file (written atomically).
 
-A config is a dict of template parameters (hashable once frozen); one that fails to compile
-or launch scores infinity and loses instead of crashing. Set `CUDA_BACKEND_AUTOTUNE=0` to
+A config is a dict of template parameters (hashable once frozen). Candidates are timed by
+the package's timing primitive (cuda_backend/performance/timing.py: warm-up, an L2 flush
+before each sample, CUDA events around it, the median). A candidate that fails to compile,
+whose launch configuration the device refuses (too many threads, registers or shared memory:
+out of resources) or that runs out of memory scores infinity and loses; any other error (a
+kernel fault: illegal address, misaligned access, ...) stops the tuning at once and is raised
+with its message, since after a fault the GPU context is unusable and every later candidate
+would fail too. Set `CUDA_BACKEND_AUTOTUNE=0` to
 skip timing and take the first candidate; `CUDA_BACKEND_AUTOTUNE_PATH` moves the file;
 `CUDA_BACKEND_AUTOTUNE_REPEATS=n` caps the timed runs per candidate (perf/sanitize.sh sets 1:
 under compute-sanitizer every candidate still runs, at a fraction of the instrumented time).
@@ -23,10 +29,16 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .compiler import check_cache_dir, check_cache_file, warn_untrusted
-from .errors import CudaBackendError
+from .errors import (CudaBackendError, KernelCompilationError, KernelLaunchError,
+                     LaunchConfigurationError, _FAULT_WORDS, driver_failure)
 from .profiling import write_json_atomic
 
 logger = logging.getLogger("cuda_backend")
+
+# Driver messages of a launch the device refuses for this config (registers, threads or shared
+# memory over its limits) or of memory it cannot allocate: the candidate loses.
+_RESOURCE_WORDS = ("out of resources", "too many resources", "invalid configuration",
+                   "out of memory")
 
 
 def default_path() -> str:
@@ -51,6 +63,31 @@ def _signature(op: str, shape_class: Any, device_id: int,
         return sig
     except TypeError:
         return None
+
+
+def _loses(exc: Exception) -> bool:
+    """Whether a candidate's error only makes it lose (compile, launch configuration, device
+    resources, out of memory) rather than stopping the tuning (a fault, anything else)."""
+    if isinstance(exc, (KernelCompilationError, LaunchConfigurationError, MemoryError)):
+        return True
+    if isinstance(exc, KernelLaunchError):
+        text = str(exc).lower()
+        return (not any(w in text for w in _FAULT_WORDS)
+                and any(w in text for w in _RESOURCE_WORDS))
+    return False
+
+
+def _stopped(err: KernelLaunchError, cfg: Any, what: str, device_id: int) -> KernelLaunchError:
+    """The error that stops the tuning: err's message after the candidate's name, with the
+    warning that the context is gone when it is a fault (driver_failure's messages have it)."""
+    text = str(err)
+    if any(w in text.lower() for w in _FAULT_WORDS) and "no longer usable" not in text:
+        text += (f" A kernel faulted on device {device_id}: its CUDA context is no longer "
+                 f"usable in this process (every later call on it fails); restart the process.")
+    return KernelLaunchError(
+        f"autotuner: candidate {cfg} of {what} failed with an error that is not a compile, "
+        f"launch-configuration, resource or out-of-memory error, so the tuning stopped "
+        f"there: {text}")
 
 
 def _digest(candidates: Sequence[Dict[str, Any]]) -> str:
@@ -167,10 +204,14 @@ class Autotuner:
                     return dict(c)
         if self.max_repeats is not None:
             repeats = min(repeats, self.max_repeats)
-        timings = self._time_all(candidates, run, device_id, repeats)
+        failures: List[str] = []
+        timings = self._time_all(candidates, run, device_id, repeats,
+                                 what=f"{op} {shape_class}", failures=failures)
         best = min(range(len(candidates)), key=lambda i: timings[i])
         if math.isinf(timings[best]):
-            raise CudaBackendError(f"autotuner: every candidate for {op} {shape_class} failed")
+            raise CudaBackendError(
+                f"autotuner: every candidate for {op} {shape_class} failed; "
+                + "; ".join(failures))
         entry = {"config": dict(candidates[best]), "ms": timings[best],
                  "all_ms": {config_key(c): t for c, t in zip(candidates, timings)}}
         with self._lock:
@@ -181,29 +222,58 @@ class Autotuner:
         return dict(candidates[best])
 
     def _time_all(self, candidates: Sequence[Dict[str, Any]], run: Callable, device_id: int,
-                  repeats: int) -> List[float]:
-        drv = self.backend._drv
-        out = []
-        with self.backend.activate(device_id):
+                  repeats: int, what: str = "",
+                  failures: Optional[List[str]] = None) -> List[float]:
+        """Median ms of each candidate (1 warm-up, `repeats` samples, the L2 flushed before
+        each), infinity for one that loses (see `_loses`); any other error stops here."""
+        from .performance import timing
+        timer = self._timer(timing, device_id)
+        out: List[float] = []
+        raised = True
+        try:
             for cfg in candidates:
                 try:
-                    run(cfg)  # warm-up: compiles and loads
-                    drv.Context.synchronize()
-                    start, end = drv.Event(), drv.Event()
-                    start.record()
-                    for _ in range(repeats):
-                        run(cfg)
-                    end.record()
-                    end.synchronize()
-                    out.append(end.time_since(start) / repeats)
-                except Exception as exc:  # a config that fails loses
-                    logger.debug("autotune config %s failed: %s", cfg, exc)
-                    try:
-                        drv.Context.synchronize()
-                    except Exception:
-                        pass
+                    out.append(timer.median_ms(lambda: run(cfg), warmup=1, iterations=repeats))
+                except Exception as exc:
+                    err = self._as_cuda_error(exc, cfg, device_id)
+                    if not _loses(err):
+                        if not isinstance(err, KernelLaunchError):
+                            raise          # not a CUDA error (a bug in run): as it was
+                        raise _stopped(err, cfg, what, device_id) from exc
+                    logger.debug("autotune %s: config %s loses: %s", what, cfg, err)
+                    if failures is not None:
+                        failures.append(f"{cfg}: {type(err).__name__}: "
+                                        f"{str(err).splitlines()[0] if str(err) else ''}")
                     out.append(float("inf"))
+            raised = False
+        finally:
+            try:
+                timer.close()
+            except Exception as exc:
+                if not raised:   # after a fault, freeing the flush buffer fails too
+                    raise
+                logger.debug("autotune: timer cleanup after an error failed: %s", exc)
         return out
+
+    def _timer(self, timing: Any, device_id: int) -> Any:
+        """The timing primitive with an L2 flush whose buffer comes from the driver, not the
+        pool (the op's first call must not show it in the pool's peak); without memory for
+        it, a timer without flush."""
+        try:
+            return timing.make_timer(self.backend, device_id, True, pool=False)
+        except Exception as exc:
+            if not isinstance(exc, MemoryError) and "out of memory" not in str(exc).lower():
+                raise
+            logger.debug("autotune: no memory for the L2 flush buffer (%s); timing with a "
+                         "warm L2", exc)
+            return timing.make_timer(self.backend, device_id, False)
+
+    def _as_cuda_error(self, exc: Exception, cfg: Any, device_id: int) -> Exception:
+        """A raw driver error (a synchronize or event of the timer) as KernelLaunchError."""
+        drv_error = getattr(self.backend._drv, "Error", None)
+        if isinstance(drv_error, type) and isinstance(exc, drv_error):
+            return driver_failure(f"autotuning candidate {cfg}", exc, device_id)
+        return exc
 
     def _save(self) -> None:
         if not self._trusted():

@@ -324,7 +324,16 @@ class CudaBackend:
 
     def copy_to_device(self, host_array: Any, device_ptr: Any,
                        device_id: Optional[int] = None, stream: Any = None) -> float:
-        """Copy a host array to device memory (pointer or CudaTensor); returns ms (CUDA events)."""
+        """Copy a host array to device memory (pointer or CudaTensor); returns ms: the wall
+        time of the synchronous copy on the legacy default stream, CUDA events' time on a
+        stream, with profiling on, or for a staged (>= 32 MiB pageable) copy."""
+        if stream is None and type(device_ptr) is CudaTensor and \
+                type(host_array) is np.ndarray and self.direct_launch(device_ptr.device_id):
+            # the common call: a matching array into a live tensor, its device's context
+            # current, no `with stream:` block, profiling off: one synchronous driver copy
+            ms = self._transfers.direct_htod(host_array, device_ptr)
+            if ms is not None:
+                return ms
         host = host_contiguous(host_array)
         ptr, dev, capacity, tensor = self._destination(device_ptr, device_id)
         if tensor is not None:
@@ -337,7 +346,12 @@ class CudaBackend:
 
     def copy_from_device(self, device_ptr: Any, host_array: np.ndarray,
                          device_id: Optional[int] = None, stream: Any = None) -> float:
-        """Copy device memory into a host array; returns ms (CUDA events)."""
+        """Copy device memory into a host array; returns ms (as copy_to_device)."""
+        if stream is None and type(device_ptr) is CudaTensor and \
+                type(host_array) is np.ndarray and self.direct_launch(device_ptr.device_id):
+            ms = self._transfers.direct_dtoh(device_ptr, host_array)   # as copy_to_device
+            if ms is not None:
+                return ms
         if not isinstance(host_array, np.ndarray):
             raise TransferError(
                 f"copy_from_device needs a NumPy array to write into, got "
@@ -494,7 +508,15 @@ class CudaBackend:
     def to_device(self, array: Any, device_id: Optional[int] = None) -> CudaTensor:
         """A new tensor holding a copy of a host array (bfloat16 needs a CudaTensor dtype)."""
         host = host_contiguous(array)
-        t = self.empty(host.shape, CudaDataType.from_any(host.dtype), device_id)
+        memo = self.__dict__.get("_host_dtypes")     # host dtype -> CudaDataType.from_any's
+        dtype = None if memo is None else memo.get(host.dtype)
+        if dtype is None:
+            dtype = CudaDataType.from_any(host.dtype)
+            if memo is None:
+                memo = self.__dict__.setdefault("_host_dtypes", {})
+            if len(memo) < 64:
+                memo[host.dtype] = dtype
+        t = self.empty(host.shape, dtype, device_id)
         if t.nbytes:
             self.copy_to_device(host, t)
         return t

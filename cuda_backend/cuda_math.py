@@ -65,18 +65,33 @@ class CudaMath:
     def from_numpy(self, array: Any, device_id: Optional[int] = 0,
                    dtype: Any = None) -> CudaTensor:
         """Copy a host array to a new tensor; dtype= converts (e.g. to bfloat16)."""
-        try:
-            a = np.asarray(array)
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgumentError(
-                f"from_numpy cannot make an array of the {type(array).__name__} given: "
-                f"{exc}") from None
-        target = CudaDataType.from_any(dtype if dtype is not None else a.dtype)
+        if type(array) is np.ndarray and dtype is None:
+            # the common call: the array's dtype, looked up in a per-instance memo of
+            # CudaDataType.from_any (which scans the members)
+            a = array
+            memo = self.__dict__.get("_host_dtypes")
+            target = None if memo is None else memo.get(a.dtype)
+            if target is None:
+                target = CudaDataType.from_any(a.dtype)
+                if memo is None:
+                    memo = self.__dict__.setdefault("_host_dtypes", {})
+                if len(memo) < 64:
+                    memo[a.dtype] = target
+        else:
+            try:
+                a = np.asarray(array)
+            except (TypeError, ValueError) as exc:
+                raise InvalidArgumentError(
+                    f"from_numpy cannot make an array of the {type(array).__name__} given: "
+                    f"{exc}") from None
+            target = CudaDataType.from_any(dtype if dtype is not None else a.dtype)
         dev = self.backend.current_device if device_id is None else device_id
         return common.from_host(self, a, target, dev)
 
     def to_numpy(self, tensor: CudaTensor) -> np.ndarray:
         """A host copy; bfloat16 comes back as float32 (NumPy has no bfloat16)."""
+        if type(tensor) is CudaTensor and tensor.dtype is not CudaDataType.BFLOAT16:
+            return self.backend.to_host(tensor)   # (it raises TensorFreedError when freed)
         return common.host_array(self, common.check_tensor(tensor, "tensor"))
 
     def free_tensor(self, tensor: CudaTensor) -> None:
@@ -95,18 +110,43 @@ class CudaMath:
 
     def fill(self, tensor: CudaTensor, value: Union[int, float]) -> CudaTensor:
         """Set every element to value, in place; returns the tensor."""
+        if type(tensor) is CudaTensor:
+            # the common call: the plan an earlier fill of this dtype and device made
+            plan = self.plans.get(("fill", tensor.dtype, tensor.device_id))
+            if plan is not None and plan(tensor, value) is not None:
+                return tensor
         return ew.fill(self, common.check_tensor(tensor), value)
 
     def zeros(self, shape: Any, dtype: Any = CudaDataType.FLOAT32,
               device_id: Optional[int] = None) -> CudaTensor:
-        return self.fill(self.create_tensor(shape, dtype, device_id), 0)
+        if type(dtype) is CudaDataType and (device_id is None or type(device_id) is int):
+            # the common call: one allocation and one fill launch (ew.full's plan)
+            plan = self.plans.get(("zeros", dtype, device_id))
+            if plan is not None:
+                res = plan(shape)
+                if res is not None:
+                    return res
+        return ew.full(self, "zeros", shape, dtype, device_id, 0)
 
     def ones(self, shape: Any, dtype: Any = CudaDataType.FLOAT32,
              device_id: Optional[int] = None) -> CudaTensor:
-        return self.fill(self.create_tensor(shape, dtype, device_id), 1)
+        if type(dtype) is CudaDataType and (device_id is None or type(device_id) is int):
+            plan = self.plans.get(("ones", dtype, device_id))    # as zeros()
+            if plan is not None:
+                res = plan(shape)
+                if res is not None:
+                    return res
+        return ew.full(self, "ones", shape, dtype, device_id, 1)
 
     def copy(self, tensor: CudaTensor) -> CudaTensor:
-        """A new tensor with the same contents (device-to-device copy)."""
+        """A new tensor with the same contents: a device-to-device copy queued on the
+        current stream (asynchronous, as the ops' kernels are)."""
+        if type(tensor) is CudaTensor:
+            plan = self.plans.get(("copy", tensor.dtype, tensor.device_id))   # ew.copy's
+            if plan is not None:
+                res = plan(tensor)
+                if res is not None:
+                    return res
         return ew.copy(self, common.check_tensor(tensor))
 
     # -- elementwise --------------------------------------------------------------------

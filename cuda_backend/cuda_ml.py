@@ -100,6 +100,21 @@ class CudaML:
     def activation(self, tensor: CudaTensor, activation_type: ActivationType,
                    alpha: Optional[float] = None) -> CudaTensor:
         """Elementwise activation; alpha applies to LEAKY_RELU (0.01) and ELU (1.0)."""
+        if type(tensor) is CudaTensor and (alpha is None or type(alpha) is float) and \
+                type(activation_type) is ActivationType:
+            # the common call: elementwise.unary()'s plan, looked up here (as gelu() does);
+            # LEAKY_RELU and ELU pass alpha (a float) to it as a launch argument
+            op = activation_type._value_
+            plan = self.math._ew_unary_plans.get((op, tensor.dtype._name_, tensor.device_id))
+            if plan is not None:
+                if activation_type is ActivationType.LEAKY_RELU:
+                    res = plan(tensor, 0.01 if alpha is None else alpha)
+                elif activation_type is ActivationType.ELU:
+                    res = plan(tensor, 1.0 if alpha is None else alpha)
+                else:
+                    res = plan(tensor)
+                if res is not None:
+                    return res
         if not isinstance(activation_type, ActivationType):
             raise InvalidArgumentError(
                 f"activation_type must be an ActivationType, got {activation_type!r}")
@@ -111,13 +126,6 @@ class CudaML:
             params["alpha"] = 0.01 if alpha is None else float(alpha)
         elif activation_type is ActivationType.ELU:
             params["alpha"] = 1.0 if alpha is None else float(alpha)
-        elif type(tensor) is CudaTensor:   # no parameter: the plan, as in gelu()
-            plan = self.math._ew_unary_plans.get(
-                (activation_type._value_, tensor.dtype._name_, tensor.device_id))
-            if plan is not None:
-                res = plan(tensor)
-                if res is not None:
-                    return res
         try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
             unary = CudaML._op_unary
         except AttributeError:

@@ -22,6 +22,10 @@ class CudaDeviceInfo:
     shared_memory_per_multiprocessor: int = 0
     registers_per_block: int = 65536
     max_threads_per_multiprocessor: int = 2048
+    # occupancy limits (occupancy.py); defaults: Hopper's, where the driver lacks the attribute
+    registers_per_multiprocessor: int = 65536
+    max_blocks_per_multiprocessor: int = 32
+    reserved_shared_memory_per_block: int = 1024
     warp_size: int = 32
     l2_cache_size: int = 0
     clock_rate_khz: int = 0
@@ -82,6 +86,9 @@ def read_device_info(drv: Any, device_id: int) -> CudaDeviceInfo:
         shared_memory_per_multiprocessor=attr("MAX_SHARED_MEMORY_PER_MULTIPROCESSOR"),
         registers_per_block=attr("MAX_REGISTERS_PER_BLOCK", 65536),
         max_threads_per_multiprocessor=attr("MAX_THREADS_PER_MULTIPROCESSOR", 2048),
+        registers_per_multiprocessor=attr("MAX_REGISTERS_PER_MULTIPROCESSOR", 65536),
+        max_blocks_per_multiprocessor=attr("MAX_BLOCKS_PER_MULTIPROCESSOR", 32),
+        reserved_shared_memory_per_block=attr("RESERVED_SHARED_MEMORY_PER_BLOCK", 1024),
         warp_size=attr("WARP_SIZE", 32),
         l2_cache_size=attr("L2_CACHE_SIZE"),
         clock_rate_khz=attr("CLOCK_RATE"),

@@ -7,10 +7,12 @@ empty string in the source.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.resources
 import json
 import math
+import re
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -52,21 +54,44 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
             mm.append({**dtype_params(dt), "use_tiled": True, "tile_size": tile})
         mm.append({**dtype_params(dt), "use_tiled": False, "tile_size": 16})
     variants["matmul.cu.j2"] = mm
-    # Each op module lists the parameter sets it renders.
-    import importlib
-    for name in OP_MODULES:
-        module = importlib.import_module(f"cuda_backend.ops.{name}")
+    # Each op family of the registry (registry.FAMILIES) lists the parameter sets it renders.
+    from . import registry
+    for module in registry.family_modules():
         for template, sets in module.template_variants().items():
             variants.setdefault(template, []).extend(sets)
     return variants
 
 
-# Templates that need an architecture-specific target (Hopper's wgmma: sm_90a); the others
-# build for the device's own arch.
-TEMPLATE_ARCH = {"matmul_wgmma.cu.j2": "sm_90a"}
+# Templates whose parameter sets are listed here rather than by an op family: the launch-
+# overhead kernel, the seed's matmul generator, and fill (elementwise, matmul and attention
+# render it).
+KERNEL_TEMPLATES = ("empty.cu.j2", "fill.cu.j2", "matmul.cu.j2")
 
-OP_MODULES = ("elementwise", "reduction", "softmax", "transpose", "matmul", "pooling",
-              "normalization", "dropout", "optimizers", "conv2d", "attention", "linear")
+# A template that needs an architecture-specific target (Hopper's wgmma: sm_90a) says so on
+# the first line of its header comment, `{#- arch: sm_90a ...`; the others build for the
+# device's own arch.
+_ARCH_LINE = re.compile(r"\{#-?\s*arch:\s*(sm_\w+)")
+
+
+@functools.lru_cache(maxsize=None)
+def template_arch(template_name: str) -> Optional[str]:
+    """The target a template declares in its header (`{#- arch: sm_90a`), or None."""
+    try:
+        with (templates_path() / template_name).open("r", encoding="utf-8") as f:
+            first = f.readline()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    match = _ARCH_LINE.match(first)
+    return match.group(1) if match else None
+
+
+def __getattr__(name: str) -> Any:
+    """TEMPLATE_ARCH: {template: arch} of the templates that declare one (computed)."""
+    if name == "TEMPLATE_ARCH":
+        names = (t.name for t in templates_path().iterdir()
+                 if t.name.endswith(".j2") and not t.name.startswith("_"))
+        return {t: a for t in sorted(names) if (a := template_arch(t)) is not None}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def templates_path() -> Any:
@@ -144,7 +169,7 @@ class KernelGenerator:
             name, source = self.render_kernel(template_name, **params)
             kernel = backend.compile_kernel(name, source, options=list(options),
                                             device_id=device_id,
-                                            arch=TEMPLATE_ARCH.get(template_name))
+                                            arch=template_arch(template_name))
             with self._lock:
                 self._compiled[key] = kernel
         return kernel

@@ -1,40 +1,17 @@
 """`CudaMath.benchmark_operations`: quick per-operation timings in the seed's format.
 
-GPU times come from CUDA events around each call after one warm-up call; fallback times
-from the host clock. For the full comparison against peers use `cuda-backend report`.
+Times come from the package's timing primitive (performance/timing.py): on the GPU CUDA
+events around each call after one warm-up call, the L2 flushed before each; in fallback mode
+the host clock. For the full comparison against peers use `cuda-backend report`.
 """
 from __future__ import annotations
 
 import statistics
-import time
-from typing import Any, Callable, Dict, Sequence, Tuple
+from typing import Any, Dict, Sequence, Tuple
 
 import numpy as np
 
 from .errors import InvalidArgumentError
-
-
-def _time_ms(m: Any, fn: Callable[[], Any], iterations: int) -> list:
-    out = fn()  # warm-up (compiles, autotunes)
-    _free(out)
-    times = []
-    if m.gpu:
-        drv = m.backend._drv
-        for _ in range(iterations):
-            start, end = drv.Event(), drv.Event()
-            start.record()
-            out = fn()
-            end.record()
-            end.synchronize()
-            times.append(end.time_since(start))
-            _free(out)
-    else:
-        for _ in range(iterations):
-            t0 = time.perf_counter()
-            out = fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-            _free(out)
-    return times
 
 
 def _free(out: Any) -> None:
@@ -49,12 +26,25 @@ def benchmark_operations(m: Any, sizes: Sequence[Tuple[int, ...]],
     matrix_transpose and matrix_multiply on float32 inputs of each 2-D size."""
     if iterations < 1:
         raise InvalidArgumentError(f"iterations must be >= 1, got {iterations}")
-    rng = np.random.default_rng()
-    results: Dict[str, Dict[Any, Dict[str, float]]] = {}
+    shapes = []
     for size in sizes:
         shape = tuple(int(s) for s in size)
         if len(shape) != 2:
             raise InvalidArgumentError(f"sizes must be (rows, cols) pairs, got {size!r}")
+        shapes.append(shape)
+    from .performance.timing import make_timer
+    timer = make_timer(m.backend, m.backend.current_device, flush_l2=True)
+    try:
+        return _run(m, sizes, shapes, iterations, timer)
+    finally:
+        timer.close()
+
+
+def _run(m: Any, sizes: Sequence[Tuple[int, ...]], shapes: Sequence[Tuple[int, int]],
+         iterations: int, timer: Any) -> Dict[str, Dict[Any, Dict[str, float]]]:
+    rng = np.random.default_rng()
+    results: Dict[str, Dict[Any, Dict[str, float]]] = {}
+    for size, shape in zip(sizes, shapes):
         rows, cols = shape
         n = rows * cols
         a = m.from_numpy(rng.standard_normal(shape, dtype=np.float32))
@@ -70,7 +60,7 @@ def benchmark_operations(m: Any, sizes: Sequence[Tuple[int, ...]],
             "matrix_multiply": (lambda: m.matrix_multiply(a, bt), ("gflops", 2 * rows * rows * cols)),
         }
         for name, (fn, (unit, amount)) in cases.items():
-            times = _time_ms(m, fn, iterations)
+            times = timer.time(fn, warmup=1, iterations=iterations, release=_free)
             avg = statistics.fmean(times)
             med = statistics.median(times)
             entry = {"average_time_ms": avg, "median_time_ms": med, "min_time_ms": min(times)}

@@ -1,4 +1,11 @@
-"""Host <-> device copies, timed with CUDA events.
+"""Host <-> device copies and their timing.
+
+A copy on the legacy default stream with profiling off is one synchronous driver call
+(cuMemcpyHtoD / cuMemcpyDtoH: the host waits for it, pinned or pageable), timed by the wall
+clock; a copy on a stream (given, or a `with stream:` block's) or with profiling on is queued
+between two CUDA events and waits for the end event, and the events give its milliseconds
+(the profiler records those). `direct_htod` / `direct_dtoh` are the per-call fast path of
+`CudaBackend.copy_to_device` / `copy_from_device` for a tensor and a matching host array.
 
 Page-locked host arrays go straight to the DMA engine. Large pageable host-to-device copies
 are staged through two page-locked buffers from the backend's `PageLockedMemoryPool`, so the
@@ -52,6 +59,62 @@ class TransferEngine:
         self.staging_chunk = STAGING_CHUNK
 
     # -- helpers ------------------------------------------------------------------
+    def _wall(self, kind: str, nbytes: int, device_id: int, work) -> float:
+        """Run a synchronous copy (the host waits for it) on the legacy default stream with
+        profiling off: no events, the wall clock gives the milliseconds."""
+        drv = self._drv
+        with self._contexts.activate(device_id):
+            t0 = time.perf_counter()
+            try:
+                work()
+            except drv.Error as exc:
+                raise driver_failure(f"{kind} copy of {nbytes} bytes on device {device_id}",
+                                     exc, device_id) from None
+            return (time.perf_counter() - t0) * 1e3
+
+    def direct_htod(self, host: Any, tensor: Any) -> Optional[float]:
+        """copy_to_device's common call: `host` (a NumPy array) into the live tensor `tensor`,
+        the caller having checked `Launcher.direct(tensor.device_id)` (its context current,
+        no `with stream:` block, profiling off). One synchronous cuMemcpyHtoD, timed by the
+        wall clock; None when the call is not that case (the general path then checks and
+        copies: freed tensor, other dtype or size, non-contiguous, empty, staged size)."""
+        ptr = tensor._ptr
+        nbytes = host.nbytes
+        hd, nd = host.dtype, tensor.dtype.numpy_dtype
+        if ptr is None or not nbytes or (hd is not nd and hd != nd) or \
+                host.size != tensor.size or nbytes >= self.staging_threshold or \
+                self.profiler is not None or not host.flags.c_contiguous:
+            return None
+        drv = self._drv
+        t0 = time.perf_counter()
+        try:
+            drv.memcpy_htod(ptr, host)
+        except drv.Error as exc:
+            raise driver_failure(f"htod copy of {nbytes} bytes on device {tensor.device_id}",
+                                 exc, tensor.device_id) from None
+        return (time.perf_counter() - t0) * 1e3
+
+    def direct_dtoh(self, tensor: Any, host: Any) -> Optional[float]:
+        """copy_from_device's common call, as direct_htod: one synchronous cuMemcpyDtoH into a
+        writeable C-contiguous host array of the tensor's dtype and size; None otherwise."""
+        ptr = tensor._ptr
+        nbytes = host.nbytes
+        hd, nd = host.dtype, tensor.dtype.numpy_dtype
+        if ptr is None or not nbytes or (hd is not nd and hd != nd) or \
+                host.size != tensor.size or self.profiler is not None:
+            return None
+        flags = host.flags
+        if not flags.c_contiguous or not flags.writeable:
+            return None
+        drv = self._drv
+        t0 = time.perf_counter()
+        try:
+            drv.memcpy_dtoh(host, ptr)
+        except drv.Error as exc:
+            raise driver_failure(f"dtoh copy of {nbytes} bytes on device {tensor.device_id}",
+                                 exc, tensor.device_id) from None
+        return (time.perf_counter() - t0) * 1e3
+
     def _timed(self, kind: str, nbytes: int, device_id: int, stream: Any, work) -> float:
         drv = self._drv
         with self._contexts.activate(device_id):
@@ -80,6 +143,9 @@ class TransferEngine:
         if nbytes == 0:
             return 0.0
         drv = self._drv
+        if stream is None and self.profiler is None and nbytes < self.staging_threshold:
+            # synchronous for pinned and pageable memory alike: no events needed
+            return self._wall("htod", nbytes, device_id, lambda: drv.memcpy_htod(dst_ptr, host))
         if is_pinned(host):
             def work():
                 drv.memcpy_htod_async(dst_ptr, host, stream)
@@ -126,6 +192,9 @@ class TransferEngine:
         if nbytes == 0:
             return 0.0
         drv = self._drv
+        if stream is None and self.profiler is None:
+            # returns once the copy is done, pinned or pageable: no events needed
+            return self._wall("dtoh", nbytes, device_id, lambda: drv.memcpy_dtoh(host, src_ptr))
         if is_pinned(host) or stream is not None:
             def work():
                 drv.memcpy_dtoh_async(host, src_ptr, stream)

@@ -2,7 +2,7 @@
 Python alone with PyCUDA replaced by stubs.
 
     python perf/bench_host_path.py [--ops NAME,...] [--out results.json]      # GPU mode
-        [--calls 1000] [--runs 5] [--warmup 20] [--transpose-n 8192] [--no-torch] [--gpu]
+        [--calls 1000] [--runs 15] [--warmup 20] [--transpose-n 8192] [--no-torch] [--gpu]
     python perf/bench_host_path.py --stub [--reps N]                          # stub mode
 
 GPU mode (the default when PyCUDA imports; --gpu forces it, e.g. to check the script in
@@ -10,23 +10,36 @@ NumPy fallback mode on a machine without a GPU) times every public CudaMath/Cuda
 the tensor operators on small inputs (see CASES: 1,024 elements for elementwise ops and
 dropout/optimizers, 64x64 rows for softmax/reductions/layer_norm/transpose, 64^3 matmul,
 (1,8,16,16) NCHW for batch_norm/conv2d/pooling, (1,2,64,64) attention, 32x1024 @ 1024x1024
-fused_linear_gelu), each against PyTorch's equivalent call. Per op and side: warm-up calls
-(compilation, autotuning, pool growth), then `--calls` back-to-back calls followed by one
-synchronize (ours: backend.synchronize(); torch: torch.cuda.synchronize()), wall clock
-(time.perf_counter) divided by the calls, best of `--runs` runs. The results are kept in a
-list and freed after the clock stops (ours: .free(); torch: the caching allocator), so that
-freeing is not timed; the GC is off while timing. float32 throughout; PyTorch's TF32 is off
-(our matmul/conv2d are true FP32 by default, fused_linear_gelu float32-accurate). Then:
+fused_linear_gelu), each against PyTorch's equivalent call. Per op: warm-up calls on each
+side (compilation, autotuning, pool growth), then `--runs` pairs of runs, interleaved (ours
+run, torch run, ours run, ...), so that both sides see the same machine state (clocks, other
+tenants, the host's load). One run = `--calls` back-to-back calls followed by one synchronize
+(ours: backend.synchronize(); torch: torch.cuda.synchronize()), wall clock (time.perf_counter)
+divided by the calls. Reported per side: the minimum over the runs (the least disturbed run)
+and the median; ours/torch is min/min. The results are kept in a list and freed after the
+clock stops (ours: .free(); torch: the caching allocator), so that freeing is not timed; the
+GC is off during the runs. Nothing is pinned (no CPU affinity, no clock locking). float32
+throughout; PyTorch's TF32 is off (our matmul/conv2d are true FP32 by default,
+fused_linear_gelu float32-accurate). Then:
   mlp_forward     the batch-32 MLP forward, per call: fused_linear_gelu 1024->4096,
                   matrix_multiply 4096->1024, softmax (intermediates freed inside the call).
+  mlp_graph       the same MLP captured once as a CUDA graph (`with backend.capture() as
+                  graph:` after one eager warm-up call), per call graph.replay(), one run =
+                  the replays + graph.synchronize(); against torch eager's MLP. Checked once:
+                  the replayed output is bitwise identical to an eager run on the same inputs
+                  (printed as 'identical: True/False').
+  mlp_forward_gpu_time  the eager MLP's GPU time (cuda_backend/performance/timing.py's
+                  DeviceTimer, CUDA events; median and best of 50), warm L2 and with the L2
+                  flushed, against mlp_forward's per-call wall time (min): the host overhead.
   sync_transpose  a synchronous matrix_transpose of N^2 (--transpose-n, 8192): wall time per
                   call (call + device synchronize, median and best of 20) against its GPU time
                   (CUDA events, cuda_backend/performance/timing.py's DeviceTimer, warm L2);
                   wall - GPU is the host overhead a synchronous caller sees.
-The table prints ours and torch in us per call and ours/torch (< 1: we are faster); --out
-writes all of it as JSON. Every case is guarded: one that fails prints its error and the run
-goes on. Without PyTorch (or with --no-torch) only ours is timed. --ops takes
-comma-separated case names (write --ops=-a,a.T when the list starts with '-').
+The table prints ours and torch in us per call (min and median of the runs) and ours/torch
+on the minima (< 1: we are faster); --out writes all of it as JSON (every run's sample too).
+Every case is guarded: one that fails prints its error and the run goes on. Without PyTorch
+(or with --no-torch) only ours is timed. --ops takes comma-separated case names (write
+--ops=-a,a.T when the list starts with '-').
 
 Stub mode (--stub; the default when PyCUDA is missing): the stubs (`install_fake_pycuda`)
 make the backend start in GPU mode without a GPU: the
@@ -140,6 +153,18 @@ def install_fake_pycuda(sm_count: int = 132) -> None:
     drv.memcpy_htod = drv.memcpy_dtoh = lambda *a: None
     drv.memcpy_htod_async = drv.memcpy_dtoh_async = drv.memcpy_dtod_async = lambda *a: None
     drv.memset_d32_async = lambda *a: None
+
+    class _Allocation:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __int__(self) -> int:
+            return 0x7000000
+
+        def free(self) -> None:
+            pass
+
+    drv.mem_alloc = _Allocation
 
     tools = types.ModuleType("pycuda.tools")
 
@@ -345,10 +370,22 @@ class Case:
             name, desc, inputs, ours, theirs
 
 
+class Timed:
+    """What a case builder may return instead of a bare callable: the callable to time with
+    its own synchronize and release, a close() run once after the runs (untimed), and extra
+    results for the row (printed and written to the JSON)."""
+
+    def __init__(self, fn, sync, release, close=None, extra: dict = None) -> None:
+        self.fn, self.sync, self.release, self.close, self.extra = \
+            fn, sync, release, close, extra or {}
+
+
 def _cases() -> list:
     from functools import partial as P
     import operator as op
     scale_in = 1024 ** -0.5
+    # the MLP's x, w1, b1, w2 (mlp_forward, mlp_graph)
+    mlp_in = [(32, 1024), ((4096, 1024), scale_in), (4096,), ((4096, 1024), 4096 ** -0.5)]
 
     def un(name: str, torch_name: str) -> Case:
         return Case(name, "1,024", [V], lambda c, x: P(getattr(c.m, name), x),
@@ -386,6 +423,28 @@ def _cases() -> list:
             y.free()
             return p
         return fn
+
+    def mlp_graph_ours(c, x, w1, b1, w2):
+        eager = mlp_ours(c, x, w1, b1, w2)
+        eager().free()                  # the eager warm-up call: compiles, autotunes
+        with c.b.capture() as graph:    # recorded on a new stream, not run
+            out = eager()
+        try:
+            graph.replay()
+            graph.synchronize()
+            ref = eager()               # eager, the same inputs
+            identical = bool(c.np.array_equal(c.m.to_numpy(out), c.m.to_numpy(ref)))
+            ref.free()
+        except BaseException:
+            graph.free()
+            out.free()
+            raise
+
+        def close():
+            graph.free()
+            out.free()
+        return Timed(graph.replay, graph.synchronize, _release_none, close,
+                     {"identical": identical})
 
     def mlp_torch(c, x, w1, b1, w2):
         F, softmax = c.F, c.torch.softmax
@@ -484,8 +543,11 @@ def _cases() -> list:
         Case("-a", "1,024", [V], lambda c, a: P(op.neg, a), lambda c, a: P(op.neg, a)),
         # composite
         Case("mlp_forward", "batch 32: 1024->4096 gelu ->1024 softmax",
-             [(32, 1024), ((4096, 1024), scale_in), (4096,), ((4096, 1024), 4096 ** -0.5)],
+             mlp_in,
              mlp_ours, mlp_torch),
+        Case("mlp_graph", "mlp_forward as a CUDA graph (torch: eager)",
+             mlp_in,
+             mlp_graph_ours, mlp_torch),
     ]
 
 
@@ -503,29 +565,58 @@ def _release_none(outs: list) -> None:
     return None
 
 
-def wall_per_call_us(fn, sync, release, calls: int, runs: int, warmup: int) -> float:
-    """Best of `runs`: `calls` back-to-back calls of fn then one sync(), wall clock, in us
-    per call. Results are kept until the clock stops, then released (not timed)."""
-    outs = [fn() for _ in range(warmup)]
-    sync()
-    release(outs)
+class Side:
+    """One side of a case (ours or torch): what to time, and its per-run results."""
+
+    def __init__(self, name: str, fn, sync, release) -> None:
+        self.name, self.fn, self.sync, self.release = name, fn, sync, release
+        self.samples: list = []      # us per call, one per run
+        self.error = None
+
+
+def _one_run_us(side: Side, calls: int) -> float:
+    """`calls` back-to-back calls then one sync, wall clock, us per call; the results are kept
+    until the clock stops, then released (not timed)."""
+    fn = side.fn
+    outs = [None] * calls
+    t0 = time.perf_counter()
+    for i in range(calls):
+        outs[i] = fn()
+    side.sync()
+    dt = time.perf_counter() - t0
+    side.release(outs)
     del outs
+    return dt / calls * 1e6
+
+
+def interleaved_runs(sides: list, calls: int, runs: int, warmup: int) -> None:
+    """Warm each side up, then `runs` rounds of one run per side in order (ours, torch, ours,
+    torch, ...), so both sides see the same machine state; fills side.samples, or side.error
+    (then its samples are dropped) when a call fails. The GC is off during the rounds."""
+    for side in sides:
+        try:
+            outs = [side.fn() for _ in range(warmup)]
+            side.sync()
+            side.release(outs)
+            del outs
+        except Exception as exc:      # noqa: BLE001 -- the other side still runs
+            side.error = f"{type(exc).__name__}: {exc}"
+    live = [side for side in sides if side.error is None]
     gc.collect()
-    best = float("inf")
     gc.disable()
     try:
         for _ in range(runs):
-            outs = [None] * calls
-            t0 = time.perf_counter()
-            for i in range(calls):
-                outs[i] = fn()
-            sync()
-            best = min(best, time.perf_counter() - t0)
-            release(outs)
-            del outs
+            for side in live:
+                if side.error is not None:
+                    continue
+                try:
+                    side.samples.append(_one_run_us(side, calls))
+                except Exception as exc:  # noqa: BLE001
+                    side.error = f"{type(exc).__name__}: {exc}"
+                    side.samples = []
     finally:
         gc.enable()
-    return best / calls * 1e6
+    gc.collect()
 
 
 class _Ctx:
@@ -537,8 +628,8 @@ def _fmt(v) -> str:
 
 
 def gpu_main(args: argparse.Namespace) -> int:
-    cases = _cases()
-    known = [c.name for c in cases] + ["sync_transpose"]
+    cases = all_cases = _cases()
+    known = [c.name for c in cases] + ["mlp_forward_gpu_time", "sync_transpose"]
     wanted = None
     if args.ops:
         wanted = [s.strip() for s in args.ops.split(",") if s.strip()]
@@ -583,11 +674,14 @@ def gpu_main(args: argparse.Namespace) -> int:
     device = b.devices[0].name if b.is_available else \
         f"fallback mode, NumPy on the host ({b.fallback_reason})"
     print(f"device: {device}\ntorch: {torch_note}\n"
-          f"per call: best of {args.runs} runs of {args.calls} back-to-back calls + one sync, "
-          f"wall clock; {args.warmup} warm-up calls\n")
+          f"per call: {args.runs} interleaved pairs of runs (ours, torch, ours, ...), one run = "
+          f"{args.calls} back-to-back calls + one sync, wall clock / calls; {args.warmup} "
+          f"warm-up calls per side; GC off during the runs\n"
+          f"columns: min and median over the runs, us per call; ours/torch = ours min / torch "
+          f"min\n")
 
     c = _Ctx()
-    c.m, c.ml, c.torch, c.F = m, ml, torch, F
+    c.m, c.ml, c.torch, c.F, c.b, c.np = m, ml, torch, F, b, np
     c.ActivationType, c.ConvolutionConfig, c.OptimizerState = \
         ActivationType, ConvolutionConfig, OptimizerState
     rng = np.random.default_rng(0)
@@ -603,39 +697,111 @@ def gpu_main(args: argparse.Namespace) -> int:
         return out
 
     rows = []
-    print(f"{'op':<18} {'inputs':<38} {'ours us':>9} {'torch us':>9} {'ours/torch':>10}")
+    print(f"{'op':<18} {'inputs':<42} {'ours min':>9} {'ours med':>9} {'torch min':>9} "
+          f"{'torch med':>9} {'ours/torch':>10}")
     for case in cases:
-        row = {"op": case.name, "inputs": case.desc, "ours_us": None, "torch_us": None}
+        row = {"op": case.name, "inputs": case.desc, "ours_min_us": None, "torch_min_us": None}
         hosts = arrays(case.inputs)
-        ours_t = []
+        sides, ours_t, close = [], [], None
         try:
-            ours_t = [m.from_numpy(h) for h in hosts]
-            fn = case.ours(c, *ours_t)
-            keep = tuple(ours_t)
-            row["ours_us"] = wall_per_call_us(fn, ours_sync,
-                                              lambda outs: _release_ours(outs, keep),
-                                              args.calls, args.runs, args.warmup)
-        except Exception as exc:      # noqa: BLE001 -- one failing case must not end the run
-            row["ours_error"] = f"{type(exc).__name__}: {exc}"
-        finally:
-            _release_ours(ours_t)
-        if torch is not None and case.theirs is not None:
             try:
-                tt = [torch.as_tensor(h, device="cuda") for h in hosts]
-                fn = case.theirs(c, *tt)
-                row["torch_us"] = wall_per_call_us(fn, torch_sync, _release_none, args.calls,
-                                                   args.runs, args.warmup)
-            except Exception as exc:  # noqa: BLE001
-                row["torch_error"] = f"{type(exc).__name__}: {exc}"
-            tt = fn = None
-        if row["ours_us"] is not None and row["torch_us"]:
-            row["ours_over_torch"] = row["ours_us"] / row["torch_us"]
+                ours_t = [m.from_numpy(h) for h in hosts]
+                built = case.ours(c, *ours_t)
+                if isinstance(built, Timed):
+                    close = built.close
+                    row.update(built.extra)
+                    sides.append(Side("ours", built.fn, built.sync, built.release))
+                else:
+                    keep = tuple(ours_t)
+                    sides.append(Side("ours", built, ours_sync,
+                                      lambda outs, keep=keep: _release_ours(outs, keep)))
+            except Exception as exc:  # noqa: BLE001 -- one failing case must not end the run
+                row["ours_error"] = f"{type(exc).__name__}: {exc}"
+            if torch is not None and case.theirs is not None:
+                try:
+                    tt = [torch.as_tensor(h, device="cuda") for h in hosts]
+                    sides.append(Side("torch", case.theirs(c, *tt), torch_sync, _release_none))
+                except Exception as exc:  # noqa: BLE001
+                    row["torch_error"] = f"{type(exc).__name__}: {exc}"
+                tt = None
+            interleaved_runs(sides, args.calls, args.runs, args.warmup)
+        finally:
+            try:
+                if close is not None:
+                    close()
+                _release_ours(ours_t)
+            except Exception as exc:      # noqa: BLE001
+                row["ours_close_error"] = f"{type(exc).__name__}: {exc}"
+        for side in sides:
+            if side.error is not None:
+                row[f"{side.name}_error"] = side.error
+            elif side.samples:
+                row[f"{side.name}_min_us"] = min(side.samples)
+                row[f"{side.name}_median_us"] = statistics.median(side.samples)
+                row[f"{side.name}_runs_us"] = side.samples
+        sides = None
+        if row["ours_min_us"] is not None and row["torch_min_us"]:
+            row["ours_over_torch"] = row["ours_min_us"] / row["torch_min_us"]
         rows.append(row)
-        print(f"{case.name:<18} {case.desc:<38} {_fmt(row['ours_us']):>9} "
-              f"{_fmt(row['torch_us']):>9} {_fmt(row.get('ours_over_torch')):>10}", flush=True)
-        for side in ("ours", "torch"):
+        print(f"{case.name:<18} {case.desc:<42} {_fmt(row['ours_min_us']):>9} "
+              f"{_fmt(row.get('ours_median_us')):>9} {_fmt(row['torch_min_us']):>9} "
+              f"{_fmt(row.get('torch_median_us')):>9} {_fmt(row.get('ours_over_torch')):>10}",
+              flush=True)
+        for key in ("identical",):
+            if key in row:
+                print(f"    {key}: {row[key]}", flush=True)
+        for side in ("ours", "torch", "ours_close"):
             if f"{side}_error" in row:
                 print(f"    {side} failed: {row[side + '_error']}", flush=True)
+
+    mlp_gpu = None
+    if wanted is None or "mlp_forward_gpu_time" in wanted:
+        mlp_case = next(case for case in all_cases if case.name == "mlp_forward")
+        mlp_gpu = {"samples": 50, "warmup": args.warmup}
+        print(f"\neager mlp_forward ({mlp_case.desc}): GPU time per call (us)")
+        ours_t = []
+        try:
+            ours_t = [m.from_numpy(h) for h in arrays(mlp_case.inputs)]
+            fn = mlp_case.ours(c, *ours_t)
+            for flush_l2, key, note in (
+                    (False, "warm_l2", "warm L2 (from an idle GPU: includes the enqueue of "
+                                       "the first kernel)"),
+                    (True, "l2_flushed", "L2 flushed (the flush keeps the GPU busy while the "
+                                         "call is enqueued: kernels only; weights from HBM)")):
+                timer = make_timer(b, 0, flush_l2)
+                try:
+                    flush = timer.flush_description()
+                    gpu = [ms * 1e3 for ms in timer.time(fn, args.warmup, mlp_gpu["samples"],
+                                                         release=lambda t: t.free())]
+                finally:
+                    timer.close()
+                mlp_gpu["gpu_timer"] = timer.kind
+                mlp_gpu[key] = {"median_us": statistics.median(gpu), "min_us": min(gpu),
+                                "flush": flush}
+                print(f"  GPU ({timer.kind}) median {mlp_gpu[key]['median_us']:10.1f}  "
+                      f"best {mlp_gpu[key]['min_us']:10.1f}   {note}")
+            wall = next((r.get("ours_min_us") for r in rows if r["op"] == "mlp_forward"), None)
+            mlp_gpu["ours_wall_min_us"] = wall
+            if wall is None:
+                print("  per-call wall time: run the mlp_forward case too (--ops) for the "
+                      "host overhead")
+            else:
+                gpu_us = min(mlp_gpu["warm_l2"]["median_us"], mlp_gpu["l2_flushed"]["median_us"])
+                mlp_gpu["gpu_us"] = gpu_us
+                mlp_gpu["host_overhead_us"] = wall - gpu_us
+                print(f"  ours wall per call (mlp_forward, min)        {wall:10.1f}\n"
+                      f"  GPU time (lower median; both over-estimate)  {gpu_us:10.1f}\n"
+                      f"  host overhead over GPU time                  "
+                      f"{mlp_gpu['host_overhead_us']:10.1f}")
+        except Exception as exc:      # noqa: BLE001
+            mlp_gpu["ours_error"] = f"{type(exc).__name__}: {exc}"
+            print(f"  ours failed: {mlp_gpu['ours_error']}")
+        finally:
+            fn = None
+            try:
+                _release_ours(ours_t)
+            except Exception as exc:  # noqa: BLE001
+                mlp_gpu["ours_close_error"] = f"{type(exc).__name__}: {exc}"
 
     sync_t = None
     if wanted is None or "sync_transpose" in wanted:
@@ -700,10 +866,14 @@ def gpu_main(args: argparse.Namespace) -> int:
         doc = {"script": "perf/bench_host_path.py", "mode": "gpu" if b.is_available else
                "fallback", "device": device, "torch": torch_note,
                "python": platform.python_version(), "calls": args.calls, "runs": args.runs,
-               "warmup": args.warmup, "timing": "wall clock (time.perf_counter), best of runs "
-               "of back-to-back calls + one synchronize, us per call; results freed untimed",
+               "warmup": args.warmup, "timing": "wall clock (time.perf_counter), us per call: "
+               "`runs` pairs of runs interleaved (ours, torch, ours, ...), one run = `calls` "
+               "back-to-back calls + one synchronize; per side the minimum (*_min_us) and the "
+               "median (*_median_us) over the runs, every run in *_runs_us; ours_over_torch = "
+               "ours_min_us / torch_min_us; results freed untimed; GC off during the runs",
+               "ratio": "ours_min_us / torch_min_us",
                "torch_tf32": False if torch is not None else None,
-               "cases": rows, "sync_transpose": sync_t}
+               "cases": rows, "mlp_forward_gpu_time": mlp_gpu, "sync_transpose": sync_t}
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=2)
         print(f"\nwrote {args.out}")
@@ -722,7 +892,9 @@ def main() -> int:
     ap.add_argument("--ops", help="GPU mode: comma-separated case names (default: all)")
     ap.add_argument("--out", help="GPU mode: write the results as JSON")
     ap.add_argument("--calls", type=int, default=1000, help="GPU mode: calls per run")
-    ap.add_argument("--runs", type=int, default=5, help="GPU mode: runs (the best counts)")
+    ap.add_argument("--runs", type=int, default=15,
+                    help="GPU mode: interleaved pairs of runs (ours, torch) per case; the "
+                         "minimum and the median are reported, the ratio is on the minima")
     ap.add_argument("--warmup", type=int, default=20, help="GPU mode: warm-up calls")
     ap.add_argument("--transpose-n", type=int, default=8192,
                     help="GPU mode: sync_transpose size (N x N)")

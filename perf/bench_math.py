@@ -3,8 +3,10 @@
     python perf/bench_math.py [--out results.json] [--quick]
 
 One run measures: the device-to-device copy bandwidth (bytes read + written, a 2 GiB copy);
-then for each case our median time (CUDA events, after warm-up, the start event queued behind
-a GPU spin so that host overhead is not timed: see gpu_gap) and torch's, the achieved
+then for each case our median time (the package's timing primitive,
+cuda_backend/performance/timing.py: CUDA events around single calls after warm-up, the start
+event queued behind a GPU spin so that host overhead is not timed: see gpu_gap) and torch's
+(the same events and spin), the achieved
 GB/s (the bytes the operation must move), its fraction of the copy bandwidth and the ratio
 torch_time / our_time (>1 means we are faster). Inputs are 1 GiB+ so the 50-60 MB L2 holds
 no useful part of them; small cases rotate among several input sets.
@@ -30,19 +32,11 @@ def gpu_gap() -> None:
     torch.cuda._sleep(GAP_CYCLES)
 
 
-def event_median(fn, reps, events, sync):
-    fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        s, e = events()
-        gpu_gap()
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) if hasattr(s, "elapsed_time") else e.time_since(s))
-    return statistics.median(times)
+def event_median(timer, fn, reps):
+    """Median ms of single calls of fn (ours or torch's: one context, one default stream)
+    from the timing primitive, after one warm-up call; no L2 flush (the inputs are far
+    larger than L2); the timer queues gpu_gap before each start event."""
+    return timer.median_ms(fn, warmup=1, iterations=reps, flush=False)
 
 
 def main() -> None:
@@ -55,14 +49,13 @@ def main() -> None:
     import pycuda.driver as drv
     import torch
     from cuda_backend.cuda_math import get_cuda_math
+    from cuda_backend.performance.timing import DeviceTimer
 
     m = get_cuda_math()
     b = m.backend
     assert b.is_available, b.fallback_reason
     dev = b.devices[0]
-    ours_events = lambda: (drv.Event(), drv.Event())  # noqa: E731
-    torch_events = lambda: (torch.cuda.Event(enable_timing=True),  # noqa: E731
-                            torch.cuda.Event(enable_timing=True))
+    timer = DeviceTimer(b, 0, flush_l2=False, gap=gpu_gap)
     sync = drv.Context.synchronize
     tsync = torch.cuda.synchronize
     R = args.reps
@@ -71,11 +64,11 @@ def main() -> None:
     nbytes = 1 << 31
     src = b.allocate_memory(nbytes)
     dst = b.allocate_memory(nbytes)
-    copy_ms = event_median(lambda: b.copy_device_to_device(dst, src, nbytes), R, ours_events, sync)
+    copy_ms = event_median(timer, lambda: b.copy_device_to_device(dst, src, nbytes), R)
     b.free_memory(src); b.free_memory(dst)
     tsrc = torch.empty(nbytes // 4, device="cuda")
     tdst = torch.empty_like(tsrc)
-    tcopy_ms = event_median(lambda: tdst.copy_(tsrc), R, torch_events, tsync)
+    tcopy_ms = event_median(timer, lambda: tdst.copy_(tsrc), R)
     del tsrc, tdst
     copy_gbps = 2 * nbytes / (copy_ms * 1e-3) / 1e9
     res = {"device": dev.name, "copy_gbps": copy_gbps,
@@ -127,11 +120,11 @@ def main() -> None:
             out = ours()
             out.free()
         try:
-            ms = event_median(ours_free, R, ours_events, sync)
+            ms = event_median(timer, ours_free, R)
         except Exception as exc:  # report and go on
             print(f"{name} {shape}: FAILED {type(exc).__name__}: {exc}")
             continue
-        tms = event_median(theirs, R, torch_events, tsync)
+        tms = event_median(timer, theirs, R)
         gbps = moved / (ms * 1e-3) / 1e9
         row = {"op": name, "shape": shape, "ms": ms, "torch_ms": tms, "gbps": gbps,
                "frac_copy_bw": gbps / copy_gbps, "vs_torch": tms / ms}

@@ -4,7 +4,8 @@
         [--families fp32,tf32,fp16,bf16,fp64] [--shapes 4096x4096x4096,...] [--keep-tuning]
 
 For each shape (M, N, K) and family (fp32 = true FP32 on CUDA cores, tf32, fp16, bf16,
-fp64): our median time per call (CUDA events around batches of back-to-back calls, after
+fp64): our median time per call (CUDA events around batches of back-to-back calls, taken
+by the package's timing primitive, cuda_backend/performance/timing.py, after
 warm-up, the autotuner settled on the first call) against torch.matmul on the same tensors
 with torch.backends.cuda.matmul.allow_tf32 set to match, TFLOP/s of both, the ratio (torch time / ours: >= 1 means we are faster), and
 the norm-wise relative error of sampled output rows against float64 torch. Then a config
@@ -33,10 +34,14 @@ SWEEP_SHAPE = {"fp32": (4096, 4096, 4096), "tf32": (4096, 4096, 4096),
 
 def event_times(fn: Callable[[], Any], reps: int, warmup: int = 2,
                 batch_ms: float = 25.0) -> List[float]:
-    """Per-call milliseconds from CUDA events (torch's, on the default stream): each sample
-    times a batch of back-to-back calls (about batch_ms of work), so the host runs ahead as
-    in real use and launch overhead counts only where it exceeds the kernel's own time."""
+    """Per-call milliseconds from CUDA events on the default stream (the package's timing
+    primitive, cuda_backend/performance/timing.py, no L2 flush; ours and torch's calls
+    alike): each sample times a batch of back-to-back calls (about batch_ms of work), so the
+    host runs ahead as in real use and launch overhead counts only where it exceeds the
+    kernel's own time."""
     import torch
+    import cuda_backend as cb
+    from cuda_backend.performance.timing import DeviceTimer
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -44,16 +49,8 @@ def event_times(fn: Callable[[], Any], reps: int, warmup: int = 2,
     fn()
     torch.cuda.synchronize()
     inner = max(1, min(200, int(batch_ms / 1e3 / max(time.perf_counter() - t0, 1e-6))))
-    out = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(inner):
-            fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e) / inner)
-    return out
+    timer = DeviceTimer(cb.get_cuda_backend(), 0, flush_l2=False)
+    return timer.time(fn, warmup=0, iterations=reps, flush=False, calls=inner)
 
 
 def goal(family: str, M: int, N: int, K: int) -> float:

@@ -4,8 +4,9 @@ PyTorch and the device's copy bandwidth.
     python perf/bench_ml.py [--out results.json] [--quick] [--reps N]
 
 One run measures the device-to-device copy bandwidth (bytes read + written, a 2 GiB copy),
-then for each case our median time and PyTorch's (CUDA events around single calls after
-warm-up; before each timed call a 256 MiB memset is queued, which evicts the inputs from the
+then for each case our median time and PyTorch's (the package's timing primitive,
+cuda_backend/performance/timing.py: CUDA events around single calls after warm-up; before
+each timed call a 256 MiB memset and a GPU spin are queued, which evict the inputs from the
 50-60 MB L2 and keeps the GPU busy while Python enqueues the call, so the interval is GPU
 time), the GB/s for the bytes the operation must move (listed per case: e.g. batch_norm
 training reads its input twice), the fraction of copy bandwidth, and torch_ms / our_ms (> 1:
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import numpy as np
 
@@ -34,11 +34,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
 
-    import pycuda.driver as drv
     import torch
     import torch.nn.functional as F
     from cuda_backend import CudaDataType as DT
     from cuda_backend.cuda_ml import OptimizerState, get_cuda_ml
+    from cuda_backend.performance.timing import DeviceTimer
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -49,44 +49,21 @@ def main() -> None:
     assert b.is_available, b.fallback_reason
     dev = b.devices[0]
     R = args.reps
-    flush_ptr = b.allocate_memory(FLUSH_BYTES)
-    counter = [0]
+    # ours and torch's calls alike (one context, one default stream): a >= 256 MiB memset,
+    # then gpu_gap, before each timed call
+    timer = DeviceTimer(b, 0, flush_l2=True, min_flush_bytes=FLUSH_BYTES, gap=gpu_gap)
 
-    def flush():
-        counter[0] = (counter[0] + 1) & 0x7FFFFFFF
-        drv.memset_d32_async(flush_ptr, counter[0], FLUSH_BYTES // 4)
-
-    def ours_events():
-        return drv.Event(), drv.Event()
-
-    def torch_events():
-        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def median_ms(fn, events, warmup=3):
-        for _ in range(warmup):
-            fn()
-        drv.Context.synchronize()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(R):
-            flush()
-            gpu_gap()
-            s, e = events()
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) if hasattr(s, "elapsed_time") else e.time_since(s))
-        return statistics.median(times)
+    def median_ms(fn, warmup=3):
+        return timer.median_ms(fn, warmup=warmup, iterations=R)
 
     # copy bandwidth (bytes read + written), through the backend's dtod copy and torch's
     nbytes = 1 << 31
     src, dst = b.allocate_memory(nbytes), b.allocate_memory(nbytes)
-    copy_ms = median_ms(lambda: b.copy_device_to_device(dst, src, nbytes), ours_events)
+    copy_ms = median_ms(lambda: b.copy_device_to_device(dst, src, nbytes))
     b.free_memory(src), b.free_memory(dst)
     tsrc = torch.empty(nbytes // 4, device="cuda")
     tdst = torch.empty_like(tsrc)
-    tcopy_ms = median_ms(lambda: tdst.copy_(tsrc), torch_events)
+    tcopy_ms = median_ms(lambda: tdst.copy_(tsrc))
     tsrc = tdst = None  # give the 4 GiB back to torch's cache
     copy_gbps = 2 * nbytes / (copy_ms * 1e-3) / 1e9
     res = {"device": dev.name, "copy_gbps": copy_gbps,
@@ -242,11 +219,11 @@ def main() -> None:
             out = ours()
             note = check(out, theirs())
             out.free()
-            ms = median_ms(lambda ours=ours: ours().free(), ours_events)
+            ms = median_ms(lambda ours=ours: ours().free())
         except Exception as exc:  # report and go on
             print(f"{name} {shape}: FAILED {type(exc).__name__}: {exc}")
             continue
-        tms = median_ms(theirs, torch_events)
+        tms = median_ms(theirs)
         record(name, shape, ms, tms, moved, note)
     for name, shape, ours, theirs, moved, check in optim_cases:
         try:
@@ -254,14 +231,14 @@ def main() -> None:
             theirs()
             torch.cuda.synchronize()
             note = check(None, None)
-            ms = median_ms(ours, ours_events)
+            ms = median_ms(ours)
         except Exception as exc:
             print(f"{name} {shape}: FAILED {type(exc).__name__}: {exc}")
             continue
-        tms = median_ms(theirs, torch_events)
+        tms = median_ms(theirs)
         record(name, shape, ms, tms, moved, note)
     res["cases"] = rows_out
-    b.free_memory(flush_ptr)
+    timer.close()
 
     print(f"{'op':<22} {'shape':>16} {'ours ms':>9} {'torch ms':>9} {'GB/s':>7} "
           f"{'of copy':>7} {'vs torch':>8}  check")

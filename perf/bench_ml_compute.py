@@ -6,7 +6,9 @@ conv2d (true FP32, TF32, bfloat16, depthwise) and flash attention (float32, floa
 bfloat16; causal and not). The peer's TF32 switches are set explicitly for every case
 (torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32) and recorded
 with it; cudnn.benchmark is on so cuDNN runs its fastest algorithm. Each time is the median
-of CUDA-event timings of single calls after warm-up (our first call also autotunes). Every
+of CUDA-event timings of single calls after warm-up (our first call also autotunes), taken by
+the package's timing primitive (cuda_backend/performance/timing.py, no L2 flush, a GPU spin
+queued before each start event, for ours and PyTorch's alike). Every
 case also checks our output against PyTorch's (norm-wise relative difference). The table is
 printed last; --out writes everything as JSON.
 """
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import numpy as np
@@ -22,20 +23,10 @@ import numpy as np
 from bench_math import gpu_gap
 
 
-def event_median(fn, reps, events, sync, warmup=3):
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        s, e = events()
-        gpu_gap()
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) if hasattr(s, "elapsed_time") else e.time_since(s))
-    return statistics.median(times)
+def event_median(timer, fn, reps, warmup=3):
+    """Median ms of single calls of fn (ours or torch's: one context, one default stream)
+    from the timing primitive; the timer queues gpu_gap before each start event."""
+    return timer.median_ms(fn, warmup=warmup, iterations=reps, flush=False)
 
 
 def main() -> None:
@@ -45,11 +36,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
 
-    import pycuda.driver as drv
     import torch
     import torch.nn.functional as F
     from cuda_backend import CudaDataType as DT
     from cuda_backend.cuda_ml import ConvolutionConfig, get_cuda_ml
+    from cuda_backend.performance.timing import DeviceTimer
 
     ml = get_cuda_ml()
     m = ml.math
@@ -57,11 +48,7 @@ def main() -> None:
     assert b.is_available, b.fallback_reason
     dev = b.devices[0]
     torch.backends.cudnn.benchmark = True
-    ours_events = lambda: (drv.Event(), drv.Event())  # noqa: E731
-    torch_events = lambda: (torch.cuda.Event(enable_timing=True),  # noqa: E731
-                            torch.cuda.Event(enable_timing=True))
-    sync = drv.Context.synchronize
-    tsync = torch.cuda.synchronize
+    timer = DeviceTimer(b, 0, flush_l2=False, gap=gpu_gap)
     reps = 5 if args.quick else args.reps
     rng = np.random.default_rng()
     tdt = {DT.FLOAT32: torch.float32, DT.FLOAT16: torch.float16, DT.BFLOAT16: torch.bfloat16}
@@ -90,12 +77,12 @@ def main() -> None:
             out = ours_fn()
             diff = check(out)
             out.free()
-            ms = event_median(lambda: ours_fn().free(), reps, ours_events, sync)
+            ms = event_median(timer, lambda: ours_fn().free(), reps)
         except Exception as exc:  # report and go on
             print(f"{group} {name} {shape}: FAILED {type(exc).__name__}: {exc}")
             rows.append({"group": group, "case": name, "shape": shape, "error": str(exc)})
             return
-        tms = event_median(torch_fn, reps, torch_events, tsync)
+        tms = event_median(timer, torch_fn, reps)
         row = {"group": group, "case": name, "shape": shape, "ms": ms, "torch_ms": tms,
                "tflops": flops / (ms * 1e-3) / 1e12, "torch_tflops": flops / (tms * 1e-3) / 1e12,
                "vs_torch": tms / ms, "goal": goal, "torch_tf32": tf32, "max_rel_diff": diff}

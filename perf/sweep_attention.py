@@ -72,7 +72,7 @@ def main() -> None:
     from cuda_backend.kernels import dtype_params
     from cuda_backend.ops import attention as fa
     from cuda_backend.ops import common
-    from cuda_backend.performance.timing import DeviceTimer, stats
+    from cuda_backend.performance.timing import DeviceTimer
     from cuda_backend.profiling import write_json_atomic
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -104,7 +104,7 @@ def main() -> None:
     R = max(3, args.reps)
 
     def median_ms(fn: Any) -> float:
-        return stats(timer.time(fn, warmup=3, iterations=R))["median"]
+        return timer.median_ms(fn, warmup=3, iterations=R)
 
     res: Dict[str, Any] = {"device": info.name, "torch": torch.__version__, "reps": R,
                            "compile_s": compile_s, "timing": timer.flush_description(),

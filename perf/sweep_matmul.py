@@ -54,7 +54,7 @@ from cuda_backend import CudaDataType as DT  # noqa: E402
 from cuda_backend.kernels import dtype_params  # noqa: E402
 from cuda_backend.ops import common  # noqa: E402
 from cuda_backend.ops import matmul as mm  # noqa: E402
-from cuda_backend.performance.timing import DeviceTimer, stats  # noqa: E402
+from cuda_backend.performance.timing import DeviceTimer  # noqa: E402
 from cuda_backend.profiling import write_json_atomic  # noqa: E402
 
 SHAPES = {  # name -> (M, K, N)
@@ -225,7 +225,7 @@ def linear_sweep(args: Any) -> None:
 
     def med(fn: Any, release: Any = None) -> float:
         kw = {"release": release} if release is not None else {}
-        return stats(timer.time(fn, warmup=2, iterations=R, **kw))["median"]
+        return timer.median_ms(fn, warmup=2, iterations=R, **kw)
 
     def theirs() -> None:
         F.gelu(F.linear(x, w, bias), approximate="tanh")
@@ -378,7 +378,7 @@ def main() -> None:
 
     def med(fn: Any, release: Any = None) -> float:
         kw = {"release": release} if release is not None else {}
-        return stats(timer.time(fn, warmup=2, iterations=R, **kw))["median"]
+        return timer.median_ms(fn, warmup=2, iterations=R, **kw)
 
     print(f"{'family':<6} {'shape':<14} {'config':<34} {'split':>5} {'ms':>9} {'TF/s':>7} "
           f"{'torch':>6} {'rel_err':>8} {'regs':>4}", flush=True)

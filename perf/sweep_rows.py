@@ -41,7 +41,7 @@ from cuda_backend.ops import common  # noqa: E402
 from cuda_backend.ops import normalization as nm  # noqa: E402
 from cuda_backend.ops import softmax as sm  # noqa: E402
 from cuda_backend.ops import transpose as tr  # noqa: E402
-from cuda_backend.performance.timing import DeviceTimer, stats  # noqa: E402
+from cuda_backend.performance.timing import DeviceTimer  # noqa: E402
 from cuda_backend.profiling import write_json_atomic  # noqa: E402
 
 FLUSH_BYTES = 256 << 20
@@ -64,9 +64,7 @@ class FlushTimer(DeviceTimer):
 
     def __init__(self, m: Any, clean: bool) -> None:
         b = m.backend
-        super().__init__(b, 0, flush_l2=False)
-        self.flush_bytes = max(2 * b.devices[0].l2_cache_size, FLUSH_BYTES)
-        self._flush_ptr = b.allocate_memory(self.flush_bytes, 0)
+        super().__init__(b, 0, flush_l2=True, min_flush_bytes=FLUSH_BYTES)
         self._m = m
         self._read = b.empty((self.flush_bytes // 4,), DT.FLOAT32, 0) if clean else None
 
@@ -96,7 +94,7 @@ class Variant:
 
 
 def median_ms(timer: FlushTimer, fn: Callable[[], Any], reps: int) -> float:
-    return stats(timer.time(fn, warmup=3, iterations=reps))["median"]
+    return timer.median_ms(fn, warmup=3, iterations=reps)
 
 
 def by_rows(fn: Callable[..., Any], *arrays: np.ndarray) -> List[Any]:

@@ -536,3 +536,87 @@ def test_kernel_fault_reports_dead_context():
     r = run_py(code, timeout=120)
     assert r.returncode == 3, r.stdout + r.stderr
     assert "no longer usable" in r.stdout and "illegal" in r.stdout.lower()
+
+
+# -- the host<->device fast path (transfers.py direct_htod / direct_dtoh) ------------------
+def test_small_copies_fast_path_round_trip(backend):
+    """copy_to_device / copy_from_device / to_device / to_host and CudaMath.from_numpy /
+    to_numpy on the legacy stream with profiling off (one synchronous driver copy, wall-clock
+    ms, no events): exact round trips for every dtype, pageable and pinned host arrays, raw
+    pointers, non-contiguous and byte-swapped arrays; a second call of each gives the same
+    data (the first may take the general path); the returned ms are positive."""
+    from cuda_backend.cuda_math import CudaMath
+    m = CudaMath(backend)
+    rng = np.random.default_rng(5)
+    for dtype in (np.float32, np.float64, np.float16, np.int32, np.int64, np.uint8, np.bool_):
+        for n in (1, 7, 1024, 100_003):
+            for _ in range(2):
+                a = fresh((n,), dtype, rng)
+                t = m.from_numpy(a)
+                assert np.array_equal(m.to_numpy(t), a)
+                b = fresh((n,), dtype, rng)
+                assert backend.copy_to_device(b, t) > 0
+                out = np.empty_like(b)
+                assert backend.copy_from_device(t, out) > 0
+                assert np.array_equal(out, b)
+                t2 = backend.to_device(a.reshape(1, n))
+                assert np.array_equal(backend.to_host(t2), a.reshape(1, n))
+                t.free(), t2.free()
+    h = backend.pinned_empty((4096,), np.float32)
+    h[:] = rng.standard_normal(4096)
+    t = backend.empty((4096,), DT.FLOAT32)
+    backend.copy_to_device(h, t)
+    h2 = backend.pinned_empty((4096,), np.float32)
+    backend.copy_from_device(t, h2)                 # synchronous: ready on return
+    assert np.array_equal(h, h2)
+    ptr = backend.allocate_memory(4096 * 4)
+    backend.copy_to_device(h, ptr)
+    back = np.empty(4096, np.float32)
+    backend.copy_from_device(ptr, back)
+    assert np.array_equal(back, h)
+    backend.free_memory(ptr)
+    wide = rng.standard_normal((64, 2)).astype(np.float32)
+    t3 = backend.empty((64,), DT.FLOAT32)
+    backend.copy_to_device(wide[:, 1], t3)          # strided: the general path
+    col = np.zeros((64, 2), np.float32)[:, 0]
+    backend.copy_from_device(t3, col)
+    assert np.array_equal(col, wide[:, 1])
+    assert np.array_equal(m.to_numpy(m.from_numpy(wide.astype(">f4"))), wide)
+    bf = m.from_numpy(wide, dtype=DT.BFLOAT16)
+    np.testing.assert_allclose(m.to_numpy(bf), wide, rtol=1e-2)
+    t.free(), t3.free(), bf.free()
+
+
+def test_small_copies_on_a_stream_and_profiled(backend):
+    """A copy inside `with stream:` stays on that stream (ordered after the stream's kernels;
+    copy_from_device returns after them), copy() queues its device copy there; with profiling
+    on the copies are timed with events and recorded."""
+    from cuda_backend.cuda_math import CudaMath
+    m = CudaMath(backend)
+    n = 1 << 22
+    x = m.from_numpy(np.zeros(n, np.float32))
+    m.fill(x, 0.0), m.fill(x, 0.0)                 # the fill plan exists
+    stream = backend.stream()
+    out = np.empty(n, np.float32)
+    for i in range(3):
+        with stream:
+            m.fill(x, float(i + 1))                 # queued on the stream
+            y = m.copy(x)
+            backend.copy_from_device(y, out)        # on the stream: waits for both
+        assert (out == i + 1).all()
+        with stream:
+            backend.copy_to_device(np.full(n, 7.0, np.float32), x)
+            z = m.multiply(x, 2.0)
+            got = m.to_numpy(z)
+        assert (got == 14.0).all()
+        y.free(), z.free()
+    backend.enable_profiling = True
+    try:
+        backend.profiler.reset()
+        t = m.from_numpy(np.ones(4096, np.float32))
+        m.to_numpy(t)
+        stats = backend.get_performance_stats()["memory_transfer_times"]
+        assert stats["htod"]["count"] >= 1 and stats["dtoh"]["count"] >= 1
+    finally:
+        backend.enable_profiling = False
+    x.free()

@@ -809,3 +809,89 @@ def test_plan_path_matches_numpy(m, dtype):
                     plans[key] = plan
                 check(stored(m, out), ref(a[off:off + size], b[off:off + size]), dtype, op)
                 out.free(), ta.free(), tb.free()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS + INTS + [DT.UINT8, DT.BOOL], ids=lambda d: d.name_str)
+def test_activation_fill_zeros_copy_plans_match_numpy(m, dtype):
+    """The plans of leaky_relu/elu (alpha per call, through CudaML.activation), fill,
+    zeros/ones and copy: each op three times, the first through the general path (which
+    makes the plan), the next two through the plan (checked by a spy), every result against
+    NumPy; copy() also inside a `with stream:` block (queued there, no synchronize)."""
+    from cuda_backend.cuda_ml import ActivationType, CudaML
+    if not m.gpu:
+        pytest.skip("plans are made on the GPU path only")
+    ml = CudaML(m)
+    rng = np.random.default_rng(11)
+
+    def through_plan(plans, key, call):
+        plan, taken = plans[key], []
+
+        def spy(*args):
+            res = plan(*args)
+            taken.append(res is not None)
+            return res
+        plans[key] = spy
+        try:
+            out = call()
+        finally:
+            plans[key] = plan
+        assert taken == [True], key
+        return out
+
+    npdt = np.float32 if dtype is DT.BFLOAT16 else dtype.numpy_dtype
+    for size in (1, 7, 1023, 4097, 2**20 + 3):
+        if dtype.is_floating:     # leaky_relu / elu, alpha default and given
+            for kind, op, alphas in ((ActivationType.LEAKY_RELU, "leaky_relu", (None, 0.2, 0.05)),
+                                     (ActivationType.ELU, "elu", (None, 1.3, 0.5))):
+                key = (op, dtype._name_, 0)
+                m._ew_unary_plans.pop(key, None)
+                for i, alpha in enumerate(alphas):
+                    t, xv = make(m, rand(rng, size, dtype, "wide"), dtype)
+                    call = lambda: ml.activation(t, kind, alpha)
+                    out = call() if i == 0 else through_plan(m._ew_unary_plans, key, call)
+                    a = ew.UNARY_OPS[op][1]["alpha"] if alpha is None else alpha
+                    av = stored(m, make(m, [a], dtype)[0])[0]     # alpha as the dtype holds it
+                    check(stored(m, out), ref_unary(op, xv, av), dtype, op)
+                    out.free(), t.free()
+        # fill (in place), zeros, ones
+        value = {DT.UINT8: 200, DT.BOOL: 1, DT.INT32: -7, DT.INT64: 2**40}.get(dtype, 1.1)
+        want = stored(m, make(m, np.full(1, value), dtype)[0])[0] if dtype.is_floating \
+            else np.array(value).astype(npdt)
+        m.plans.pop(("fill", dtype, 0), None)
+        for i in range(3):
+            t = poisoned(m, (size,), dtype) if dtype is not DT.BOOL else \
+                m.from_numpy(np.zeros(size, np.bool_))
+            call = lambda: m.fill(t, value)
+            r = call() if i == 0 else through_plan(m.plans, ("fill", dtype, 0), call)
+            assert r is t and (stored(m, t) == want).all()
+            t.free()
+        for name, fn, v in (("zeros", m.zeros, 0), ("ones", m.ones, 1)):
+            for dev in (None, 0):
+                m.plans.pop((name, dtype, dev), None)
+                for i in range(3):
+                    shape = (size,) if i < 2 else (1, size)
+                    call = lambda: fn(shape, dtype, dev)
+                    z = call() if i == 0 else through_plan(m.plans, (name, dtype, dev), call)
+                    assert z.shape == shape and z.dtype is dtype
+                    assert (m.to_numpy(z) == v).all(), (name, dtype, size, i)
+                    z.free()
+        # copy
+        m.plans.pop(("copy", dtype, 0), None)
+        for i in range(3):
+            src = m.from_numpy(rng.integers(0, 2, size).astype(np.bool_)) if dtype is DT.BOOL \
+                else make(m, rand(rng, size, dtype), dtype)[0]
+            call = lambda: m.copy(src)
+            c = call() if i == 0 else through_plan(m.plans, ("copy", dtype, 0), call)
+            assert c.ptr != src.ptr and c.shape == src.shape and c.dtype is dtype
+            np.testing.assert_array_equal(m.to_numpy(c), m.to_numpy(src))
+            c.free(), src.free()
+    # copy() on a stream: queued after the stream's kernel, read after its synchronize
+    stream = m.backend.stream()
+    src = m.from_numpy(np.zeros(2**20, npdt), dtype=dtype)
+    with stream:
+        m.fill(src, 1)
+        c = m.copy(src)
+        assert c.stream is stream.pycuda_stream
+    stream.synchronize()
+    assert (m.to_numpy(c) == 1).all()

@@ -1105,3 +1105,367 @@ def test_nn_plans_match_general_path(which):
     out = subprocess.run([sys.executable, "-c", NN_SCRIPT, which], capture_output=True,
                          text=True, timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+
+
+# -- leaky_relu/elu (alpha per call), fill, zeros/ones, copy, and the host<->device copies ------
+COPY_FILL_SCRIPT = textwrap.dedent(r'''
+    import os, sys
+    sys.path.insert(0, os.path.join(ROOT, "perf"))
+    sys.path.insert(0, ROOT)
+    os.environ.pop("CUDA_BACKEND_FALLBACK", None)
+    from bench_host_path import install_fake_pycuda
+    install_fake_pycuda()
+    import numpy as np
+    import pytest
+    from cuda_backend.backend import CudaBackend
+    from cuda_backend.cuda_math import CudaMath
+    from cuda_backend.cuda_ml import ActivationType as AT, CudaML
+    from cuda_backend.dtypes import CudaDataType as DT
+    from cuda_backend.errors import (CudaOutOfMemoryError, DTypeMismatchError,
+                                     InvalidArgumentError, InvalidDeviceError,
+                                     TensorFreedError, TransferError)
+    from cuda_backend.ops import elementwise as ew
+    from cuda_backend.tensor import CudaTensor
+
+    drv = sys.modules["pycuda.driver"]
+    launches, copies, events = [], [], [0]
+    Function = type(sys.modules["pycuda.compiler"].SourceModule("").get_function("k"))
+    def record(self, grid, block, buf, shared, stream):
+        assert min(grid) >= 1 and min(block) >= 1, f"empty launch: grid {grid} block {block}"
+        launches.append((grid, block, bytes(buf), shared, stream))
+    Function._launch_kernel = record
+    def dtod(dst, src, n, stream=None):
+        copies.append(("dtod", int(dst), int(src), n, stream))
+    drv.memcpy_dtod_async = dtod
+    drv.memcpy_htod = lambda dst, src: copies.append(("htod", int(dst), src))
+    drv.memcpy_dtoh = lambda dst, src: copies.append(("dtoh", dst, int(src)))
+    drv.memcpy_htod_async = lambda dst, src, stream=None: copies.append(
+        ("htod_async", int(dst), src, stream))
+    drv.memcpy_dtoh_async = lambda dst, src, stream=None: copies.append(
+        ("dtoh_async", dst, int(src), stream))
+    class CountingEvent(drv.Event):
+        def __init__(self, *a):
+            events[0] += 1
+
+        def query(self):                 # (stream-ordered frees of the pool ask)
+            return True
+    drv.Event = CountingEvent
+
+    b = CudaBackend()
+    assert b.is_available
+    m = CudaMath(b)
+    ml = CudaML(m)
+    pool = b.memory_pools[0]
+
+    def slots(t):
+        return {k: getattr(t, k) for k in CudaTensor.__slots__ if k != "__weakref__"}
+
+    def spied(plans, key, call):
+        """call() with plans[key] wrapped: (result, whether the plan took the call)."""
+        plan, seen = plans[key], []
+        plans[key] = lambda *a: seen.append(plan(*a)) or seen[-1]
+        try:
+            r = call()
+        finally:
+            plans[key] = plan
+        took = [x for x in seen if x is not None]   # (a declined call may be retried once
+        assert len(took) <= 1 and len(seen) <= 2    # by the entry below: activation, unary)
+        return r, bool(took)
+
+    def same_result(r1_slots, r2):
+        got = slots(r2)
+        r1_slots["_block"] = got["_block"]
+        assert got == r1_slots, (got, r1_slots)
+        if r2.nbytes:
+            init = CudaTensor(r2.shape, r2.dtype, 0, r2._ptr, block=r2._block, pool=pool)
+            assert slots(init) == got
+
+    # -- leaky_relu / elu: the general path (alpha a NumPy float: no plan) against the plan
+    up = m._ew_unary_plans
+    ties = (1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8))      # bfloat16 rounding ties
+    safe = (None, 0.2, -0.0, 0.0, 0.1, 1e-40, 1e-8, 65519.0, 3.0, -1.5) + ties
+    edge = (3.0e38, 1e39, float("inf"), float("nan"))
+    for dt in (DT.FLOAT32, DT.FLOAT64, DT.FLOAT16, DT.BFLOAT16):
+        for n in (1023, 3):
+            x = m.from_numpy(np.linspace(-2, 2, n).astype(np.float32), dtype=dt)
+            for op, kind in (("leaky_relu", AT.LEAKY_RELU), ("elu", AT.ELU)):
+                key = (op, dt._name_, 0)
+                up.pop(key, None)
+                for alpha in safe + edge:
+                    launches.clear()
+                    if alpha is None and key not in up:
+                        r1 = ew.unary(m, op, x)          # (makes the plan)
+                    else:                                # a NumPy float: the general path
+                        r1 = ew.unary(m, op, x, alpha=np.float64(
+                            ew.UNARY_OPS[op][1]["alpha"] if alpha is None else alpha))
+                    assert key in up and len(launches) == 1
+                    ref, ref_slots = launches[-1], slots(r1)
+                    r1.free()
+                    for call in (lambda: ml.activation(x, kind, alpha),
+                                 lambda: ew.unary(m, op, x, **({} if alpha is None else
+                                                               {"alpha": alpha}))):
+                        launches.clear()
+                        r2, took = spied(up, key, call)
+                        assert launches == [ref], (dt, op, alpha, launches, ref)
+                        same_result(dict(ref_slots), r2)
+                        if alpha in safe or dt is DT.FLOAT64:
+                            assert took, (dt, op, alpha)
+                        r2.free()
+            # int / NumPy alphas: activation() makes them floats for unary()'s plan
+            for alpha in (2, np.float32(0.3)):
+                launches.clear()
+                ew.unary(m, "leaky_relu", x, alpha=np.float64(float(alpha)))   # general
+                ref = list(launches)
+                launches.clear()
+                r, took = spied(up, ("leaky_relu", dt._name_, 0),
+                                lambda: ml.activation(x, AT.LEAKY_RELU, alpha))
+                assert took and launches == ref
+            # out=, a freed operand, bad parameters: the general path and its errors
+            o = m.from_numpy(np.ones(x.shape, np.float32), dtype=dt)
+            r, took = spied(up, ("elu", dt._name_, 0), lambda: ew.unary(m, "elu", x, out=o))
+            assert r is o and not took
+            dead = m.from_numpy(np.ones(4, np.float32), dtype=dt)
+            dead.free()
+            with pytest.raises(TensorFreedError):
+                ml.activation(dead, AT.ELU, 0.5)
+            with pytest.raises(InvalidArgumentError):
+                ew.unary(m, "elu", x, alpha=0.5, beta=1.0)
+            with pytest.raises(InvalidArgumentError):
+                ew.unary(m, "relu", x, alpha=0.5)
+            with pytest.raises(InvalidArgumentError):
+                ml.activation(x, AT.ELU, "0.5")
+            with pytest.raises(InvalidArgumentError):
+                ml.activation(x, "elu", 0.5)
+
+    # -- fill: ew.fill (always the general path) against CudaMath.fill through the plan
+    fill_values = {
+        DT.FLOAT32: (0, 1, 1.5, -0.0, 0.1, 1e-40, 3.0e38, 1e39, float("nan"), 2**70, True,
+                     np.float32(2)),
+        DT.FLOAT64: (0, 1.5, -0.0, 1e300, 2**70),
+        DT.FLOAT16: (1, 0.1, 65519.0, 65520.0, 1e-8, 1e39),
+        DT.BFLOAT16: ((0, 0.1, 1e39, float("nan"), float("inf")) + ties),
+        DT.INT32: (0, 7, -2**31, 2**31 - 1, 2.0, True),
+        DT.INT64: (0, -2**63, 2**63 - 1, 5.0),
+        DT.UINT8: (0, 200, 255, 3.0),
+        DT.BOOL: (0, 1, 5, -3, True, 2.0),
+    }
+    for dt, values in fill_values.items():
+        npdt = np.float32 if dt is DT.BFLOAT16 else dt.numpy_dtype
+        t = m.from_numpy(np.zeros(1025, npdt), dtype=dt)
+        key = ("fill", dt, 0)
+        m.plans.pop(key, None)
+        ew.fill(m, t, 0)
+        assert key in m.plans
+        for v in values:
+            launches.clear()
+            assert ew.fill(m, t, v) is t
+            ref = list(launches)
+            launches.clear()
+            r, took = spied(m.plans, key, lambda: m.fill(t, v))
+            assert r is t and launches == ref, (dt, v, launches, ref)
+            if type(v) is int and not dt.is_floating or \
+                    type(v) in (int, float) and dt.is_floating and abs(v) < 6e4:
+                assert took, (dt, v)          # (overflowing values: either way, same launch)
+            elif type(v) is not int and type(v) is not float or not dt.is_floating:
+                assert not took, (dt, v)      # bools, NumPy scalars, floats for int dtypes
+        if not dt.is_floating:
+            with pytest.raises(DTypeMismatchError):
+                m.fill(t, 0.5)
+        if dt is DT.INT32:
+            with pytest.raises(InvalidArgumentError):
+                m.fill(t, 2**31)
+        with pytest.raises(InvalidArgumentError):
+            m.fill(t, "1")
+    dead = m.from_numpy(np.ones(4, np.float32))
+    dead.free()
+    with pytest.raises(TensorFreedError):
+        m.fill(dead, 1.0)
+    with pytest.raises(InvalidArgumentError):
+        m.fill(np.ones(3), 1.0)
+
+    # -- zeros / ones: the general path (create_tensor + fill) against the plan
+    for dt in fill_values:
+        for name, fn in (("zeros", m.zeros), ("ones", m.ones)):
+            for shape in ((1024,), (3, 5), 7, [2, 3], (1, 1, 4097)):
+                for dev in (None, 0):
+                    key = (name, dt, dev)
+                    m.plans.pop(key, None)
+                    launches.clear()
+                    r1 = fn(shape, dt, dev)
+                    assert key in m.plans and len(launches) == 1
+                    ref, ref_slots = list(launches), slots(r1)
+                    r1.free()
+                    launches.clear()
+                    r2, took = spied(m.plans, key, lambda: fn(shape, dt, dev))
+                    assert took and launches == ref, (name, dt, shape, launches, ref)
+                    same_result(ref_slots, r2)
+                    r2.free()
+    m.zeros((1, 3)), m.zeros((1, 3), DT.FLOAT32, 0)
+    for bad, err in ((((True, 3),), InvalidArgumentError), (((2.0, 3),), InvalidArgumentError),
+                     (((-1,),), InvalidArgumentError), ((("abc"),), InvalidArgumentError),
+                     (((2 ** 40, 2 ** 20),), CudaOutOfMemoryError),
+                     (((3,), DT.FLOAT32, True), InvalidDeviceError),
+                     (((3,), DT.FLOAT32, 1), InvalidDeviceError),
+                     (((3,), "complex64"), DTypeMismatchError)):
+        with pytest.raises(err):
+            m.zeros(*bad)
+    launches.clear()
+    z = m.zeros((0, 4))                  # empty: the general path, no launch
+    assert z.shape == (0, 4) and launches == []
+    assert m.ones(3, "float32").shape == (3,) and m.zeros(3, np.float64).dtype is DT.FLOAT64
+
+    # -- copy: an async device-to-device copy, no events; the plan copies what the general did
+    for dt in fill_values:
+        npdt = np.float32 if dt is DT.BFLOAT16 else dt.numpy_dtype
+        for n in (1, 1023, 4096):
+            x = m.from_numpy(np.ones(n, npdt), dtype=dt)
+            key = ("copy", dt, 0)
+            m.plans.pop(key, None)
+            copies.clear()
+            e0 = events[0]
+            r1 = m.copy(x)
+            assert key in m.plans and events[0] == e0
+            assert copies == [("dtod", r1._ptr, x._ptr, x.nbytes, None)], copies
+            ref_slots = slots(r1)
+            r1.free()
+            copies.clear()
+            r2, took = spied(m.plans, key, lambda: m.copy(x))
+            assert took and events[0] == e0
+            assert copies == [("dtod", r2._ptr, x._ptr, x.nbytes, None)], copies
+            same_result(ref_slots, r2)
+    x = m.from_numpy(np.ones(1000, np.float32))
+    m.copy(x)
+    s = b.stream()
+    copies.clear()
+    with s:
+        r = m.copy(x)
+    assert copies == [("dtod", r._ptr, x._ptr, 4000, s.pycuda_stream)]
+    assert r.stream is s.pycuda_stream and x.stream is s.pycuda_stream
+    r2, took = spied(m.plans, ("copy", DT.FLOAT32, 0), lambda: m.copy(x))
+    assert not took and x.stream is None        # the general path records the legacy stream
+    r.free(), r2.free()
+    b.enable_profiling = True                  # the backend's timed copy (events, recorded)
+    e0 = events[0]
+    r = m.copy(x)
+    assert events[0] == e0 + 2 and "dtod" in b.get_performance_stats()["memory_transfer_times"]
+    b.enable_profiling = False
+    assert m.copy(m.zeros((0, 3))).shape == (0, 3)
+    dead = m.from_numpy(np.ones(4, np.float32))
+    dead.free()
+    with pytest.raises(TensorFreedError):
+        m.copy(dead)
+    with pytest.raises(InvalidArgumentError):
+        m.copy(np.ones(3))
+
+    # -- host <-> device: on the legacy stream one synchronous driver copy, no events
+    h = np.arange(1024, dtype=np.float32)
+    copies.clear()
+    e0 = events[0]
+    t = m.from_numpy(h)
+    assert copies == [("htod", t._ptr, h)] and copies[0][2] is h
+    out = m.to_numpy(t)
+    assert copies[-1][0] == "dtoh" and copies[-1][1] is out and copies[-1][2] == t._ptr
+    assert out.dtype == np.float32 and out.shape == (1024,)
+    o = np.empty(1024, np.float32)
+    for ms in (b.copy_to_device(h, t), b.copy_from_device(t, o), b.copy_to_device(h, t.ptr),
+               b.copy_from_device(t.ptr, o)):
+        assert type(ms) is float and ms >= 0
+    assert copies[-4:] == [("htod", t._ptr, h), ("dtoh", o, t._ptr), ("htod", t._ptr, h),
+                           ("dtoh", o, t._ptr)]
+    t2 = b.to_device(h.reshape(32, 32))
+    assert t2.shape == (32, 32) and copies[-1][:2] == ("htod", t2._ptr)
+    assert b.to_host(t2).shape == (32, 32) and copies[-1][0] == "dtoh"
+    wide = np.arange(2048, dtype=np.float32)
+    b.copy_to_device(wide[::2], t)             # not contiguous: the general path's copy
+    assert copies[-1][:2] == ("htod", t._ptr) and copies[-1][2].flags.c_contiguous
+    assert np.array_equal(copies[-1][2], wide[::2])
+    swapped = h.astype(">f4")
+    b.copy_to_device(swapped, t)               # byte-swapped: converted first
+    assert copies[-1][2].dtype == np.float32 and np.array_equal(copies[-1][2], h)
+    bf = m.from_numpy(np.ones(4, np.float32), dtype=DT.BFLOAT16)
+    assert copies[-1][2].dtype == np.uint16 and m.to_numpy(bf).dtype == np.float32
+    assert events[0] == e0, "a copy on the legacy stream created events"
+
+    # a stream (given, or a `with stream:` block's): the async copy, timed with events
+    s = b.stream()
+    e0 = events[0]
+    b.copy_to_device(h, t, stream=s)
+    assert copies[-1] == ("htod_async", t._ptr, h, s.pycuda_stream)
+    with s:
+        b.copy_to_device(h, t)
+        assert copies[-1] == ("htod_async", t._ptr, h, s.pycuda_stream)
+        b.copy_from_device(t, o)
+        assert copies[-1] == ("dtoh_async", o, t._ptr, s.pycuda_stream)
+        u = m.from_numpy(h)
+        assert copies[-1] == ("htod_async", u._ptr, h, s.pycuda_stream)
+        m.to_numpy(u)
+        assert copies[-1][0] == "dtoh_async"
+    assert events[0] == e0 + 10
+    # profiling: events, and the profiler records the copies
+    b.enable_profiling = True
+    e0 = events[0]
+    m.to_numpy(m.from_numpy(h))
+    assert events[0] == e0 + 4
+    stats = b.get_performance_stats()["memory_transfer_times"]
+    assert stats["htod"]["count"] >= 1 and stats["dtoh"]["count"] >= 1
+    b.enable_profiling = False
+    # staged sizes keep their path (pinned chunks on a stream, events)
+    b._transfers.staging_threshold, b._transfers.staging_chunk = 2048, 1024
+    e0 = events[0]
+    b.copy_to_device(h, t)
+    assert [c[0] for c in copies[-4:]] == ["htod_async"] * 4 and events[0] > e0
+    b._transfers.staging_threshold, b._transfers.staging_chunk = 32 << 20, 16 << 20
+
+    # the typed errors, with the fast path in front
+    with pytest.raises(DTypeMismatchError):
+        b.copy_to_device(np.ones(1024), t)
+    with pytest.raises(TransferError):
+        b.copy_to_device(np.ones(1023, np.float32), t)
+    with pytest.raises(TransferError):
+        b.copy_from_device(t, np.ones(1023, np.float32))
+    with pytest.raises(DTypeMismatchError):
+        b.copy_from_device(t, np.ones(1024, np.float64))
+    ro = np.ones(1024, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(TransferError):
+        b.copy_from_device(t, ro)
+    with pytest.raises(TransferError):
+        b.copy_from_device(t, [0.0] * 1024)
+    o2 = np.zeros((1024, 2), np.float32)[:, 0]         # not contiguous: written back
+    copies.clear()
+    b.copy_from_device(t, o2)
+    assert copies[-1][0] == "dtoh" and copies[-1][1] is not o2
+    dead = m.from_numpy(h)
+    dead.free()
+    for call in (lambda: b.copy_to_device(h, dead), lambda: b.copy_from_device(dead, o),
+                 lambda: m.to_numpy(dead), lambda: b.to_host(dead)):
+        with pytest.raises(TensorFreedError):
+            call()
+    with pytest.raises(InvalidDeviceError):
+        m.from_numpy(h, device_id=3)
+    with pytest.raises(InvalidDeviceError):
+        m.from_numpy(h, device_id=True)
+    with pytest.raises(DTypeMismatchError):
+        m.from_numpy(np.array(["a", "b"]))
+    with pytest.raises(InvalidArgumentError):
+        m.to_numpy(np.ones(3))
+    assert m.from_numpy(np.ones((0, 3), np.float32)).shape == (0, 3)
+    assert m.to_numpy(m.from_numpy(np.ones((0, 3), np.float32))).shape == (0, 3)
+    assert m.from_numpy(np.float32(2.0)).shape == ()
+    print("OK")
+''').replace("ROOT", repr(ROOT))
+
+
+def test_activation_fill_copy_transfer_plans_match_general_path():
+    """leaky_relu/elu through CudaML.activation and elementwise.unary with alpha per call
+    (float32/64, float16, bfloat16; alphas that round, tie, underflow, overflow), fill for
+    every dtype and value kind, zeros/ones (device given or current), copy (an async
+    device-to-device copy on the current stream, no events): the plan launches or copies
+    exactly what the general path does and returns a tensor like it; values or operands it
+    cannot take go the general way, with its typed errors. Host<->device copies on the legacy
+    stream with profiling off are one synchronous driver copy without events; with a stream
+    or profiling on, the async copy between events (recorded by the profiler)."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_BACKEND_FALLBACK"}
+    out = subprocess.run([sys.executable, "-c", COPY_FILL_SCRIPT], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr

@@ -29,6 +29,7 @@ from . import common
 DT = CudaDataType
 TEMPLATE = "flash_attention.cu.j2"
 FILL_TEMPLATE = "fill.cu.j2"
+TEMPLATES = (TEMPLATE, FILL_TEMPLATE)   # fill: the output of an empty key sequence
 DTYPES = (DT.FLOAT32, DT.FLOAT16, DT.BFLOAT16)
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
@@ -66,6 +67,9 @@ def configs(dtype: CudaDataType, hd: int) -> List[Dict[str, Any]]:
     """The candidate configs for a dtype and padded head_dim."""
     table = F32_CONFIGS if dtype is DT.FLOAT32 else HALF_CONFIGS
     return [dict(c) for c in table[hd]]
+
+
+candidates = configs   # the registry's contract name: the configs the autotuner times
 
 
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:

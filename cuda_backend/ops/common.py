@@ -110,14 +110,25 @@ def host_array(m: Any, t: CudaTensor) -> np.ndarray:
 
 def from_host(m: Any, values: np.ndarray, dtype: CudaDataType, device_id: int) -> CudaTensor:
     """A new tensor holding values converted to dtype (bfloat16 rounded to nearest even)."""
-    values = np.asarray(values)
+    if type(values) is not np.ndarray:
+        values = np.asarray(values)
     if dtype is CudaDataType.BFLOAT16:
         host = to_bfloat16_bits(values.astype(np.float32)).reshape(values.shape)
     else:
-        host = np.ascontiguousarray(values, dtype=dtype.numpy_dtype)
-    out = m.backend.empty(values.shape, dtype, device_id)
+        nd = dtype.numpy_dtype
+        host = values if values.dtype is nd and values.flags.c_contiguous else \
+            np.ascontiguousarray(values, dtype=nd)
+    backend = m.backend
+    if type(device_id) is int and backend.direct_launch(device_id):
+        # device_id's context is current in this thread, so it is a valid device; the
+        # array's shape is a tuple of non-negative ints
+        out = backend._empty_checked(values.shape, dtype, device_id)
+        if out.nbytes and backend._transfers.direct_htod(host, out) is None:
+            backend.copy_to_device(host, out)     # (direct_htod: copy_to_device's fast path)
+        return out
+    out = backend.empty(values.shape, dtype, device_id)
     if out.nbytes:
-        m.backend.copy_to_device(host, out)
+        backend.copy_to_device(host, out)
     return out
 
 

@@ -20,6 +20,7 @@ from ..tensor import CudaTensor, pool_tensor
 from . import common
 
 TEMPLATE = "dropout.cu.j2"
+TEMPLATES = (TEMPLATE,)
 BLOCK = 256
 DTYPES = common.FLOATS
 M0, M1 = 0xD2511F53, 0xCD9E8D57
@@ -37,6 +38,13 @@ def _params(dtype: CudaDataType) -> Dict[str, Any]:
 
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     return {TEMPLATE: [_params(dt) for dt in DTYPES]}
+
+
+def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
+    """Compile every dropout variant in parallel threads (nvcc runs in subprocesses);
+    returns how many were compiled (0 in fallback mode)."""
+    jobs = [(t, p) for t, sets in template_variants().items() for p in sets]
+    return common.compile_all(m, jobs, device_id, workers)
 
 
 def philox4x32_10_raw(c0: Any, c1: Any, c2: Any, c3: Any, k0: int,
@@ -90,6 +98,17 @@ def host_mask(n: int, keep_prob: float, seed: int) -> np.ndarray:
         hi = min(n, lo + words.size)
         out[lo:hi] = words[:hi - lo].astype(np.uint64) < thr
     return out
+
+
+def reference(x: Any, keep_prob: float, seed: int) -> np.ndarray:
+    """Dropout of x in float64 with the kernel's mask for (keep_prob, seed): kept elements
+    scaled by 1/keep_prob, dropped ones times 0 (NaN and inf stay NaN)."""
+    a = np.asarray(x, dtype=np.float64)
+    if keep_prob >= 1.0:
+        return a.copy()
+    keep = host_mask(a.size, float(keep_prob), int(seed)).reshape(a.shape)
+    with np.errstate(invalid="ignore"):
+        return a * np.where(keep, 1.0 / keep_prob, 0.0)
 
 
 def _seed(seed: Any) -> int:

@@ -39,6 +39,7 @@ INTS = (DT.INT32, DT.INT64)
 ALL = FLOATS + INTS
 
 TEMPLATE = "elementwise.cu.j2"
+TEMPLATES = (TEMPLATE, "fill.cu.j2")   # the registry's contract (fill's sets: kernels.py)
 # Launch shape, from a sweep on an H200 (2^28 float32; block x unroll, exact grid vs capped
 # grid-stride): 128 threads, one 16-byte vector per operand per thread and an exact grid ran
 # add/multiply-by-scalar/exp at 1.00/1.02/1.01x PyTorch; 256x4 at 0.99/0.96/0.96x; capping
@@ -66,6 +67,9 @@ UNARY_OPS: Dict[str, Tuple[Tuple[CudaDataType, ...], Dict[str, float]]] = {
     "silu": (FLOATS, {}), "gelu": (FLOATS, {}), "gelu_exact": (FLOATS, {}),
     "leaky_relu": (FLOATS, {"alpha": 0.01}), "elu": (FLOATS, {"alpha": 1.0}),
 }
+
+# unary ops with a parameter: their plan takes it per call, plan(x, alpha=default)
+ALPHA_OPS = frozenset(op for op, (_, p) in UNARY_OPS.items() if p)
 
 _BLOCK_DIMS = (BLOCK, 1, 1)
 _INT_RANGE = {DT.INT32: (-2**31, 2**31 - 1), DT.INT64: (-2**63, 2**63 - 1),
@@ -256,6 +260,32 @@ def _make_plan(m: Any, kind: str, op: str, dtype: CudaDataType, dev: int) -> Opt
             return res
         return plan
 
+    if op in ALPHA_OPS:
+        # the parameter per call, converted as _scalar() converts it (a value the plan
+        # cannot convert exactly that way, e.g. one that overflows, goes the general way);
+        # an operand last used on another stream goes the general way too (record_stream)
+        conv = _plan_scalar(dtype)
+        default = float(UNARY_OPS[op][1]["alpha"])
+
+        def plan(x: CudaTensor, alpha: Any = default) -> Optional[CudaTensor]:
+            px = x._ptr
+            n = x.size
+            if px is None or not n or x.stream is not None or not direct(dev):
+                return None
+            a = conv(alpha)
+            if a is None:
+                return None
+            nbytes = x.nbytes
+            res = pool_tensor(x.shape, dtype, dev, alloc(nbytes, None), pool, n, nbytes)
+            po = res._ptr
+            grid = -(-(n // vec if not ((po | px) & 15) else n) // per_block) or 1
+            try:
+                launch((grid if grid < cap else cap, 1, 1), block, pack(po, px, n, a), 0, None)
+            except drv_error as exc:
+                raise driver_failure(what, exc, dev) from None
+            return res
+        return plan
+
     def plan(x: CudaTensor) -> Optional[CudaTensor]:   # unary
         px = x._ptr
         n = x.size
@@ -269,6 +299,165 @@ def _make_plan(m: Any, kind: str, op: str, dtype: CudaDataType, dev: int) -> Opt
             launch((grid if grid < cap else cap, 1, 1), block, pack(po, px, n, zero), 0, None)
         except drv_error as exc:
             raise driver_failure(what, exc, dev) from None
+        return res
+    return plan
+
+
+_F32 = struct.Struct("f")
+_F16 = struct.Struct("e")
+_U32 = struct.Struct("I")
+
+
+def _plan_scalar(dtype: CudaDataType) -> Callable[[Any], Any]:
+    """For the plans: a function giving what _scalar(dtype, value) gives for a Python float
+    or int value, or None where it leaves the value to the general path (bools, NumPy
+    scalars, non-integral or out-of-range values for int dtypes, values that overflow the
+    dtype, NaN for bfloat16). Floats round to float32 or float16 by the struct codes (round
+    to nearest even from the double, as NumPy); bfloat16 rounds to float32, then to nearest
+    even on the upper 16 bits, as to_bfloat16_bits."""
+    if dtype.is_floating:
+        def conv(value: Any) -> Any:
+            t = type(value)
+            if t is not float and t is not int:
+                return None
+            try:
+                v = float(value)
+                if dtype is DT.FLOAT32:
+                    return _F32.unpack(_F32.pack(v))[0]
+                if dtype is DT.FLOAT16:
+                    return _F16.unpack(_F16.pack(v))[0]
+                if dtype is DT.FLOAT64:
+                    return v
+                if v != v:
+                    return None
+                u = _U32.unpack(_F32.pack(v))[0]
+            except OverflowError:
+                return None
+            u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+            return _F32.unpack(_U32.pack(u))[0]
+        return conv
+    lo, hi = _INT_RANGE[DT.INT64 if dtype is DT.BOOL else dtype]
+    as_bool = dtype is DT.BOOL
+
+    def conv_int(value: Any) -> Any:
+        if type(value) is not int or not lo <= value <= hi:
+            return None
+        return int(bool(value)) if as_bool else value
+    return conv_int
+
+
+def _fill_setup(m: Any, dtype: CudaDataType, dev: int) -> tuple:
+    """(packer, launch function, block, grid cap) of fill.cu.j2 for dtype (bool: its uint8
+    storage), compiled by an earlier general-path fill."""
+    kdt = DT.UINT8 if dtype is DT.BOOL else dtype
+    cache = _cache(m, dev)
+    backend = m.backend
+    kernel = backend.get_kernel(cache.kernels[("fill", "", kdt)][0], dev)
+    prepared = backend.prepare_launch(kernel, (1, 1, 1), (FILL_BLOCK, 1, 1), 0, dev)
+    cap = min(cache.sm_count * 8, backend.get_device_info(dev).max_grid_dims[0])  # grid_1d's
+    return prepared.pack, prepared.launch_fn, prepared.block, cap, \
+        f"launch of kernel '{kernel.name}'"
+
+
+def _make_fill_plan(m: Any, dtype: CudaDataType, dev: int) -> Optional[Callable]:
+    """fill()'s plan for (dtype, device): plan(tensor, value) -> tensor, or None (the
+    general path then runs) for a freed or empty tensor, one last used on another stream,
+    a value _plan_scalar leaves to the general path, or when no direct launch is right."""
+    if not m.gpu:
+        return None
+    from ..driver import load_driver
+    from ..errors import driver_failure
+    pack, launch, block, cap, what = _fill_setup(m, dtype, dev)
+    conv = _plan_scalar(dtype)
+    direct = m.backend.direct_launch
+    drv_error = load_driver()[0].Error
+
+    def plan(t: CudaTensor, value: Any) -> Optional[CudaTensor]:
+        # t.dtype is dtype and t.device_id == dev: the plan's key says so
+        pt = t._ptr
+        n = t.size
+        if pt is None or not n or t.stream is not None or not direct(dev):
+            return None
+        v = conv(value)
+        if v is None:
+            return None
+        grid = -(-n // FILL_BLOCK)
+        try:
+            launch((grid if grid < cap else cap, 1, 1), block, pack(pt, v, n), 0, None)
+        except drv_error as exc:
+            raise driver_failure(what, exc, dev) from None
+        return t
+    return plan
+
+
+def _make_full_plan(m: Any, dtype: CudaDataType, dev: int, value: Any) -> Optional[Callable]:
+    """zeros()/ones()'s plan for (dtype, device): plan(shape) -> a new tensor filled with
+    value: one allocation and one fill launch; None (the general path then runs) for an
+    empty or over-1-GiB shape or when no direct launch is right. A bad shape raises
+    normalize_shape's error, as the general path does."""
+    if not m.gpu:
+        return None
+    from ..driver import load_driver
+    from ..errors import driver_failure
+    from ..tensor import normalize_shape, pool_tensor
+    if dtype is DT.BOOL:
+        v = int(bool(_scalar(DT.INT64, value, "value")))
+    else:
+        v = _scalar(dtype, value, "value")
+    pack, launch, block, cap, what = _fill_setup(m, dtype, dev)
+    itemsize = dtype.itemsize
+    direct = m.backend.direct_launch
+    pool = m.backend.memory_pools[dev]
+    alloc = pool.allocate_current    # stream None: direct() says no `with stream:` block
+    drv_error = load_driver()[0].Error
+    prod = math.prod
+
+    def plan(shape: Any) -> Optional[CudaTensor]:
+        if not direct(dev):
+            return None
+        shape = normalize_shape(shape)
+        n = prod(shape)
+        nbytes = n * itemsize
+        if not n or nbytes > 1 << 30:
+            return None
+        t = pool_tensor(shape, dtype, dev, alloc(nbytes, None), pool, n, nbytes)
+        grid = -(-n // FILL_BLOCK)
+        try:
+            launch((grid if grid < cap else cap, 1, 1), block, pack(t._ptr, v, n), 0, None)
+        except drv_error as exc:
+            raise driver_failure(what, exc, dev) from None
+        return t
+    plan.device = dev
+    return plan
+
+
+def _make_copy_plan(m: Any, dtype: CudaDataType, dev: int) -> Optional[Callable]:
+    """copy()'s plan for (dtype, device): plan(x) -> a new tensor and one cuMemcpyDtoDAsync
+    on the legacy default stream; None for a freed or empty tensor, one last used on another
+    stream, or when no direct launch is right."""
+    if not m.gpu:
+        return None
+    from ..driver import load_driver
+    from ..errors import driver_failure
+    from ..tensor import pool_tensor
+    drv = load_driver()[0]
+    memcpy, drv_error = drv.memcpy_dtod_async, drv.Error
+    direct = m.backend.direct_launch
+    pool = m.backend.memory_pools[dev]
+    alloc = pool.allocate_current
+
+    def plan(x: CudaTensor) -> Optional[CudaTensor]:
+        px = x._ptr
+        n = x.size
+        if px is None or not n or x.stream is not None or not direct(dev):
+            return None
+        nbytes = x.nbytes
+        res = pool_tensor(x.shape, dtype, dev, alloc(nbytes, None), pool, n, nbytes)
+        try:
+            memcpy(res._ptr, px, nbytes)
+        except drv_error as exc:
+            raise driver_failure(f"device-to-device copy of {nbytes} bytes on device {dev}",
+                                 exc, dev) from None
         return res
     return plan
 
@@ -626,14 +815,19 @@ def unary(m: Any, op: str, x: CudaTensor, out: Optional[CudaTensor] = None,
           **params: Any) -> CudaTensor:
     """op(x) elementwise. Ops with a parameter (leaky_relu, elu: alpha) take it by keyword,
     with PyTorch's default when omitted. `out` as for binary()."""
-    if out is None and not params and type(x) is CudaTensor:
-        # Fast path, as in binary().
+    if out is None and type(x) is CudaTensor:
+        # Fast path, as in binary(); an op with a parameter passes a float one to its plan.
         try:
             plan = m._ew_unary_plans.get((op, x.dtype._name_, x.device_id))
         except AttributeError:
             plan = None
         if plan is not None:
-            res = plan(x)
+            if not params:
+                res = plan(x)
+            elif op in ALPHA_OPS and len(params) == 1 and type(params.get("alpha")) is float:
+                res = plan(x, params["alpha"])
+            else:
+                res = None
             if res is not None:
                 return res
     spec = UNARY_OPS.get(op)
@@ -667,7 +861,7 @@ def unary(m: Any, op: str, x: CudaTensor, out: Optional[CudaTensor] = None,
     grid = _grid(n // (16 // x.dtype.itemsize) if aligned else n, per_block, cache.sm_count)
     m.backend.launch_kernel(name, grid, res, x, n, alpha, block_size=_BLOCK_DIMS,
                             device_id=dev)
-    if out is None and not params:
+    if out is None and (not params or op in ALPHA_OPS):
         _remember_plan(m, "_ew_unary_plans", (op, x.dtype._name_, dev), "unary", op, x.dtype,
                        dev)
     return res
@@ -702,23 +896,90 @@ def fill(m: Any, tensor: CudaTensor, value: Any) -> CudaTensor:
     grid = common.grid_1d(n, FILL_BLOCK, cache.sm_count)
     m.backend.launch_kernel(name, grid, tensor, v, n, block_size=(FILL_BLOCK, 1, 1),
                             device_id=dev)
+    key = ("fill", tensor.dtype, dev)       # CudaMath.fill looks it up
+    if key not in m.plans:
+        plan = _make_fill_plan(m, tensor.dtype, dev)
+        if plan is not None:
+            common.remember_plan(m, key, plan)
     return tensor
 
 
+def full(m: Any, name: str, shape: Any, dtype: Any, device_id: Any, value: Any) -> CudaTensor:
+    """zeros/ones (`name`): a new tensor of shape filled with value, through create_tensor
+    and fill; then remembers the plan m.plans[(name, dtype, device_id)] (dtype a
+    CudaDataType, device_id an int or None: the current device, which the plan's direct
+    launch check pins to the device it was made for) that CudaMath.zeros/ones call first."""
+    t = m.fill(m.create_tensor(shape, dtype, device_id), value)
+    if m.gpu and t.size and type(dtype) is CudaDataType and \
+            (device_id is None or type(device_id) is int):
+        key = (name, dtype, device_id)
+        old = m.plans.get(key)
+        if old is None or old.device != t.device_id:
+            plan = _make_full_plan(m, dtype, t.device_id, value)
+            if plan is not None:
+                common.remember_plan(m, key, plan)
+    return t
+
+
 def copy(m: Any, x: CudaTensor) -> CudaTensor:
-    """A new tensor with x's contents (a device-to-device copy on x's device)."""
+    """A new tensor with x's contents: an asynchronous device-to-device copy on x's device,
+    queued on the current stream (a `with stream:` block's, else the legacy default stream),
+    as a kernel would be. With profiling on, the backend's timed copy (recorded as a dtod
+    transfer; it waits for the copy)."""
     common.check_tensor(x, "tensor")
-    res = m.backend.empty(x.shape, x.dtype, x.device_id)
-    if x.nbytes:
-        m.backend.copy_device_to_device(res, x, x.nbytes)
+    backend = m.backend
+    res = backend.empty(x.shape, x.dtype, x.device_id)
+    nbytes = x.nbytes
+    if not nbytes:
+        return res
+    if not m.gpu or backend.enable_profiling:
+        backend.copy_device_to_device(res, x, nbytes)
+        return res
+    from ..driver import load_driver
+    from ..errors import driver_failure
+    from ..memory import record_stream
+    from ..streams import current_pycuda_stream
+    dev = x.device_id
+    stream = current_pycuda_stream(dev)
+    for t in (x, res):
+        if t.stream is not stream:
+            record_stream(t, stream)     # stream order of its pool block (memory.py)
+    drv = load_driver()[0]
+    with backend.activate(dev):
+        try:
+            drv.memcpy_dtod_async(res._ptr, x._ptr, nbytes, stream)
+        except drv.Error as exc:
+            raise driver_failure(f"device-to-device copy of {nbytes} bytes on device {dev}",
+                                 exc, dev) from None
+    key = ("copy", x.dtype, dev)            # CudaMath.copy looks it up
+    if key not in m.plans:
+        plan = _make_copy_plan(m, x.dtype, dev)
+        if plan is not None:
+            common.remember_plan(m, key, plan)
     return res
 
 
-def precompile(m: Any, device_id: int = 0, workers: int = 8) -> int:
-    """Compile every elementwise and fill kernel for one device now, `workers` at a time
-    (nvcc runs as a subprocess, so threads overlap), so that first calls pay no compile
-    latency. Returns the number of kernels; 0 in fallback mode."""
+def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
+    """Compile every elementwise and fill kernel for one device (default: the current one)
+    now, `workers` at a time (nvcc runs as a subprocess, so threads overlap), so that first
+    calls pay no compile latency. Returns the number of kernels; 0 in fallback mode."""
     jobs = [(TEMPLATE, p) for p in template_variants()[TEMPLATE]]
     jobs += [("fill.cu.j2", {**dtype_params(dt), "block_size": FILL_BLOCK})
              for dt in DT if dt is not DT.BOOL]
     return common.compile_all(m, jobs, device_id, workers)
+
+
+precompile = warm_up   # the former name (tests/test_elementwise.py, tests/test_warm_up.py)
+
+
+def reference(op: str, *operands: Any, alpha: Optional[float] = None) -> np.ndarray:
+    """float64 NumPy of a binary op (two operands, arrays or scalars, broadcast) or a unary
+    op (one operand; alpha defaults as in UNARY_OPS), with the kernels' formulas."""
+    args = [np.asarray(a, dtype=np.float64) for a in operands]
+    with np.errstate(all="ignore"):
+        if op in BINARY_OPS:
+            return np.asarray(_NP_BINARY[op](*args), dtype=np.float64)
+        if op not in UNARY_OPS:
+            raise InvalidArgumentError(f"unknown elementwise op {op!r}")
+        a = UNARY_OPS[op][1].get("alpha", 0.0) if alpha is None else float(alpha)
+        return np.asarray(_np_unary(op, args[0], a), dtype=np.float64)

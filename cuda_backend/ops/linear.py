@@ -17,9 +17,45 @@ from ..tensor import CudaTensor
 from . import common
 
 
+# The templates fused_linear_gelu's kernel is rendered from (by matmul.linear; sketched_linear
+# launches the matmul, reduction and elementwise ops' kernels).
+TEMPLATES = ("matmul_simt.cu.j2", "matmul_mma.cu.j2")
+
+
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     """No templates of its own: the matmul module lists the linear-layer kernels."""
     return {}
+
+
+def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
+    """Compile every linear-layer kernel (matmul's variants with B read as (N, K)) in
+    parallel threads; returns how many were compiled (0 in fallback mode)."""
+    from . import matmul as mm
+    jobs = [(t, p) for t, sets in mm.template_variants().items() for p in sets
+            if p.get("b_trans")]
+    return common.compile_all(m, jobs, device_id, workers, mm._kernel)
+
+
+def candidates(dtype: CudaDataType, precision: Optional[str], vec: bool) -> List[Dict[str, Any]]:
+    """The configs fused_linear_gelu's autotuner chooses from (matmul.linear_configs)."""
+    from . import matmul as mm
+    return mm.linear_configs(dtype, precision, vec)
+
+
+def reference(op: str, x: Any, *weights: Any, bias: Any = None) -> np.ndarray:
+    """float64 NumPy of op "fused_linear_gelu" (x, weight): GELU (tanh form) of x Wᵀ + b, or
+    "sketched_linear" (x, U, V): the mean over terms of (x Uᵢ) Vᵢ, + b."""
+    f64 = [np.asarray(a, dtype=np.float64) for a in (x,) + weights]
+    b = 0.0 if bias is None else np.asarray(bias, dtype=np.float64)
+    if op == "fused_linear_gelu":
+        xh, w = f64
+        z = xh @ w.T + b
+        return 0.5 * z * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (z + 0.044715 * z ** 3)))
+    if op == "sketched_linear":
+        xh, U, V = f64
+        return np.matmul(np.matmul(xh, U), V).mean(axis=0) + b
+    raise InvalidArgumentError(
+        f"unknown linear op {op!r}: 'fused_linear_gelu' or 'sketched_linear'")
 
 
 def _check_linear(x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor]) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import occupancy
 from ..dtypes import CudaDataType, to_bfloat16_bits
 from ..errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 from ..kernels import dtype_params
@@ -40,6 +41,8 @@ SIMT_TEMPLATE = "matmul_simt.cu.j2"
 MMA_TEMPLATE = "matmul_mma.cu.j2"
 WGMMA_TEMPLATE = "matmul_wgmma.cu.j2"
 FILL_TEMPLATE = "fill.cu.j2"
+# the registry's contract: fill for K == 0, transpose.cu.j2 (ops/transpose.py) for wgmma's B
+TEMPLATES = (SIMT_TEMPLATE, MMA_TEMPLATE, WGMMA_TEMPLATE, FILL_TEMPLATE, "transpose.cu.j2")
 REDUCE_BLOCK = 256
 
 # "ieee": float32 on CUDA cores only, where the default may choose 3xTF32 (the linear layer)
@@ -640,6 +643,12 @@ def _fallback(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
     m.backend.copy_to_device(host, out)
 
 
+def reference(a: Any, b: Any) -> np.ndarray:
+    """a @ b in float64 NumPy (2-D, or batched 3-D with a broadcast batch)."""
+    with np.errstate(all="ignore"):
+        return np.matmul(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
+
+
 def gelu_tanh(z: np.ndarray) -> np.ndarray:
     """0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))), written as the kernels compute it."""
     with np.errstate(all="ignore"):
@@ -725,11 +734,13 @@ def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
                 [c for c in _family(dtype, prec)[1]["small"] if not c.get("wgmma")]
         if template == SIMT_TEMPLATE and not is_linear:
             # (config, split) pairs: split-K counts are measured, not only modelled
-            max_z = m.backend.get_device_info(dev).max_grid_dims[2]
+            info = m.backend.get_device_info(dev)
+            max_z = info.max_grid_dims[2]
 
             def per_sm(c: Dict[str, Any]) -> int:
                 kern = _kernel(m, SIMT_TEMPLATE, dev, simt_params(dtype, c, vec))
-                return blocks_per_sm(c, getattr(kern, "num_regs", 0))
+                return blocks_per_sm(c, getattr(kern, "num_regs", 0), info, dtype.itemsize,
+                                     getattr(kern, "static_shared_bytes", 0))
 
             cands = split_candidates(cands, p, cls, sms, max_z, per_sm)
         op = _op_name(template, dtype, prec, is_linear)
@@ -767,16 +778,17 @@ def _op_name(template: str, dtype: CudaDataType, prec: Optional[str], linear: bo
            f"{'_tf32' if prec == 'tf32' else ''}"
 
 
-def blocks_per_sm(cfg: Dict[str, int], regs: int = 0) -> int:
-    """Resident blocks of a SIMT config per SM (Hopper: 64K registers, 2048 threads, 32
-    blocks); regs = 0: the config's __launch_bounds__ minimum."""
-    threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"])
+def blocks_per_sm(cfg: Dict[str, int], regs: int = 0, info: Any = None, esize: int = 4,
+                  static_smem: int = 0) -> int:
+    """Resident blocks of a SIMT config per SM (occupancy.blocks_per_sm on the device's
+    limits, info None: Hopper's) for its compiled registers and static shared memory plus
+    the multistage loader's dynamic shared memory; regs = 0: the config's
+    __launch_bounds__ minimum."""
     if regs <= 0:
         return cfg["min_blocks"]
-    per_warp = -(-regs * 32 // 256) * 256
-    smem = simt_smem(cfg)
-    by_smem = 233472 // (smem + 1024) if smem else 32   # 228 KB per SM, 1 KB reserved per block
-    return max(1, min(65536 // (per_warp * (threads // 32)), 2048 // threads, 32, by_smem))
+    threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"])
+    return occupancy.blocks_per_sm(occupancy.KernelResources(regs, static_smem), info, threads,
+                                   simt_smem(cfg, esize))
 
 
 def simt_params(dtype: CudaDataType, cfg: Dict[str, Any], vec: bool) -> Dict[str, Any]:
@@ -905,7 +917,8 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
         smem_s = simt_smem(cfg, esize, epilogue is not None)   # multistage: dynamic
         if splits is None:
             splits = split_count(cfg, p, info.multiprocessor_count, max_z,
-                                 blocks_per_sm(cfg, getattr(kernel, "num_regs", 0)))
+                                 blocks_per_sm(cfg, getattr(kernel, "num_regs", 0), info,
+                                               esize, getattr(kernel, "static_shared_bytes", 0)))
         # split-K puts batch x splits on the grid's z in one launch
         splits = max(1, min(splits, max_z // max(1, p.batch)))
         if splits > 1:
@@ -1077,7 +1090,8 @@ def _runner(m: Any, template: str, cfg: Dict[str, Any], p: Plan, dtype: CudaData
         smem = simt_smem(cfg, esize, epilogue is not None)
         if splits is None:
             splits = split_count(cfg, p, info.multiprocessor_count, max_z,
-                                 blocks_per_sm(cfg, getattr(kernel, "num_regs", 0)))
+                                 blocks_per_sm(cfg, getattr(kernel, "num_regs", 0), info,
+                                               esize, getattr(kernel, "static_shared_bytes", 0)))
         splits = max(1, min(splits, max_z // max(1, batch)))
         if splits > 1:
             chunk = -(-K // splits)

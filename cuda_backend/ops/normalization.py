@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .. import occupancy
 from ..dtypes import CudaDataType, to_bfloat16_bits
 from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..kernels import dtype_params
@@ -32,6 +33,7 @@ DT = CudaDataType
 DTYPES = common.FLOATS
 BN_TEMPLATE = "batch_norm.cu.j2"
 LN_TEMPLATE = "layer_norm.cu.j2"
+TEMPLATES = (BN_TEMPLATE, LN_TEMPLATE)
 BLOCK = 256
 UNROLL = 4            # rows (nc) or items (ncs) per thread in the normalize kernels
 STATS_BLOCKS_PER_SM = 4  # statistics pass: about one resident wave of looping blocks
@@ -75,16 +77,13 @@ def _ln_min_blocks(dtype: CudaDataType, tpr: int, vpt: int, block: int, vec: int
     """Resident blocks per SM the kernel's register budget allows (__launch_bounds__).
     Warp-per-row and looping kernels keep their measured 1024 threads per SM; block-per-row
     ones take as many blocks as the register file holds for their vectors (x2 with prefetch)
-    plus the working registers, rounded the way ptxas allocates. All compile spill-free."""
+    plus the working registers (occupancy.blocks_per_sm, Hopper's limits). All compile
+    spill-free."""
     if tpr == 32 or vpt == 0:
         return 1 if block >= 1024 else 1024 // block
     words = vpt * max(1, vec * dtype.itemsize // 4) * (2 if prefetch else 1)
     need = words + (LN_WORK_REGS_F64 if dtype is DT.FLOAT64 else LN_WORK_REGS)
-    best = 1
-    for blocks in range(1, 2048 // block + 1):
-        if (65536 // (block * blocks)) // 8 * 8 >= min(need, 255):
-            best = blocks
-    return best
+    return occupancy.blocks_per_sm(occupancy.KernelResources(need), None, block)
 
 
 def _ln_params(dtype: CudaDataType, tpr: int, vpt: int, block: int, vec: int,
@@ -113,6 +112,39 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
         for vec in (_vec(dt), 1):
             ln.append(_ln_params(dt, LN_LOOP_BLOCK, 0, LN_LOOP_BLOCK, vec))
     return {BN_TEMPLATE: bn, LN_TEMPLATE: ln}
+
+
+def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
+    """Compile every batch_norm and layer_norm variant in parallel threads (nvcc runs in
+    subprocesses); returns how many were compiled (0 in fallback mode)."""
+    jobs = [(t, p) for t, sets in template_variants().items() for p in sets]
+    return common.compile_all(m, jobs, device_id, workers)
+
+
+def reference(op: str, x: Any, *params: Any, eps: float = 1e-5,
+              training: bool = False) -> np.ndarray:
+    """float64 NumPy of op "batch_norm", params (gamma, beta, mean, var) per channel (axis 1;
+    training=True normalizes with the batch mean and biased variance, as PyTorch; the running
+    statistics' update is not modelled), or "layer_norm", params (weight, bias) over the last
+    axis (either None or left out)."""
+    a = np.asarray(x, dtype=np.float64)
+    vals = [None if v is None else np.asarray(v, dtype=np.float64) for v in params]
+    with np.errstate(all="ignore"):
+        if op == "batch_norm":
+            gamma, beta, mean, var = vals
+            shape = (1, a.shape[1]) + (1,) * (a.ndim - 2)
+            if training:
+                axes = (0,) + tuple(range(2, a.ndim))
+                mean, var = a.mean(axis=axes), a.var(axis=axes)
+            return (a - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + eps) \
+                * gamma.reshape(shape) + beta.reshape(shape)
+        if op == "layer_norm":
+            weight, bias = (vals + [None, None])[:2]
+            d = a - a.mean(axis=-1, keepdims=True)
+            y = d / np.sqrt((d * d).mean(axis=-1, keepdims=True) + eps)
+            y = y if weight is None else y * weight
+            return y if bias is None else y + bias
+    raise InvalidArgumentError(f"unknown normalization {op!r}: 'batch_norm' or 'layer_norm'")
 
 
 # -- batch norm ----------------------------------------------------------------------------
@@ -486,6 +518,9 @@ def _ln_candidates(D: int, dtype: CudaDataType, use_vec: bool) -> List[LnConfig]
         return [(LN_LOOP_BLOCK, 0, LN_LOOP_BLOCK, vec, 0)]
     tightest = min(tpr * vpt for tpr, vpt, _, _ in fits)
     return [(tpr, vpt, blk, vec, pf) for tpr, vpt, blk, pf in fits if tpr * vpt == tightest]
+
+
+candidates = _ln_candidates   # the registry's contract name: layer_norm's autotuned configs
 
 
 def _ln_pick(m: Any, x: CudaTensor, out: CudaTensor, weight: Optional[CudaTensor],

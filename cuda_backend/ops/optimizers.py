@@ -22,6 +22,7 @@ from . import common
 
 DT = CudaDataType
 TEMPLATE = "optimizers.cu.j2"
+TEMPLATES = (TEMPLATE,)
 BLOCK = 256
 DTYPES = common.FLOATS
 _INF = math.inf
@@ -43,6 +44,44 @@ def _params(dtype: CudaDataType, opt: str) -> Dict[str, Any]:
 
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     return {TEMPLATE: [_params(dt, opt) for opt in ("sgd", "adam") for dt in DTYPES]}
+
+
+def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
+    """Compile every optimizer variant in parallel threads (nvcc runs in subprocesses);
+    returns how many were compiled (0 in fallback mode)."""
+    jobs = [(t, p) for t, sets in template_variants().items() for p in sets]
+    return common.compile_all(m, jobs, device_id, workers)
+
+
+def reference(opt: str, state: Any, params: Any, grads: Any, *buffers: Any) -> tuple:
+    """One step in float64 NumPy, PyTorch's semantics, for an OptimizerState `state` (not
+    advanced): opt "sgd" with buffers (momentum,) or none -> (params, momentum or None);
+    "adam" with buffers (m, v) -> (params, m, v), bias-corrected at step state.step + 1."""
+    p = np.asarray(params, dtype=np.float64)
+    g = np.asarray(grads, dtype=np.float64)
+    bufs = [None if b is None else np.asarray(b, dtype=np.float64) for b in buffers]
+    lr, wd = float(state.learning_rate), float(getattr(state, "weight_decay", 0.0))
+    if opt == "sgd":
+        mom = float(getattr(state, "momentum", 0.0))
+        g = g + wd * p
+        b = bufs[0] if bufs else None
+        if b is not None:
+            b = g.copy() if int(state.step) == 0 else mom * b + g
+            g = g + mom * b if getattr(state, "nesterov", False) else b
+        return p - lr * g, b
+    if opt == "adam":
+        b1, b2, eps = float(state.beta1), float(state.beta2), float(state.epsilon)
+        t = int(state.step) + 1
+        mb, vb = bufs
+        if getattr(state, "decoupled", False):
+            p = p * (1.0 - lr * wd)
+        else:
+            g = g + wd * p
+        mb = b1 * mb + (1.0 - b1) * g
+        vb = b2 * vb + (1.0 - b2) * g * g
+        p = p - lr * (mb / (1.0 - b1 ** t)) / (np.sqrt(vb / (1.0 - b2 ** t)) + eps)
+        return p, mb, vb
+    raise InvalidArgumentError(f"unknown optimizer {opt!r}: 'sgd' or 'adam'")
 
 
 # -- checks --------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from ..tensor import CudaTensor, pool_tensor
 from . import common
 
 TEMPLATE = "pool2d.cu.j2"
+TEMPLATES = (TEMPLATE,)
 BLOCK = 256
 KINDS = ("max", "avg")
 _OP_NAME = {"max": "max_pool2d", "avg": "avg_pool2d"}  # the plans' key: the public name
@@ -40,6 +41,23 @@ def _params(kind: str, dtype: CudaDataType, fast: bool) -> Dict[str, Any]:
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     return {TEMPLATE: [_params(k, dt, fast) for k in KINDS for dt in DTYPES
                        for fast in (False, True)]}
+
+
+def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
+    """Compile every pooling variant in parallel threads (nvcc runs in subprocesses);
+    returns how many were compiled (0 in fallback mode). Later calls find them memoized."""
+    jobs = [(t, p) for t, sets in template_variants().items() for p in sets]
+    return common.compile_all(m, jobs, device_id, workers)
+
+
+def reference(x: Any, kind: str, pool_size: Pair, stride: Optional[Pair] = None,
+              padding: Pair = (0, 0)) -> np.ndarray:
+    """kind ("max" or "avg") pooling of an NCHW array in float64 (the fallback's math: max
+    pads with -inf, avg counts padding in the divisor); stride defaults to pool_size."""
+    k = _pair(pool_size, "pool_size", 1)
+    s = k if stride is None else _pair(stride, "stride", 1)
+    p = _pair(padding, "padding", 0)
+    return _host_pool(kind, np.asarray(x, dtype=np.float64), k, s, p, CudaDataType.FLOAT64)
 
 
 def _pair(value: Any, name: str, minimum: int) -> Tuple[int, int]:

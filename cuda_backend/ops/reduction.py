@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import occupancy
 from ..dtypes import CudaDataType, to_bfloat16_bits
 from ..errors import InvalidArgumentError, ShapeMismatchError, DTypeMismatchError
 from ..kernels import accumulator_type
@@ -46,6 +47,7 @@ MAX_SPLIT_GROUPS = 4096  # ticket counters kept per device (rows or tile groups 
 SPLIT_BLOCKS_PER_SM = 3
 ROWS_TEMPLATE = "reduce.cu.j2"
 AXIS_TEMPLATE = "reduce_axis.cu.j2"
+TEMPLATES = (ROWS_TEMPLATE, AXIS_TEMPLATE)
 
 _INT_ACC = {CudaDataType.INT32: "int", CudaDataType.INT64: "long long"}
 
@@ -85,6 +87,25 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
             if params not in sets:
                 sets.append(params)
     return {ROWS_TEMPLATE: [dict(p) for p in sets], AXIS_TEMPLATE: [dict(p) for p in sets]}
+
+
+def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
+    """Compile every reduction variant in parallel threads (nvcc runs in subprocesses);
+    returns how many were compiled (0 in fallback mode). Later calls find them memoized."""
+    jobs = [(t, p) for t, sets in template_variants().items() for p in sets]
+    return common.compile_all(m, jobs, device_id, workers)
+
+
+def reference(op: str, x: Any, axis: Any = None, keepdims: bool = False) -> np.ndarray:
+    """op ("sum", "mean", "max", "min" or "argmax") over axis in float64 NumPy (argmax: the
+    int64 index of the first maximum, one axis or the flattened array)."""
+    a = np.asarray(x, dtype=np.float64)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if op == "argmax":
+            return np.asarray(np.argmax(a, axis=axis, keepdims=bool(keepdims)), np.int64)
+        fn = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}[op]
+        return np.asarray(fn(a, axis=axis, keepdims=bool(keepdims)), dtype=np.float64)
 
 
 def result_dtype(dtype: CudaDataType, op: str) -> CudaDataType:
@@ -143,17 +164,8 @@ def _pow2ceil(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def resident_blocks(kernel: Any, info: Any, threads: int, dynamic_smem: int = 0) -> int:
-    """Blocks of `threads` threads one SM holds at once (registers, threads, shared memory)."""
-    regs = max(int(getattr(kernel, "num_regs", 32) or 32), 1)
-    warps = (threads + 31) // 32
-    regs_per_warp = ((regs * 32 + 255) // 256) * 256
-    by_regs = int(getattr(info, "registers_per_block", 65536) or 65536) // (regs_per_warp * warps)
-    by_threads = int(info.max_threads_per_multiprocessor) // threads
-    smem = int(getattr(kernel, "static_shared_bytes", 0) or 0) + int(dynamic_smem)
-    sm_total = int(info.shared_memory_per_multiprocessor or 228 * 1024)
-    by_smem = sm_total // (smem + 1024) if smem else 32
-    return max(1, min(by_regs, by_threads, by_smem, 32))
+# Blocks of `threads` threads one SM holds at once (the name tests and tools use)
+resident_blocks = occupancy.blocks_per_sm
 
 
 def rows_config(rows: int, R: int, itemsize: int, wave: int) -> Tuple[int, int, int]:
@@ -481,14 +493,15 @@ def _plan_pass(m: Any, dev: int, op: str, dtype: CudaDataType, outer: int, R: in
     if inner == 1:
         kernel = m.kernel(ROWS_TEMPLATE, dev, **params)
         wave = info.multiprocessor_count * min(SPLIT_BLOCKS_PER_SM,
-                                               resident_blocks(kernel, info, BLOCK))
+                                               occupancy.blocks_per_sm(kernel, info, BLOCK))
         group, splits, grid = rows_config(outer, R, itemsize, wave)
         return _Pass(kernel.name, (grid, 1, 1), (BLOCK, 1, 1), (outer, R, group, splits),
                      outer * splits * acc_bytes if splits > 1 else 0)
     kernel = m.kernel(AXIS_TEMPLATE, dev, **params)
     cfg = axis_config(outer, R, inner, itemsize, aligned, 0)
     wave = info.multiprocessor_count * min(SPLIT_BLOCKS_PER_SM,
-                                           resident_blocks(kernel, info, cfg["bx"] * cfg["by"]))
+                                           occupancy.blocks_per_sm(kernel, info,
+                                                                   cfg["bx"] * cfg["by"]))
     cfg = axis_config(outer, R, inner, itemsize, aligned, wave)
     splits = cfg["splits"]
     return _Pass(kernel.name, (cfg["groups"], splits, 1), (cfg["bx"], cfg["by"], 1),

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from .. import occupancy
 from ..dtypes import CudaDataType
 from ..errors import DTypeMismatchError, ShapeMismatchError
 from ..kernels import accumulator_type
@@ -33,6 +34,7 @@ from . import common
 from .reduction import _host_result
 
 TEMPLATE = "softmax.cu.j2"
+TEMPLATES = (TEMPLATE,)
 WARP_BLOCK = 256        # threads per block in warp mode
 SMEM_BLOCK = 1024       # most threads per block in smem mode
 ONLINE_BLOCK = 512      # threads per block in online mode (1024 would cap double at 64 regs)
@@ -52,9 +54,9 @@ _plans: "weakref.WeakKeyDictionary[Any, Dict[tuple, Dict[str, Any]]]" = \
 
 def block_min_blocks(dtype: CudaDataType, block: int, nv: int, prefetch: bool) -> int:
     """Resident blocks per SM a block-mode kernel is compiled for: as many as the register
-    file (64K per SM) allows for its 16-byte slots plus the working registers (float32 16,
-    with prefetch 24; 16-bit types 24, with prefetch 40; float64 36), rounded the way ptxas
-    allocates (multiples of 8). Every variant compiles spill-free (checked with ptxas -v)."""
+    file allows (occupancy.blocks_per_sm, Hopper's limits) for its 16-byte slots plus the
+    working registers (float32 16, with prefetch 24; 16-bit types 24, with prefetch 40;
+    float64 36). Every variant compiles spill-free (checked with ptxas -v)."""
     data = 4 * nv * (2 if prefetch else 1)
     if dtype is CudaDataType.FLOAT64:
         need = data + 36
@@ -62,11 +64,7 @@ def block_min_blocks(dtype: CudaDataType, block: int, nv: int, prefetch: bool) -
         need = data + (24 if prefetch else 16)
     else:
         need = data + (40 if prefetch else 24)
-    best = 1
-    for blocks in range(1, 2048 // block + 1):
-        if (65536 // (block * blocks)) // 8 * 8 >= min(need, 255):
-            best = blocks
-    return best
+    return occupancy.blocks_per_sm(occupancy.KernelResources(need), None, block)
 
 
 def kernel_params(dtype: CudaDataType, mode: str, nv: int = 0, block: int = 0,
@@ -111,6 +109,18 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
         sets += [kernel_params(dt, "block", nv, blk, pf) for blk, nv, pf in BLOCK_CONFIGS]
         sets += [kernel_params(dt, "smem"), kernel_params(dt, "online")]
     return {TEMPLATE: sets}
+
+
+def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
+    """Compile every softmax variant in parallel threads (nvcc runs in subprocesses);
+    returns how many were compiled (0 in fallback mode). Later calls find them memoized."""
+    jobs = [(t, p) for t, sets in template_variants().items() for p in sets]
+    return common.compile_all(m, jobs, device_id, workers)
+
+
+def reference(x: Any, log: bool = False) -> np.ndarray:
+    """float64 softmax (log_softmax with log=True) over the last axis (the fallback's math)."""
+    return _host_softmax(np.asarray(x), bool(log))
 
 
 def _warp_plan(K: int, vec: int) -> Optional[Dict[str, int]]:

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .. import occupancy
 from ..dtypes import CudaDataType
 from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..kernels import dtype_params
@@ -23,6 +24,7 @@ from ..tensor import CudaTensor, pool_tensor
 from . import common
 
 TEMPLATE = "transpose.cu.j2"
+TEMPLATES = (TEMPLATE,)
 DTYPES = (CudaDataType.FLOAT32, CudaDataType.FLOAT64, CudaDataType.FLOAT16,
           CudaDataType.BFLOAT16, CudaDataType.INT32, CudaDataType.INT64)
 CONFIGS = ({"kernel": "tile", "tile": 32, "block_rows": 8},
@@ -41,7 +43,7 @@ VEC_CONFIGS = {
 }
 MAX_GRID_Z = 65535   # planes per launch where the device's limit is unknown
 GROUP = 16        # default band height (tile rows) of the "vec" kernel's block order
-SMEM_PER_SM = 227 * 1024
+MAX_MIN_BLOCKS = 16   # the "vec" kernel's __launch_bounds__ minimum blocks, at most
 # candidate lists already compiled, per CudaMath: (device, dtype, access width)
 _compiled: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
 
@@ -54,16 +56,17 @@ def vec_params(dtype: CudaDataType, vec_bytes: int, tile: int, threads: int) -> 
 
 @functools.lru_cache(maxsize=None)
 def _vec_min_blocks(dtype: CudaDataType, vec_bytes: int, tile: int, threads: int) -> int:
-    """Resident blocks per SM (at most 16) as 2048 threads, the shared memory of the tile
-    and the registers allow: the loaded sub-blocks (passes x sv vectors) plus 32 working
-    registers (48 for the 8 x 8 sub-blocks of 16-bit types), rounded to multiples of 8 the
-    way ptxas allocates (every variant compiles spill-free)."""
+    """Resident blocks per SM (at most MAX_MIN_BLOCKS) as the threads, the shared memory of
+    the tile and the registers allow (occupancy.blocks_per_sm, Hopper's limits): the loaded
+    sub-blocks (passes x sv vectors) plus 32 working registers (48 for the 8 x 8 sub-blocks
+    of 16-bit types); every variant compiles spill-free."""
     sv = vec_bytes // dtype.itemsize
     pad = 1 if sv == 1 else 0
     smem = tile * (tile + pad) * dtype.itemsize
     passes = (tile // sv) ** 2 // threads
-    regs = -(-(passes * sv * max(1, vec_bytes // 4) + (48 if sv == 8 else 32)) // 8) * 8
-    return max(1, min(2048 // threads, SMEM_PER_SM // smem, 16, 65536 // (threads * regs)))
+    regs = passes * sv * max(1, vec_bytes // 4) + (48 if sv == 8 else 32)
+    return min(MAX_MIN_BLOCKS, occupancy.blocks_per_sm(occupancy.KernelResources(regs, smem),
+                                                       None, threads))
 
 
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
@@ -80,6 +83,18 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
             sets.append({**vec_params(CudaDataType.FLOAT32, vb, tile, threads),
                          "round_tf32": True})
     return {TEMPLATE: sets}
+
+
+def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
+    """Compile every transpose variant in parallel threads (nvcc runs in subprocesses);
+    returns how many were compiled (0 in fallback mode). Later calls find them memoized."""
+    jobs = [(t, p) for t, sets in template_variants().items() for p in sets]
+    return common.compile_all(m, jobs, device_id, workers)
+
+
+def reference(x: Any) -> np.ndarray:
+    """The transpose of the last two axes, in float64."""
+    return np.ascontiguousarray(np.swapaxes(np.asarray(x, dtype=np.float64), -1, -2))
 
 
 def vec_width(dtype: CudaDataType, rows: int, cols: int, *ptrs: int) -> int:

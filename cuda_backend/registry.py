@@ -1,0 +1,157 @@
+"""The op registry: one table from every public operation to where it lives.
+
+Each public method of `CudaMath` and `CudaML` that computes has an `OpEntry` in `OPS` (key
+"CudaMath.add", "CudaML.conv2d", ...): the op family module in `cuda_backend/ops/` that
+implements it, the templates its kernels are rendered from, the test file that checks it and
+the report cases (`performance/cases_math.py`, `cases_ml.py`; "family/op", as
+`cuda-backend report --operations` selects them) that time it. Public methods that are tensor
+plumbing rather than operations are in `NON_OPS`, with the reason. tests/test_registry.py
+walks both against the classes, the op modules, the templates, the tests and the report.
+
+Every family module exposes the same contract (`CONTRACT`):
+- `TEMPLATES`: the template files it renders (shared ones, e.g. fill.cu.j2, included);
+- `template_variants()`: {template: [parameter sets]} it lists for rendering and the CI's
+  compile (kernels.template_variants() gathers them through `family_modules()`);
+- `warm_up(m, device_id=None, workers=8) -> int`: compiles what first calls need, in threads;
+- `reference(...)`: the family's op(s) in float64 NumPy;
+- `candidates(...)`, in the families that autotune (`AUTOTUNED`): the configs timed.
+This module is data only: it imports no op module until `family_module` is called.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Dict, List, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class OpEntry:
+    """One public operation: `owner.name` is implemented by ops/<family>.py."""
+
+    name: str                    # the method name
+    owner: str                   # "CudaMath" or "CudaML"
+    family: str                  # module name in cuda_backend/ops/
+    templates: Tuple[str, ...]   # templates its kernels come from (() for a plain copy)
+    test: str                    # test file, relative to the repository root
+    report: Tuple[str, ...]      # report cases timing it: "family/op" of an OpDef
+
+    @property
+    def key(self) -> str:
+        return f"{self.owner}.{self.name}"
+
+
+# The op families, in the order kernels.template_variants() gathers their parameter sets.
+FAMILIES = ("elementwise", "reduction", "softmax", "transpose", "matmul", "pooling",
+            "normalization", "dropout", "optimizers", "conv2d", "attention", "linear")
+# Names every family module defines; `candidates` too where the family autotunes.
+CONTRACT = ("TEMPLATES", "template_variants", "warm_up", "reference")
+AUTOTUNED = ("softmax", "transpose", "matmul", "normalization", "conv2d", "attention", "linear")
+
+_EW = ("elementwise.cu.j2",)
+_FILL = ("fill.cu.j2",)
+_REDUCE = ("reduce.cu.j2", "reduce_axis.cu.j2")
+_MM = ("matmul_simt.cu.j2", "matmul_mma.cu.j2")
+_CONV = ("conv2d_simt.cu.j2", "conv2d_mma.cu.j2", "conv2d_prep.cu.j2", "conv2d_direct.cu.j2")
+_T_EW = "tests/test_elementwise.py"
+
+
+def _math(name: str, family: str, templates: Tuple[str, ...], test: str,
+          *report: str) -> OpEntry:
+    return OpEntry(name, "CudaMath", family, templates, test, report)
+
+
+def _ml(name: str, family: str, templates: Tuple[str, ...], test: str,
+        *report: str) -> OpEntry:
+    return OpEntry(name, "CudaML", family, templates, test, report)
+
+
+_ENTRIES: List[OpEntry] = [
+    # CudaMath: tensors filled or copied
+    _math("fill", "elementwise", _FILL, _T_EW, "vector/fill"),
+    _math("zeros", "elementwise", _FILL, _T_EW, "vector/zeros"),
+    _math("ones", "elementwise", _FILL, _T_EW, "vector/ones"),
+    _math("copy", "elementwise", (), _T_EW, "vector/copy"),   # a device-to-device copy
+    # CudaMath: elementwise
+    _math("vector_add", "elementwise", _EW, _T_EW, "vector/vector_add"),
+    _math("add", "elementwise", _EW, _T_EW, "vector/add", "matrix/add"),
+    *[_math(op, "elementwise", _EW, _T_EW, f"vector/{op}")
+      for op in ("subtract", "multiply", "divide", "maximum", "minimum", "power",
+                 "exp", "log", "sqrt", "abs", "tanh", "negative", "relu", "sigmoid")],
+    # CudaMath: reductions
+    *[_math(op, "reduction", _REDUCE, "tests/test_reduce.py", f"vector/{op}", f"matrix/{op}")
+      for op in ("reduce_sum", "reduce_max", "reduce_min", "reduce_mean", "argmax")],
+    _math("softmax", "softmax", ("softmax.cu.j2",), "tests/test_softmax.py",
+          "matrix/softmax"),
+    _math("log_softmax", "softmax", ("softmax.cu.j2",), "tests/test_softmax.py",
+          "matrix/log_softmax"),
+    # CudaMath: matrices (matmul: fill.cu.j2 for K == 0, transpose.cu.j2 for wgmma's B)
+    _math("matrix_transpose", "transpose", ("transpose.cu.j2",), "tests/test_transpose.py",
+          "matrix/matrix_transpose"),
+    _math("matrix_multiply", "matmul", _MM + ("matmul_wgmma.cu.j2",) + _FILL +
+          ("transpose.cu.j2",), "tests/test_matmul.py", "matrix/matrix_multiply"),
+    # CudaML
+    _ml("conv2d", "conv2d", _CONV, "tests/test_conv2d.py", "ml/conv2d"),
+    _ml("activation", "elementwise", _EW, _T_EW, "ml/activation"),
+    _ml("gelu", "elementwise", _EW, _T_EW, "ml/gelu"),
+    _ml("max_pool2d", "pooling", ("pool2d.cu.j2",), "tests/test_pooling.py", "ml/max_pool2d"),
+    _ml("avg_pool2d", "pooling", ("pool2d.cu.j2",), "tests/test_pooling.py", "ml/avg_pool2d"),
+    _ml("batch_norm", "normalization", ("batch_norm.cu.j2",), "tests/test_batch_norm.py",
+        "ml/batch_norm"),
+    _ml("layer_norm", "normalization", ("layer_norm.cu.j2",), "tests/test_layer_norm.py",
+        "ml/layer_norm"),
+    # CudaML.softmax / log_softmax are CudaMath's: the report times them there
+    _ml("softmax", "softmax", ("softmax.cu.j2",), "tests/test_softmax.py", "matrix/softmax"),
+    _ml("log_softmax", "softmax", ("softmax.cu.j2",), "tests/test_softmax.py",
+        "matrix/log_softmax"),
+    _ml("dropout", "dropout", ("dropout.cu.j2",), "tests/test_dropout.py", "ml/dropout"),
+    _ml("sgd_update", "optimizers", ("optimizers.cu.j2",), "tests/test_optimizers.py",
+        "ml/sgd_update"),
+    _ml("adam_update", "optimizers", ("optimizers.cu.j2",), "tests/test_optimizers.py",
+        "ml/adam_update"),
+    # fused_linear_gelu: the matmul kernels with a bias + GELU epilogue (matmul.linear);
+    # sketched_linear composes matmul, a reduction and elementwise ops
+    _ml("fused_linear_gelu", "linear", _MM, "tests/test_linear.py", "ml/fused_linear_gelu"),
+    _ml("flash_attention", "attention", ("flash_attention.cu.j2",) + _FILL,
+        "tests/test_flash_attention.py", "ml/flash_attention"),
+    _ml("sketched_linear", "linear", _MM + _REDUCE + _EW, "tests/test_linear.py",
+        "ml/sketched_linear"),
+]
+
+OPS: Dict[str, OpEntry] = {e.key: e for e in _ENTRIES}
+
+# Public methods that are not operations: {"Class.method": why}.
+NON_OPS: Dict[str, str] = {
+    "CudaMath.create_tensor": "allocates an uninitialized tensor (no kernel)",
+    "CudaMath.from_numpy": "host-to-device copy (transfers; the report's transfers cases)",
+    "CudaMath.to_numpy": "device-to-host copy (transfers; the report's transfers cases)",
+    "CudaMath.free_tensor": "returns memory to the pool",
+    "CudaMath.from_cuda_array": "wraps another library's device array without copying",
+    "CudaMath.to_device": "copies a tensor to another GPU (perf/bench_multigpu.py times it)",
+    "CudaMath.kernel": "the compiled-kernel accessor the op modules use",
+    "CudaMath.benchmark_operations": "the seed's benchmark runner over the operations",
+    "CudaML.sketched_linear_params": "draws random sketch weights on the host (no kernel)",
+}
+
+
+def entries(family: Optional[str] = None, owner: Optional[str] = None) -> List[OpEntry]:
+    """The OPS entries, optionally of one family and/or one owner class."""
+    return [e for e in OPS.values()
+            if (family is None or e.family == family) and (owner is None or e.owner == owner)]
+
+
+def family_module(family: str) -> ModuleType:
+    """cuda_backend.ops.<family> (imported on first use)."""
+    if family not in FAMILIES:
+        raise KeyError(f"unknown op family {family!r}; families: {', '.join(FAMILIES)}")
+    return importlib.import_module(f"cuda_backend.ops.{family}")
+
+
+def family_modules() -> List[ModuleType]:
+    """Every family module, in FAMILIES order."""
+    return [family_module(f) for f in FAMILIES]
+
+
+def templates_of(family: str) -> Tuple[str, ...]:
+    """The templates a family renders (its module's TEMPLATES)."""
+    return tuple(family_module(family).TEMPLATES)

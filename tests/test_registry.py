@@ -1,0 +1,297 @@
+"""The op registry (cuda_backend/registry.py) against what it describes: every public CudaMath /
+CudaML method is an op or a listed non-op; each op's family module keeps the contract; its
+templates render; its test file and report cases exist; each family's float64 reference
+agrees with the op (fallback mode)."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cuda_backend import kernels, registry
+from cuda_backend.compiler import declared_kernels
+from cuda_backend.cuda_math import CudaMath
+from cuda_backend.cuda_ml import ActivationType, ConvolutionConfig, CudaML, OptimizerState
+from cuda_backend.driver import load_driver
+from cuda_backend.kernels import KernelGenerator, template_variants
+from cuda_backend.performance import cases_math, cases_ml
+
+REPO = Path(__file__).resolve().parents[1]
+GEN = KernelGenerator(backend=object())   # rendering never touches the backend
+VARIANTS = template_variants()
+CLASSES = {"CudaMath": CudaMath, "CudaML": CudaML}
+REPORT_CASES = {f"{d.family}/{d.op}" for d in cases_math.MATH_OPS + cases_ml.ML_OPS}
+
+
+def public_methods(cls):
+    """Public callables of an API class (properties left out), as the report discovers them."""
+    return sorted(name for name, value in inspect.getmembers(cls)
+                  if not name.startswith("_") and not isinstance(value, property)
+                  and callable(value))
+
+
+# -- the table against the classes ------------------------------------------------------
+@pytest.mark.parametrize("owner", sorted(CLASSES))
+def test_every_public_method_is_an_op_or_a_non_op(owner):
+    names = {f"{owner}.{n}" for n in public_methods(CLASSES[owner])}
+    missing = sorted(names - set(registry.OPS) - set(registry.NON_OPS))
+    assert not missing, f"add an OpEntry to registry.OPS (or a NON_OPS reason): {missing}"
+    listed = {k for k in list(registry.OPS) + list(registry.NON_OPS) if k.startswith(owner + ".")}
+    assert not sorted(listed - names), "registry names a method the class does not have"
+
+
+def test_ops_and_non_ops_are_disjoint_and_keyed_by_owner():
+    assert not set(registry.OPS) & set(registry.NON_OPS)
+    for key, e in registry.OPS.items():
+        assert key == e.key == f"{e.owner}.{e.name}" and e.owner in CLASSES
+    assert all(reason for reason in registry.NON_OPS.values())
+
+
+def test_non_ops_agree_with_the_report():
+    """The report's discover() leaves out the same methods (NON_OPS there also lists
+    attributes that are not public callables of the class)."""
+    for owner, report_non_ops in (("CudaMath", cases_math.NON_OPS),
+                                  ("CudaML", cases_ml.NON_OPS)):
+        ours = {k.split(".", 1)[1] for k in registry.NON_OPS if k.startswith(owner + ".")}
+        callables = set(public_methods(CLASSES[owner]))
+        assert ours == set(report_non_ops) & callables, owner
+
+
+# -- the family modules ------------------------------------------------------------------
+def test_families_are_the_entries_families():
+    assert set(registry.FAMILIES) == {e.family for e in registry.OPS.values()}
+    assert len(set(registry.FAMILIES)) == len(registry.FAMILIES)
+    assert set(registry.AUTOTUNED) <= set(registry.FAMILIES)
+
+
+@pytest.mark.parametrize("family", registry.FAMILIES)
+def test_family_module_keeps_the_contract(family):
+    mod = registry.family_module(family)
+    for name in registry.CONTRACT:
+        assert hasattr(mod, name), f"ops/{family}.py has no {name}"
+    if family in registry.AUTOTUNED:
+        assert callable(getattr(mod, "candidates", None)), f"ops/{family}.py: candidates"
+    assert isinstance(mod.TEMPLATES, tuple) and all(isinstance(t, str) for t in mod.TEMPLATES)
+    assert set(mod.template_variants()) <= set(mod.TEMPLATES)
+    used = set()
+    for e in registry.entries(family):
+        used |= set(e.templates)
+    assert set(mod.TEMPLATES) <= used, "a template the family's ops do not render"
+    sig = inspect.signature(mod.warm_up)
+    params = list(sig.parameters.values())
+    assert [p.name for p in params[:3]] == ["m", "device_id", "workers"]
+    assert params[1].default is None and params[2].default == 8
+    assert callable(mod.reference)
+
+
+def test_every_template_belongs_to_a_family_or_kernels():
+    claimed = set(kernels.KERNEL_TEMPLATES)
+    for family in registry.FAMILIES:
+        claimed |= set(registry.templates_of(family))
+    assert claimed == set(GEN.list_templates())
+
+
+def test_kernels_gathers_the_families_variants():
+    assert not hasattr(kernels, "OP_MODULES")
+    expected = set(kernels.KERNEL_TEMPLATES)
+    for mod in registry.family_modules():
+        expected |= set(mod.template_variants())
+    assert set(VARIANTS) == expected
+
+
+def test_templates_declare_their_arch():
+    assert kernels.template_arch("matmul_wgmma.cu.j2") == "sm_90a"
+    assert kernels.template_arch("matmul_mma.cu.j2") is None
+    assert kernels.template_arch("no_such.cu.j2") is None
+    assert kernels.TEMPLATE_ARCH == {"matmul_wgmma.cu.j2": "sm_90a"}
+
+
+# -- warm_up with a stand-in CudaMath (records the kernels asked for) -----------------------
+class _Backend:
+    current_device = 0
+
+    @contextlib.contextmanager
+    def device(self, device_id):
+        yield device_id
+
+
+class _Math:
+    def __init__(self, gpu=True):
+        self.gpu = gpu
+        self.backend = _Backend()
+        self.calls = []
+        self._lock = threading.Lock()
+
+    def kernel(self, template, device_id, **params):
+        with self._lock:
+            self.calls.append((template, device_id))
+        return SimpleNamespace(name="k")
+
+
+@pytest.mark.parametrize("family", registry.FAMILIES)
+def test_warm_up_compiles_the_family_templates(family):
+    mod = registry.family_module(family)
+    m = _Math()
+    n = mod.warm_up(m, workers=4)
+    assert n > 0 and len(m.calls) == n
+    assert {t for t, _ in m.calls} <= set(mod.TEMPLATES)
+    assert all(dev == 0 for _, dev in m.calls)
+    assert mod.warm_up(_Math(gpu=False)) == 0
+
+
+# -- each entry ------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", sorted(registry.OPS))
+def test_entry(key):
+    e = registry.OPS[key]
+    assert callable(getattr(CLASSES[e.owner], e.name))
+    assert e.family in registry.FAMILIES
+    for t in e.templates:
+        assert VARIANTS.get(t), f"{key}: template {t} has no parameter sets"
+        name, source = GEN.render_kernel(t, **dict(VARIANTS[t][0]))
+        assert declared_kernels(source) == [name]
+    assert (REPO / e.test).is_file(), e.test
+    assert e.report, f"{key}: no report case"
+    for case in e.report:
+        assert case in REPORT_CASES, f"{key}: no report case {case} in cases_math/cases_ml"
+
+
+# -- references against the ops (fallback mode: the ops compute in NumPy) ---------------------
+fallback_only = pytest.mark.skipif(load_driver()[0] is not None,
+                                   reason="fallback-mode comparison; the ops' GPU tests check "
+                                          "the kernels")
+RNG = np.random.default_rng(7)
+X, Y = RNG.standard_normal((2, 3, 6))
+POS = RNG.uniform(0.5, 2.0, (3, 6))
+IMG = RNG.standard_normal((2, 4, 6, 6))
+CONV_W = RNG.standard_normal((3, 4, 3, 3)) / 6
+CH = [RNG.uniform(0.5, 1.5, 4), RNG.standard_normal(4), RNG.standard_normal(4) * 0.1,
+      RNG.uniform(0.5, 2.0, 4)]
+LIN_W, LIN_B = RNG.standard_normal((5, 6)) / 3, RNG.standard_normal(5)
+Q, K, V = RNG.standard_normal((3, 1, 2, 5, 8))
+U, VV = RNG.standard_normal((3, 6, 2)), RNG.standard_normal((3, 2, 4))
+P, G, MB = RNG.standard_normal((3, 10))
+VB = RNG.uniform(0.0, 0.1, 10)
+
+
+def _ref(family):
+    return registry.family_module(family).reference
+
+
+def _sgd(m, ml, t):
+    p, state = t(P), OptimizerState(learning_rate=0.1, momentum=0.9, step=1)
+    ml.sgd_update(p, t(G), t(MB), state)
+    return p
+
+
+def _adam(m, ml, t):
+    p, state = t(P), OptimizerState(learning_rate=0.01, step=2, weight_decay=0.1)
+    ml.adam_update(p, t(G), t(MB), t(VB), state)
+    return p
+
+
+_CONV_CFG = ConvolutionConfig(kernel_size=3, padding=1)
+# key -> (dtype, ours(m, ml, tensor), reference()) with the family's reference; float32 where
+# the op has no float64 (inputs rounded to float32 first, for the reference too)
+F32 = "float32"
+F64 = "float64"
+
+
+def _r32(a):
+    return np.asarray(a, np.float32).astype(np.float64)
+
+
+SAMPLES = {
+    "CudaMath.fill": (F64, lambda m, ml, t: m.fill(t(X), 1.5), lambda: np.full(X.shape, 1.5)),
+    "CudaMath.zeros": (F64, lambda m, ml, t: m.zeros(X.shape, F64), lambda: np.zeros(X.shape)),
+    "CudaMath.ones": (F64, lambda m, ml, t: m.ones(X.shape, F64), lambda: np.ones(X.shape)),
+    "CudaMath.copy": (F64, lambda m, ml, t: m.copy(t(X)), lambda: X),
+    "CudaMath.vector_add": (F64, lambda m, ml, t: m.vector_add(t(X), t(Y)),
+                            lambda: _ref("elementwise")("add", X, Y)),
+    "CudaMath.softmax": (F64, lambda m, ml, t: m.softmax(t(X)), lambda: _ref("softmax")(X)),
+    "CudaMath.log_softmax": (F64, lambda m, ml, t: m.log_softmax(t(X)),
+                             lambda: _ref("softmax")(X, log=True)),
+    "CudaMath.matrix_transpose": (F64, lambda m, ml, t: m.matrix_transpose(t(X)),
+                                  lambda: _ref("transpose")(X)),
+    "CudaMath.matrix_multiply": (F64, lambda m, ml, t: m.matrix_multiply(t(X), t(Y.T)),
+                                 lambda: _ref("matmul")(X, Y.T)),
+    "CudaML.conv2d": (F32, lambda m, ml, t: ml.conv2d(t(IMG), t(CONV_W), _CONV_CFG),
+                      lambda: _ref("conv2d")(_r32(IMG), _r32(CONV_W), None, registry.family_module(
+                          "conv2d").plan(IMG.shape, CONV_W.shape, _CONV_CFG))),
+    "CudaML.activation": (F64, lambda m, ml, t: ml.activation(t(X), ActivationType.ELU),
+                          lambda: _ref("elementwise")("elu", X)),
+    "CudaML.gelu": (F64, lambda m, ml, t: ml.gelu(t(X)), lambda: _ref("elementwise")("gelu", X)),
+    "CudaML.max_pool2d": (F64, lambda m, ml, t: ml.max_pool2d(t(IMG), 2, padding=1),
+                          lambda: _ref("pooling")(IMG, "max", 2, padding=1)),
+    "CudaML.avg_pool2d": (F64, lambda m, ml, t: ml.avg_pool2d(t(IMG), 3, stride=2),
+                          lambda: _ref("pooling")(IMG, "avg", 3, 2)),
+    "CudaML.batch_norm": (F64, lambda m, ml, t: ml.batch_norm(t(IMG), *map(t, CH)),
+                          lambda: _ref("normalization")("batch_norm", IMG, *CH)),
+    "CudaML.layer_norm": (F64, lambda m, ml, t: ml.layer_norm(t(X), t(X[0]), t(Y[0])),
+                          lambda: _ref("normalization")("layer_norm", X, X[0], Y[0])),
+    "CudaML.softmax": (F64, lambda m, ml, t: ml.softmax(t(X)), lambda: _ref("softmax")(X)),
+    "CudaML.log_softmax": (F64, lambda m, ml, t: ml.log_softmax(t(X)),
+                           lambda: _ref("softmax")(X, log=True)),
+    "CudaML.dropout": (F64, lambda m, ml, t: ml.dropout(t(X), 0.6, seed=11),
+                       lambda: _ref("dropout")(X, 0.6, 11)),
+    "CudaML.sgd_update": (F64, _sgd, lambda: _ref("optimizers")(
+        "sgd", OptimizerState(learning_rate=0.1, momentum=0.9, step=1), P, G, MB)[0]),
+    "CudaML.adam_update": (F64, _adam, lambda: _ref("optimizers")(
+        "adam", OptimizerState(learning_rate=0.01, step=2, weight_decay=0.1), P, G, MB, VB)[0]),
+    "CudaML.fused_linear_gelu": (F64, lambda m, ml, t: ml.fused_linear_gelu(
+        t(X), t(LIN_W), t(LIN_B)), lambda: _ref("linear")("fused_linear_gelu", X, LIN_W,
+                                                           bias=LIN_B)),
+    "CudaML.flash_attention": (F32, lambda m, ml, t: ml.flash_attention(t(Q), t(K), t(V)),
+                               lambda: _ref("attention")(_r32(Q), _r32(K), _r32(V),
+                                                         1 / np.sqrt(8), False)),
+    "CudaML.sketched_linear": (F64, lambda m, ml, t: ml.sketched_linear(t(X), t(U), t(VV)),
+                               lambda: _ref("linear")("sketched_linear", X, U, VV)),
+}
+_BINARY_INPUTS = {"divide": (X, POS), "power": (POS, Y)}
+for _op in ("add", "subtract", "multiply", "divide", "maximum", "minimum", "power"):
+    _a, _b = _BINARY_INPUTS.get(_op, (X, Y))
+    SAMPLES[f"CudaMath.{_op}"] = (
+        F64, lambda m, ml, t, op=_op, a=_a, b=_b: getattr(m, op)(t(a), t(b)),
+        lambda op=_op, a=_a, b=_b: _ref("elementwise")(op, a, b))
+for _op in ("exp", "log", "sqrt", "abs", "tanh", "negative", "relu", "sigmoid"):
+    _a = POS if _op in ("log", "sqrt") else X
+    SAMPLES[f"CudaMath.{_op}"] = (F64, lambda m, ml, t, op=_op, a=_a: getattr(m, op)(t(a)),
+                                  lambda op=_op, a=_a: _ref("elementwise")(op, a))
+for _op in ("sum", "max", "min", "mean"):
+    SAMPLES[f"CudaMath.reduce_{_op}"] = (
+        F64, lambda m, ml, t, op=_op: getattr(m, f"reduce_{op}")(t(IMG), axis=(0, 2)),
+        lambda op=_op: _ref("reduction")(op, IMG, axis=(0, 2)))
+SAMPLES["CudaMath.argmax"] = (F64, lambda m, ml, t: m.argmax(t(X), axis=1),
+                              lambda: _ref("reduction")("argmax", X, axis=1))
+
+
+def test_every_op_has_a_reference_sample():
+    assert set(SAMPLES) == set(registry.OPS)
+
+
+@pytest.fixture(scope="module")
+def apis(backend):
+    m = CudaMath(backend)
+    return m, CudaML(m)
+
+
+@fallback_only
+@pytest.mark.parametrize("key", sorted(SAMPLES))
+def test_reference_matches_the_op(apis, key):
+    m, ml = apis
+    dtype, ours, ref = SAMPLES[key]
+
+    def t(a):
+        return m.from_numpy(np.asarray(a, np.float64), dtype=dtype)
+
+    out = m.to_numpy(ours(m, ml, t)).astype(np.float64)
+    expected = ref()
+    assert isinstance(expected, np.ndarray)
+    assert expected.dtype in (np.float64, np.int64), expected.dtype
+    assert out.shape == expected.shape
+    tol = 1e-12 if dtype == F64 else 1e-5
+    np.testing.assert_allclose(out, expected, rtol=tol, atol=tol * max(1.0, np.abs(expected).max()))
