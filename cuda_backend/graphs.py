@@ -58,6 +58,7 @@ class CudaGraph:
         self._exec = ctypes.c_void_p()
         self._memory: Any = None
         self._pool = backend.memory_pools[self.device_id]
+        self._replayed_on: set = {stream.pycuda_stream}   # streams free() waits for
 
     # -- capture ------------------------------------------------------------------------
     def __enter__(self) -> "CudaGraph":
@@ -107,6 +108,14 @@ class CudaGraph:
     def _abandon(self) -> None:
         """Drop a failed capture: nothing ran, its memory goes back at once."""
         self.stream.graph = None
+        self._destroy()
+
+    def _destroy(self) -> None:
+        """Destroy the executable graph and the graph, give the graph's memory back (its
+        stream has finished every replay)."""
+        if self._exec:
+            _driver().cuGraphExecDestroy(self._exec)
+            self._exec = ctypes.c_void_p()
         if self._graph:
             _driver().cuGraphDestroy(self._graph)
             self._graph = ctypes.c_void_p()
@@ -119,8 +128,9 @@ class CudaGraph:
         """Run the recorded work on its stream (or `stream`), asynchronously."""
         if not self._exec:
             raise CudaBackendError("the graph was freed, or its capture did not finish")
-        target = self.stream if stream is None else stream
-        handle = getattr(target, "pycuda_stream", target).handle
+        target = getattr(self.stream if stream is None else stream, "pycuda_stream", stream)
+        handle = target.handle
+        self._replayed_on.add(target)
         with self.backend.activate(self.device_id):
             res = _driver().cuGraphLaunch(self._exec, ctypes.c_void_p(handle))
         if res != 0:
@@ -136,16 +146,10 @@ class CudaGraph:
         if self._memory is None and not self._exec:
             return
         with self.backend.activate(self.device_id):
-            self.stream.pycuda_stream.synchronize()
-            if self._exec:
-                _driver().cuGraphExecDestroy(self._exec)
-                self._exec = ctypes.c_void_p()
-            if self._graph:
-                _driver().cuGraphDestroy(self._graph)
-                self._graph = ctypes.c_void_p()
-            if self._memory is not None:
-                self._pool.release_graph(self._memory)
-                self._memory = None
+            for s in self._replayed_on:
+                s.synchronize()
+            self._replayed_on.clear()
+            self._destroy()
 
     def __del__(self) -> None:
         try:
