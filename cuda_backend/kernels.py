@@ -63,8 +63,8 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
 
 
 # Templates whose parameter sets are listed here rather than by an op family: the launch-
-# overhead kernel, the seed's matmul generator, and fill (elementwise, matmul and attention
-# render it).
+# overhead kernel, the documented API's matmul generator, and fill (elementwise, matmul and
+# attention render it).
 KERNEL_TEMPLATES = ("empty.cu.j2", "fill.cu.j2", "matmul.cu.j2")
 
 # A template that needs an architecture-specific target (Hopper's wgmma: sm_90a) says so on
@@ -174,7 +174,7 @@ class KernelGenerator:
                 self._compiled[key] = kernel
         return kernel
 
-    # -- the seed's API ------------------------------------------------------------
+    # -- the documented API (../shared/seeds/001_097e3d6e2f3c2394.txt) -------------
     def generate_matrix_multiply_kernel(self, dtype: Any = CudaDataType.FLOAT32,
                                         use_tiled: bool = True, tile_size: int = 32,
                                         kernel_name: str = "optimized_matmul") -> str:

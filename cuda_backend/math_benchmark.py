@@ -1,4 +1,4 @@
-"""`CudaMath.benchmark_operations`: quick per-operation timings in the seed's format.
+"""`CudaMath.benchmark_operations`: quick per-operation timings in the documented API's format.
 
 Times come from the package's timing primitive (performance/timing.py): on the GPU CUDA
 events around each call after one warm-up call, the L2 flushed before each; in fallback mode

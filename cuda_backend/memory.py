@@ -699,7 +699,7 @@ class MemoryPool:
         self._peak = self._pool.active_bytes
 
     def get_stats(self) -> Dict[str, int]:
-        """The seed's keys plus cache and hit statistics. Blocks waiting in stream-ordered
+        """The documented API's keys plus cache and hit statistics. Blocks waiting in stream-ordered
         free lists count as cached, not active."""
         self._settle()
         pool = self._pool

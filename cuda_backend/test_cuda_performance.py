@@ -1,4 +1,5 @@
-"""The seed's module path for the performance tester:
+"""The documented API's module path for the performance tester (../shared/seeds/
+001_097e3d6e2f3c2394.txt, with `cuda_backend` as the import root):
 
     from cuda_backend.test_cuda_performance import CudaPerformanceTester, TestConfiguration
 

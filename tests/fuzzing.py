@@ -1,7 +1,7 @@
 """Example counts for the hypothesis property tests.
 
-`examples(n)` is n in the everyday run; with `CUDA_BACKEND_FUZZ=full` (the fuzzing run of
-issue 7) it is at least 200, and with `CUDA_BACKEND_FUZZ=sanitize` (runs under
+`examples(n)` is n in the everyday run; with `CUDA_BACKEND_FUZZ=full` (the fuzzing run,
+`perf/gpu_checks.sh fuzz`) it is at least 200, and with `CUDA_BACKEND_FUZZ=sanitize` (runs under
 compute-sanitizer) at most 3.
 """
 import os

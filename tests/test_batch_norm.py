@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from fuzzing import examples
+from helpers import call_through_plan
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -281,20 +282,6 @@ def check_case(m, shape, dtype, training, rng, offset=0.0, momentum=0.1, eps=1e-
         t.free()
 
 
-def call_through_plan(m, key, call):
-    """call() with m.plans[key] (the per-call plan an earlier call made, ops/common.py
-    remember_plan) wrapped to record what it returns: it must have run and taken the call."""
-    plan = m.plans[key]
-    seen = []
-    m.plans[key] = lambda *args: seen.append(plan(*args)) or seen[-1]
-    try:
-        res = call()
-    finally:
-        m.plans[key] = plan
-    assert len(seen) == 1 and seen[0] is not None and seen[0] is not False, key
-    return res
-
-
 # -- GPU -------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -355,6 +342,7 @@ def test_training_far_from_zero_mean(m, dtype, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.large
 @pytest.mark.parametrize("training", [False, True], ids=["infer", "train"])
 @pytest.mark.parametrize("shape", [(8192, 4096), (32, 64, 32, 32)])
 def test_large_float32(m, shape, training):
@@ -392,7 +380,7 @@ def test_property(m, n, c, spatial, training, dtype, momentum, eps):
 # -- any mode (fallback here) ----------------------------------------------------------------
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
 def test_api_inference_and_training(m, dtype):
-    """CudaML.batch_norm (the seed's signature, then training=True with in-place running
+    """CudaML.batch_norm (the documented signature, then training=True with in-place running
     statistics) against the reference."""
     ml = CudaML(m)
     rng = np.random.default_rng(6)

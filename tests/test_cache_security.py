@@ -287,8 +287,8 @@ def test_a_planted_cubin_is_not_loaded(tmp_path, monkeypatch, who):
 @pytest.mark.parametrize("content", [b"", b"CUB", b"\x7fELF garbage"], ids=["empty", "short",
                                                                             "garbage"])
 def test_a_corrupt_cached_file_is_recompiled_and_rewritten(tmp_path, monkeypatch, content):
-    """Replaces the old truncated-image retry: a partial file can no longer appear at the
-    final name, but a corrupt one (disk error, an older writer) must not be fatal."""
+    """A partial file cannot appear at the final name (written to a temporary file and
+    renamed), but a corrupt one (disk error, an older writer) must not be fatal."""
     folder = tmp_path / "c"
     monkeypatch.setenv("CUDA_BACKEND_CACHE_DIR", str(folder))
     first, _ = _compiler(monkeypatch)

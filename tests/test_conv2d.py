@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from fuzzing import examples
+from helpers import call_through_plan
 from hypothesis import strategies as st
 
 from cuda_backend import (CudaDataType as DT, DTypeMismatchError, InvalidArgumentError,
@@ -164,20 +165,6 @@ def test_conv2d_cases(m, fam, case):
     run_case(m, fam, case, np.random.default_rng())
 
 
-def call_through_plan(m, key, call):
-    """call() with m.plans[key] (the per-call plan an earlier call made, ops/common.py
-    remember_plan) wrapped to record what it returns: it must have run and taken the call."""
-    plan = m.plans[key]
-    seen = []
-    m.plans[key] = lambda *args: seen.append(plan(*args)) or seen[-1]
-    try:
-        res = call()
-    finally:
-        m.plans[key] = plan
-    assert len(seen) == 1 and seen[0] is not None, key
-    return res
-
-
 @gpu
 @pytest.mark.parametrize("fam", list(FAMILIES))
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5], CASES[7]],
@@ -278,6 +265,7 @@ def test_direct_kernel_every_dtype(m, fam):
 
 
 @gpu
+@pytest.mark.large
 @pytest.mark.parametrize("fam", list(FAMILIES))
 def test_medium_resnet_layer(m, fam):
     """(8, 64, 64, 64) * (128, 64, 3, 3), padding 1: the large-tile configs, autotuned."""

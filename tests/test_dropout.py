@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from fuzzing import examples
+from helpers import call_through_plan
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -52,20 +53,6 @@ def check_values(out, a, keep, p, dtype, what=""):
     rtol = {DT.FLOAT32: 2e-7, DT.FLOAT64: 1e-15, DT.FLOAT16: 1e-3, DT.BFLOAT16: 8e-3}[dtype]
     np.testing.assert_array_equal(out[~keep], 0.0, err_msg=what)
     np.testing.assert_allclose(out[keep], ref[keep], rtol=rtol, err_msg=what)
-
-
-def call_through_plan(m, key, call):
-    """call() with m.plans[key] (the per-call plan an earlier call made, ops/common.py
-    remember_plan) wrapped to record what it returns: it must have run and taken the call."""
-    plan = m.plans[key]
-    seen = []
-    m.plans[key] = lambda *args: seen.append(plan(*args)) or seen[-1]
-    try:
-        res = call()
-    finally:
-        m.plans[key] = plan
-    assert len(seen) == 1 and seen[0] is not None and seen[0] is not False, key
-    return res
 
 
 # -- the generator ------------------------------------------------------------------------

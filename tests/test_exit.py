@@ -1,5 +1,5 @@
-"""Exit (issue 7, check 7, second half): the interpreter exits after exceptions without CUDA or
-context errors. Each scenario runs in a subprocess that creates tensors and compiles kernels
+"""Exit (README.md, Guarantees: clean exit): the interpreter exits after exceptions without
+CUDA or context errors. Each scenario runs in a subprocess that creates tensors and compiles kernels
 through math operations, then ends badly (an uncaught exception, KeyboardInterrupt, a real
 SIGINT in the middle of work, sys.exit inside `with backend.device(0):`, a worker thread that
 used the backend and finished or raised, tensors kept alive by a reference cycle until the

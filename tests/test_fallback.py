@@ -218,7 +218,7 @@ def test_fallback_end_to_end(tmp_path):
     proc = run_fallback_script(E2E_SCRIPT, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "FALLBACK-E2E-OK"
-    # the seed's message, logged once, on stderr
+    # the documented fallback message, logged once, on stderr
     assert FALLBACK_MESSAGE == "PyCUDA not available. CUDA backend will use fallback mode."
     assert proc.stderr.count(FALLBACK_MESSAGE) == 1, proc.stderr
     assert FALLBACK_MESSAGE not in proc.stdout

@@ -224,6 +224,7 @@ def test_zero_sizes(m, ml):
 
 
 @gpu
+@pytest.mark.large
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_peak_memory_seq_16384(m, causal):
     """No seq x seq matrix: the pool's peak grows by the output only (far below 1 GiB)."""

@@ -18,7 +18,9 @@ import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-SCRIPT = textwrap.dedent(r'''
+# The start of every script: PyCUDA replaced by the stubs, each launch recorded in `launches`
+# as (grid, block, packed arguments, shared memory, stream).
+STUBS = r'''
     import os, sys
     sys.path.insert(0, os.path.join(ROOT, "perf"))
     sys.path.insert(0, ROOT)
@@ -30,8 +32,6 @@ SCRIPT = textwrap.dedent(r'''
     from cuda_backend.backend import CudaBackend
     from cuda_backend.cuda_math import CudaMath
     from cuda_backend.dtypes import CudaDataType as DT
-    from cuda_backend.errors import (DTypeMismatchError, ShapeMismatchError,
-                                     TensorFreedError)
     from cuda_backend.tensor import CudaTensor
 
     launches = []
@@ -40,7 +40,11 @@ SCRIPT = textwrap.dedent(r'''
         assert min(grid) >= 1 and min(block) >= 1, f"empty launch: grid {grid} block {block}"
         launches.append((grid, block, bytes(buf), shared, stream))
     Function._launch_kernel = record
+'''
 
+# Then (after a script's own imports and stubs) the backend on the stubs, and how a result is
+# compared with the general path's.
+BACKEND = r'''
     b = CudaBackend()
     assert b.is_available
     m = CudaMath(b)
@@ -49,6 +53,35 @@ SCRIPT = textwrap.dedent(r'''
     def slots(t):
         return {k: getattr(t, k) for k in CudaTensor.__slots__ if k != "__weakref__"}
 
+    def like_general(r, want, check_init=True):
+        """r's slots equal `want` (the general path's result's) but for the block it holds,
+        and (check_init) equal what CudaTensor.__init__ sets."""
+        got = slots(r)
+        want["_block"] = got["_block"]
+        assert got == want, (got, want)
+        if check_init:
+            init = CudaTensor(r.shape, r.dtype, 0, r._ptr, block=r._block, pool=pool)
+            assert slots(init) == got
+'''
+
+
+def script(*parts: str) -> str:
+    """The parts (STUBS, a script's own lines, BACKEND, its checks) as one script."""
+    return "".join(textwrap.dedent(p) for p in parts).replace("ROOT", repr(ROOT))
+
+
+def run_script(code: str, *args: str) -> None:
+    """Run a script in a fresh interpreter (no CUDA_BACKEND_FALLBACK): it must print OK."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_BACKEND_FALLBACK"}
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+
+
+SCRIPT = script(STUBS, r'''
+    from cuda_backend.errors import (DTypeMismatchError, ShapeMismatchError,
+                                     TensorFreedError)
+''', BACKEND, r'''
     def same_as_general(call, plans, key):
         """call() once through the general path, once through the plan: same launch."""
         plans.pop(key, None)
@@ -60,12 +93,7 @@ SCRIPT = textwrap.dedent(r'''
         r2 = call()
         assert len(launches) == 2
         assert launches[-1] == ref[0], (launches[-1], ref[0])
-        got = slots(r2)
-        ref_slots = ref[1]
-        ref_slots["_block"] = got["_block"]
-        assert got == ref_slots
-        init = CudaTensor(r2.shape, r2.dtype, 0, r2._ptr, block=r2._block, pool=pool)
-        assert slots(init) == got
+        like_general(r2, ref[1])
         return r2
 
     x32 = m.from_numpy(np.arange(1024, dtype=np.float32))
@@ -147,50 +175,25 @@ SCRIPT = textwrap.dedent(r'''
     assert after["hits"] - before["hits"] == 5 and after["misses"] == before["misses"]
     assert after["allocation_count"] - before["allocation_count"] == 5
     print("OK")
-''').replace("ROOT", repr(ROOT))
+''')
 
 
 def test_plans_match_general_path():
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_BACKEND_FALLBACK"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                         timeout=300, env=env, cwd=ROOT)
-    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+    run_script(SCRIPT)
 
 
 # -- matmul, fused_linear_gelu, sketched_linear, flash_attention (ops/matmul.py, linear.py,
 # attention.py): every launch of the plan's call equals the general path's ---------------------
-GEMM_SCRIPT = textwrap.dedent(r'''
-    import math, os, sys, tempfile
-    sys.path.insert(0, os.path.join(ROOT, "perf"))
-    sys.path.insert(0, ROOT)
-    os.environ.pop("CUDA_BACKEND_FALLBACK", None)
-    from bench_host_path import install_fake_pycuda
-    install_fake_pycuda()
-    import numpy as np
-    import pytest
+GEMM_SCRIPT = script(STUBS, r'''
+    import math, tempfile
     from cuda_backend.autotune import Autotuner
-    from cuda_backend.backend import CudaBackend
-    from cuda_backend.cuda_math import CudaMath
     from cuda_backend.cuda_ml import CudaML
-    from cuda_backend.dtypes import CudaDataType as DT
     from cuda_backend.errors import (DTypeMismatchError, InvalidArgumentError,
                                      ShapeMismatchError, TensorFreedError)
     from cuda_backend.ops import attention as fa, linear as lin, matmul as mm
-    from cuda_backend.tensor import CudaTensor
-
-    launches = []
-    Function = type(sys.modules["pycuda.compiler"].SourceModule("").get_function("k"))
-    def record(self, grid, block, buf, shared, stream):
-        assert min(grid) >= 1 and min(block) >= 1, f"empty launch: grid {grid} block {block}"
-        launches.append((grid, block, bytes(buf), shared, stream))
-    Function._launch_kernel = record
-
-    b = CudaBackend()
-    assert b.is_available
-    m = CudaMath(b)
+''', BACKEND, r'''
     m._autotuner = Autotuner(b, path=os.path.join(tempfile.mkdtemp(), "t.json"))
     ml = CudaML(m)
-    pool = b.memory_pools[0]
     rng = np.random.default_rng(0)
 
     def t(*shape, dt=np.float32):
@@ -199,9 +202,6 @@ GEMM_SCRIPT = textwrap.dedent(r'''
     def freed(x):
         x.free()
         return x
-
-    def slots(x):
-        return {k: getattr(x, k) for k in CudaTensor.__slots__ if k != "__weakref__"}
 
     real_run_config, real_fa_run_config = mm.run_config, fa.run_config
     def general_path_off():
@@ -432,56 +432,32 @@ GEMM_SCRIPT = textwrap.dedent(r'''
         ml.flash_attention(q, q, t(1, 2, 64, 64, dt=f16))
     ml.flash_attention(q, q, q, scale=np.float32(0.5))   # NumPy scalars: the general path
     print("OK")
-''').replace("ROOT", repr(ROOT))
+''')
 
 
 def test_gemm_and_attention_plans_match_general_path():
     """matmul (SIMT, element loads, split-K, batches, 1-D, mma, TF32 mma and wgmma, batches
     over grid z), fused_linear_gelu, sketched_linear and flash_attention: the plan's call
     launches what the general path launches, and bad inputs still get its errors."""
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_BACKEND_FALLBACK"}
-    out = subprocess.run([sys.executable, "-c", GEMM_SCRIPT], capture_output=True, text=True,
-                         timeout=300, env=env, cwd=ROOT)
-    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+    run_script(GEMM_SCRIPT)
 
 
 # -- reductions, matrix_transpose and gelu: their plans in m.plans (ops/common.py) -------------
-PLANS_SCRIPT = textwrap.dedent(r'''
-    import os, sys
-    sys.path.insert(0, os.path.join(ROOT, "perf"))
-    sys.path.insert(0, ROOT)
-    os.environ.pop("CUDA_BACKEND_FALLBACK", None)
-    from bench_host_path import install_fake_pycuda
-    install_fake_pycuda()
-    import numpy as np
-    import pytest
-    from cuda_backend.backend import CudaBackend
-    from cuda_backend.cuda_math import CudaMath
+PLANS_SCRIPT = script(STUBS, r'''
     from cuda_backend.cuda_ml import ActivationType, CudaML
-    from cuda_backend.dtypes import CudaDataType as DT
     from cuda_backend.errors import (InvalidArgumentError, ShapeMismatchError,
                                      TensorFreedError, DTypeMismatchError)
-    from cuda_backend.tensor import CudaTensor
 
-    launches = []
-    Function = type(sys.modules["pycuda.compiler"].SourceModule("").get_function("k"))
-    def record(self, grid, block, buf, shared, stream):
+    def record_kernel(self, grid, block, buf, shared, stream):   # launches name the kernel
         assert min(grid) >= 1 and min(block) >= 1, f"empty launch: grid {grid} block {block}"
-        launches.append((id(self), grid, block, bytes(buf), shared, stream))  # + the kernel
-    Function._launch_kernel = record
+        launches.append((id(self), grid, block, bytes(buf), shared, stream))
+    Function._launch_kernel = record_kernel
     drv = sys.modules["pycuda.driver"]
     if not hasattr(drv, "memset_d32_async"):      # (the ticket counters' clearing)
         drv.memset_d32_async = lambda *args: None
-
-    b = CudaBackend()
-    assert b.is_available
-    m = CudaMath(b)
+''', BACKEND, r'''
     ml = CudaML(m)
-    pool = b.memory_pools[0]
     rng = np.random.default_rng(0)
-
-    def slots(t):
-        return {k: getattr(t, k) for k in CudaTensor.__slots__ if k != "__weakref__"}
 
     def same_as_general(call, key, nlaunch=None):
         """call() through the general path (which makes the plan m.plans[key]), then through
@@ -506,11 +482,7 @@ PLANS_SCRIPT = textwrap.dedent(r'''
         after = pool.get_stats()
         assert seen == [1], key                         # the plan ran, and returned
         assert launches == ref, (key, launches, ref)
-        got = slots(r2)
-        ref_slots["_block"] = got["_block"]
-        assert got == ref_slots, (got, ref_slots)
-        init = CudaTensor(r2.shape, r2.dtype, 0, r2._ptr, block=r2._block, pool=pool)
-        assert slots(init) == got
+        like_general(r2, ref_slots)
         assert after["active_blocks"] - before["active_blocks"] == 1   # temporaries freed
         return r2
 
@@ -665,51 +637,22 @@ PLANS_SCRIPT = textwrap.dedent(r'''
     assert len(stats) >= 2, stats
     b.enable_profiling = False
     print("OK")
-''').replace("ROOT", repr(ROOT))
+''')
 
 
 def test_reduce_transpose_gelu_plans_match_general_path():
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_BACKEND_FALLBACK"}
-    out = subprocess.run([sys.executable, "-c", PLANS_SCRIPT], capture_output=True, text=True,
-                         timeout=300, env=env, cwd=ROOT)
-    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+    run_script(PLANS_SCRIPT)
 
 
 # -- layer_norm, batch_norm, pooling, conv2d, dropout, sgd/adam: their plans in m.plans -------
-NN_SCRIPT = textwrap.dedent(r'''
-    import os, sys
-    sys.path.insert(0, os.path.join(ROOT, "perf"))
-    sys.path.insert(0, ROOT)
-    os.environ.pop("CUDA_BACKEND_FALLBACK", None)
-    from bench_host_path import install_fake_pycuda
-    install_fake_pycuda()
-    import numpy as np
-    import pytest
-    from cuda_backend.backend import CudaBackend
-    from cuda_backend.cuda_math import CudaMath
+NN_SCRIPT = script(STUBS, r'''
     from cuda_backend.cuda_ml import ConvolutionConfig, CudaML, OptimizerState
-    from cuda_backend.dtypes import CudaDataType as DT
     from cuda_backend.errors import (DTypeMismatchError, InvalidArgumentError,
                                      ShapeMismatchError, TensorFreedError)
-    from cuda_backend.tensor import CudaTensor
-
-    launches = []
-    Function = type(sys.modules["pycuda.compiler"].SourceModule("").get_function("k"))
-    def record(self, grid, block, buf, shared, stream):
-        assert min(grid) >= 1 and min(block) >= 1, f"empty launch: grid {grid} block {block}"
-        launches.append((grid, block, bytes(buf), shared, stream))
-    Function._launch_kernel = record
-
-    b = CudaBackend()
-    assert b.is_available
-    m = CudaMath(b)
+''', BACKEND, r'''
     ml = CudaML(m)
-    pool = b.memory_pools[0]
     rng = np.random.default_rng(0)
     WHICH = sys.argv[1]
-
-    def slots(t):
-        return {k: getattr(t, k) for k in CudaTensor.__slots__ if k != "__weakref__"}
 
     def results(r):
         return [] if r is None else list(r) if isinstance(r, tuple) else [r]
@@ -745,11 +688,7 @@ NN_SCRIPT = textwrap.dedent(r'''
         # the same allocations (count, bytes) and temporaries released as the general path
         assert [b - a for a, b in zip(c2, counts())] == [b - a for a, b in zip(c0, c1)], key
         for r, want in zip(r2, ref_slots):
-            got = slots(r)
-            want["_block"] = got["_block"]
-            assert got == want, (got, want)
-            init = CudaTensor(r.shape, r.dtype, 0, r._ptr, block=r._block, pool=pool)
-            assert slots(init) == got
+            like_general(r, want)
         assert after["active_blocks"] - before["active_blocks"] == len(r2), key  # temporaries
         for r in r2:
             r.free()
@@ -1086,7 +1025,7 @@ NN_SCRIPT = textwrap.dedent(r'''
     assert b.get_performance_stats()["kernel_execution_times"]
     b.enable_profiling = False
     print("OK")
-''').replace("ROOT", repr(ROOT))
+''')
 
 
 import pytest  # noqa: E402  (this section's parametrization)
@@ -1101,39 +1040,19 @@ def test_nn_plans_match_general_path(which):
     sgd/adam (in place): the plan's call launches what the general path launches, with its
     temporaries released, unaligned inputs take their own variant, and bad inputs still get
     the general path's typed errors."""
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_BACKEND_FALLBACK"}
-    out = subprocess.run([sys.executable, "-c", NN_SCRIPT, which], capture_output=True,
-                         text=True, timeout=300, env=env, cwd=ROOT)
-    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+    run_script(NN_SCRIPT, which)
 
 
 # -- leaky_relu/elu (alpha per call), fill, zeros/ones, copy, and the host<->device copies ------
-COPY_FILL_SCRIPT = textwrap.dedent(r'''
-    import os, sys
-    sys.path.insert(0, os.path.join(ROOT, "perf"))
-    sys.path.insert(0, ROOT)
-    os.environ.pop("CUDA_BACKEND_FALLBACK", None)
-    from bench_host_path import install_fake_pycuda
-    install_fake_pycuda()
-    import numpy as np
-    import pytest
-    from cuda_backend.backend import CudaBackend
-    from cuda_backend.cuda_math import CudaMath
+COPY_FILL_SCRIPT = script(STUBS, r'''
     from cuda_backend.cuda_ml import ActivationType as AT, CudaML
-    from cuda_backend.dtypes import CudaDataType as DT
     from cuda_backend.errors import (CudaOutOfMemoryError, DTypeMismatchError,
                                      InvalidArgumentError, InvalidDeviceError,
                                      TensorFreedError, TransferError)
     from cuda_backend.ops import elementwise as ew
-    from cuda_backend.tensor import CudaTensor
 
     drv = sys.modules["pycuda.driver"]
-    launches, copies, events = [], [], [0]
-    Function = type(sys.modules["pycuda.compiler"].SourceModule("").get_function("k"))
-    def record(self, grid, block, buf, shared, stream):
-        assert min(grid) >= 1 and min(block) >= 1, f"empty launch: grid {grid} block {block}"
-        launches.append((grid, block, bytes(buf), shared, stream))
-    Function._launch_kernel = record
+    copies, events = [], [0]
     def dtod(dst, src, n, stream=None):
         copies.append(("dtod", int(dst), int(src), n, stream))
     drv.memcpy_dtod_async = dtod
@@ -1150,15 +1069,8 @@ COPY_FILL_SCRIPT = textwrap.dedent(r'''
         def query(self):                 # (stream-ordered frees of the pool ask)
             return True
     drv.Event = CountingEvent
-
-    b = CudaBackend()
-    assert b.is_available
-    m = CudaMath(b)
+''', BACKEND, r'''
     ml = CudaML(m)
-    pool = b.memory_pools[0]
-
-    def slots(t):
-        return {k: getattr(t, k) for k in CudaTensor.__slots__ if k != "__weakref__"}
 
     def spied(plans, key, call):
         """call() with plans[key] wrapped: (result, whether the plan took the call)."""
@@ -1173,12 +1085,7 @@ COPY_FILL_SCRIPT = textwrap.dedent(r'''
         return r, bool(took)
 
     def same_result(r1_slots, r2):
-        got = slots(r2)
-        r1_slots["_block"] = got["_block"]
-        assert got == r1_slots, (got, r1_slots)
-        if r2.nbytes:
-            init = CudaTensor(r2.shape, r2.dtype, 0, r2._ptr, block=r2._block, pool=pool)
-            assert slots(init) == got
+        like_general(r2, r1_slots, check_init=r2.nbytes > 0)
 
     # -- leaky_relu / elu: the general path (alpha a NumPy float: no plan) against the plan
     up = m._ew_unary_plans
@@ -1453,7 +1360,7 @@ COPY_FILL_SCRIPT = textwrap.dedent(r'''
     assert m.to_numpy(m.from_numpy(np.ones((0, 3), np.float32))).shape == (0, 3)
     assert m.from_numpy(np.float32(2.0)).shape == ()
     print("OK")
-''').replace("ROOT", repr(ROOT))
+''')
 
 
 def test_activation_fill_copy_transfer_plans_match_general_path():
@@ -1465,7 +1372,4 @@ def test_activation_fill_copy_transfer_plans_match_general_path():
     cannot take go the general way, with its typed errors. Host<->device copies on the legacy
     stream with profiling off are one synchronous driver copy without events; with a stream
     or profiling on, the async copy between events (recorded by the profiler)."""
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_BACKEND_FALLBACK"}
-    out = subprocess.run([sys.executable, "-c", COPY_FILL_SCRIPT], capture_output=True,
-                         text=True, timeout=300, env=env, cwd=ROOT)
-    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+    run_script(COPY_FILL_SCRIPT)

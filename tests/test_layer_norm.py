@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from fuzzing import examples
+from helpers import call_through_plan
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -74,20 +75,6 @@ def case(m, rows, D, dtype, rng, affine=(True, True), eps=1e-5, offset=0.5, cfg=
     for t in (x, wt, bt, out):
         if t is not None:
             t.free()
-
-
-def call_through_plan(m, key, call):
-    """call() with m.plans[key] (the per-call plan an earlier call made, ops/common.py
-    remember_plan) wrapped to record what it returns: it must have run and taken the call."""
-    plan = m.plans[key]
-    seen = []
-    m.plans[key] = lambda *args: seen.append(plan(*args)) or seen[-1]
-    try:
-        res = call()
-    finally:
-        m.plans[key] = plan
-    assert len(seen) == 1 and seen[0] is not None and seen[0] is not False, key
-    return res
 
 
 # -- GPU -------------------------------------------------------------------------------------
@@ -180,6 +167,7 @@ def test_every_candidate_at_boundaries(m, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.large
 @pytest.mark.parametrize("shape", [(8192, 4096), (65536, 1024), (4, 262144)])
 def test_large_float32(m, shape):
     case(m, shape[0], shape[1], DT.FLOAT32, np.random.default_rng())

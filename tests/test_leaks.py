@@ -1,4 +1,4 @@
-"""Leaks (issue 7, check 5): thousands of mixed small operations with temporaries
+"""Leaks (README.md, Guarantees): thousands of mixed small operations with temporaries
 (elementwise, broadcasting, reductions, softmax, transpose, matmul, from_numpy/to_numpy,
 explicit and implicit frees, failed calls) leave the pool's active bytes and blocks where they
 started, and temporaries do not pile up (bounded peak).

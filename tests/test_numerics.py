@@ -1,4 +1,4 @@
-"""Numerics (issue 7, check 8): NaN and Inf propagate as NumPy does, through elementwise ops,
+"""Numerics: NaN and Inf propagate as NumPy does, through elementwise ops,
 reductions, softmax / log_softmax, layer_norm, matmul (and max-pooling and dropout).
 
 Each result is compared with NumPy on the same (dtype-rounded) inputs: the NaN, +Inf and -Inf

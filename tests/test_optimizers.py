@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from fuzzing import examples
+from helpers import call_through_plan
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -121,20 +122,6 @@ def run_adam(m, n, dtype, cfg, steps, rng, lr=1e-3):
         gt.free()
         assert state.step == k + 1
     return pt, p, mt, mb, vt, vb
-
-
-def call_through_plan(m, key, call):
-    """call() with m.plans[key] (the per-call plan an earlier call made, ops/common.py
-    remember_plan) wrapped to record what it returns: it must have run and taken the call."""
-    plan = m.plans[key]
-    seen = []
-    m.plans[key] = lambda *args: seen.append(plan(*args)) or seen[-1]
-    try:
-        res = call()
-    finally:
-        m.plans[key] = plan
-    assert len(seen) == 1 and seen[0] is not None and seen[0] is not False, key
-    return res
 
 
 # -- GPU -------------------------------------------------------------------------------------
@@ -283,7 +270,7 @@ def test_property(m, n, adam, steps, lr, wd, flag, dtype):
 # -- any mode (fallback here) ----------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT64], ids=lambda d: d.name_str)
 def test_api_few_steps(m, dtype):
-    """CudaML.sgd_update / adam_update (the seed's calls) for a few steps."""
+    """CudaML.sgd_update / adam_update (the documented API's calls) for a few steps."""
     ml = CudaML(m)
     rng = np.random.default_rng()
     n = 37

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from fuzzing import examples
+from helpers import call_through_plan
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -95,20 +96,6 @@ def check(out, ref, kind, dtype, what=""):
         ok = ~np.isnan(ref)
         np.testing.assert_allclose(out[ok], ref[ok], rtol=AVG_RTOL[dtype],
                                    atol=AVG_RTOL[dtype] * 4, err_msg=what)
-
-
-def call_through_plan(m, key, call):
-    """call() with m.plans[key] (the per-call plan an earlier call made, ops/common.py
-    remember_plan) wrapped to record what it returns: it must have run and taken the call."""
-    plan = m.plans[key]
-    seen = []
-    m.plans[key] = lambda *args: seen.append(plan(*args)) or seen[-1]
-    try:
-        res = call()
-    finally:
-        m.plans[key] = plan
-    assert len(seen) == 1 and seen[0] is not None and seen[0] is not False, key
-    return res
 
 
 # -- GPU -------------------------------------------------------------------------------------
@@ -228,7 +215,7 @@ def test_property_any_window(m, n, c, h, w, kh, kw, sh, sw, kind, dtype, data):
 # -- any mode (fallback here) ----------------------------------------------------------------
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
 def test_api_small(m, dtype):
-    """CudaML.max_pool2d / avg_pool2d (the seed's call) against the reference."""
+    """CudaML.max_pool2d / avg_pool2d (the documented call) against the reference."""
     ml = CudaML(m)
     rng = np.random.default_rng()
     for shape, k, s, p in CASES[:5]:
@@ -240,7 +227,7 @@ def test_api_small(m, dtype):
 
 
 def test_seed_example_shapes(m):
-    """The seed's ML example: max_pool2d(relu_output, pool_size=(2, 2)) halves H and W."""
+    """The documented API's ML example: max_pool2d(relu_output, pool_size=(2, 2)) halves H and W."""
     ml = CudaML(m)
     x = m.from_numpy(np.random.default_rng().random((2, 8, 16, 16), dtype=np.float32))
     y = ml.max_pool2d(x, pool_size=(2, 2))

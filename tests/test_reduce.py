@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from fuzzing import examples
+from helpers import spy_plan, view_past_aligned
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -134,6 +135,7 @@ def test_large_split_paths(m, op, shape, axis):
 
 
 @pytest.mark.gpu
+@pytest.mark.large
 @pytest.mark.parametrize("shape, axis", [((1 << 26,), None), ((1 << 13, 1 << 13), -1),
                                          ((1 << 13, 1 << 13), 0)])
 def test_float32_sum_accuracy_2p26(m, shape, axis):
@@ -493,18 +495,6 @@ def test_property_any_axes(m, shape, data, op, dtype, keepdims):
 
 
 # -- per-call plans (ops/common.py): the second call of a shape goes through m.plans ----------
-def _spy_plan(m, key):
-    """Replace the plan under key by one that notes whether it gave the result."""
-    plan, taken = m.plans[key], []
-
-    def spy(x):
-        res = plan(x)
-        taken.append(res is not None)
-        return res
-    m.plans[key] = spy
-    return taken
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS + ["argmax"])
 @pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT16, DT.FLOAT64, DT.INT32],
@@ -529,14 +519,11 @@ def test_plan_path_matches_numpy(m, op, dtype):
             if i < 2:
                 x, a = make(m, shape, dtype, rng)
             else:   # a view one element past an aligned pointer
-                base, b = make(m, (math.prod(shape) + 1,), dtype, rng)
-                x = CudaTensor(shape, dtype, base.device_id, base.ptr + dtype.itemsize,
-                               owner=base)
-                a = b[1:].reshape(shape)
+                x, base, a = view_past_aligned(m, make, shape, dtype, rng)
             if i:
                 assert key in m.plans, key
                 assert m.backend.direct_launch(x.device_id)
-                taken = _spy_plan(m, key)
+                taken = spy_plan(m, key)
             if op == "argmax":
                 got = m.to_numpy(m.argmax(x, axis=axis, keepdims=keepdims))
                 np.testing.assert_array_equal(got, np.argmax(a, axis=axis, keepdims=keepdims),

@@ -33,7 +33,8 @@ fallback_only = pytest.mark.skipif(load_driver()[0] is not None,
                                           "test_gpu_quick_report")
 TINY = {"vector": [257], "matrix": [33], "ml": [8], "transfers": [1 << 16]}
 
-# The seed's "Running Benchmarks" example, verbatim except for the import root.
+# The documented API's "Running Benchmarks" example (../shared/seeds/001_097e3d6e2f3c2394.txt),
+# verbatim except for the import root.
 SEED_SNIPPET = textwrap.dedent('''
     from cuda_backend.test_cuda_performance import CudaPerformanceTester, TestConfiguration
 
@@ -98,7 +99,8 @@ def test_results_json_matches_schema(quick_report):
         assert key in doc["versions"]
     assert doc["device"]["slug"] == folder.name
     assert json.loads((folder / "results.schema.json").read_text()) == schema.SCHEMA
-    # a measured case records everything the issue lists
+    # a measured case records its time distribution, CPU time and speed-up, bandwidth, shapes,
+    # dtype, accuracy against its threshold and the peers
     passed = [c for c in doc["cases"] if c["status"] == "passed" and c["family"] == "vector"]
     assert passed
     c = passed[0]
@@ -285,10 +287,10 @@ def test_faulted_context_stops_the_run_with_a_reason(tmp_path, monkeypatch):
     assert not context_dead("ShapeMismatchError: shapes (2,) and (3,)") and not context_dead(None)
 
 
-# -- the seed's example and the command line ---------------------------------------------
+# -- the documented example and the command line ----------------------------------------
 @fallback_only
 def test_seed_running_benchmarks_snippet(tmp_path, monkeypatch, capsys):
-    """The seed's snippet runs as written; the configuration it builds gets tiny sizes."""
+    """The documented snippet runs as written; the configuration it builds gets tiny sizes."""
     real = tcp.TestConfiguration
 
     def small(**kw):

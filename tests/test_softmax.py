@@ -92,6 +92,7 @@ def test_matches_numpy(m, dtype, log):
 
 
 @pytest.mark.gpu
+@pytest.mark.large
 @pytest.mark.parametrize("shape", [(65536, 1024), (8192, 4096)])
 def test_large_float32(m, shape):
     rng = np.random.default_rng()
@@ -249,6 +250,7 @@ def test_block_configs_misaligned_and_special(m, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.large
 @pytest.mark.parametrize("shape", [(4096, 8192), (1024, 16384), (2000, 4096)])
 def test_large_block_rows_float32(m, shape):
     """The targets of block mode through the public path, and persistent plans over many

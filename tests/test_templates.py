@@ -139,7 +139,7 @@ def test_every_variant_compiles_cleanly_with_nvcc():
     assert not failures, "\n\n".join(failures)
 
 
-# -- the seed's generator API --------------------------------------------------------------
+# -- the documented generator API ---------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["float32", CudaDataType.FLOAT64, "half", "bf16"])
 @pytest.mark.parametrize("tile", [8, 16, 32])

@@ -1,4 +1,4 @@
-"""Threads (issue 7, check 6): 8 threads x 1,000 operations on one device, every result checked
+"""Threads (README.md, Guarantees): 8 threads x 1,000 operations on one device, every result checked
 against NumPy; the same across two GPUs where present (`multigpu`); tensors made in one thread
 and freed in another. Every join is bounded (a deadlock fails the test with the stuck threads'
 stacks instead of hanging), no thread may raise, and the pool's active bytes come back.

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from fuzzing import examples
+from helpers import spy_plan, view_past_aligned
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -135,6 +136,7 @@ def test_candidates_and_misaligned_views(m, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.large
 @pytest.mark.parametrize("dtype, shape", [
     (DT.FLOAT32, (4096, 4096)), (DT.FLOAT32, (4095, 4097)), (DT.BFLOAT16, (4096, 4096)),
     (DT.FLOAT64, (2, 1024, 2048))])
@@ -156,6 +158,7 @@ def test_transpose_large_every_candidate(m, dtype, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.large
 @pytest.mark.parametrize("shape", [(4096, 4097), (3, 1025, 2049)])
 def test_transpose_large_autotuned(m, shape):
     rng = np.random.default_rng()
@@ -320,21 +323,12 @@ def test_plan_path_matches_numpy(m, dtype):
             if i < 2:
                 x, ref = make(m, shape, dtype, rng)
             else:
-                n = int(np.prod(shape))
-                base, b = make(m, (n + 1,), dtype, rng)
-                x = CudaTensor(shape, dtype, base.device_id, base.ptr + dtype.itemsize,
-                               owner=base)
-                ref = b[1:].reshape(shape)
+                x, base, ref = view_past_aligned(m, make, shape, dtype, rng)
             if i:
                 assert key in m.plans, key
                 assert m.backend.direct_launch(x.device_id)
-                plan, taken = m.plans[key], []
-
-                def spy(t, plan=plan, taken=taken):
-                    res = plan(t)
-                    taken.append(res is not None)
-                    return res
-                m.plans[key] = spy
+                plan = m.plans[key]
+                taken = spy_plan(m, key)
             out = m.matrix_transpose(x)
             if i:
                 assert taken == [True], (key, i)   # the plan gave the result

@@ -1,7 +1,8 @@
 """`TestConfiguration`: what the performance tester measures and where it writes the report.
 
-The seed's fields (max_error_threshold, warmup_iterations, benchmark_iterations, enable_plots,
-save_results) keep their meaning; the rest select operations, sizes, peers and the L2 flush.
+The documented API's fields (max_error_threshold, warmup_iterations, benchmark_iterations,
+enable_plots, save_results) keep their meaning; the rest select operations, sizes, peers and
+the L2 flush.
 `quick=True` trims sizes and iterations so a run takes seconds (under a minute without a GPU).
 """
 from __future__ import annotations
@@ -32,9 +33,9 @@ QUICK_ITERATIONS = 5
 
 @dataclass
 class TestConfiguration:
-    """Options of one benchmark run (the seed's TestConfiguration, extended)."""
+    """Options of one benchmark run (the documented API's TestConfiguration, extended)."""
 
-    __test__ = False  # not a pytest test class, despite the seed's name
+    __test__ = False  # not a pytest test class, despite its documented name
 
     max_error_threshold: float = 1e-4
     warmup_iterations: int = 5

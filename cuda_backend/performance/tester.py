@@ -1,5 +1,5 @@
 """`CudaPerformanceTester`: runs every case, then writes results.json, charts, summary.md
-and index.html under `output_dir/<device-slug>/` (the seed's class, extended).
+and index.html under `output_dir/<device-slug>/` (the documented API's class, extended).
 
     tester = CudaPerformanceTester(TestConfiguration(quick=True))
     summary = tester.run_comprehensive_benchmark()
