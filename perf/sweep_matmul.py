@@ -73,6 +73,8 @@ HOST_THREADS = max(1, min(16, os.cpu_count() or 1))
 
 
 def cfg_name(cfg: Dict[str, Any]) -> str:
+    if cfg.get("skinny"):
+        return f"skinny {cfg['mt']}x{cfg['bn']}x{cfg['bk']} t{cfg['tn']} s{cfg['stages']}"
     if cfg.get("wgmma"):
         return f"wgmma {cfg['bm']}x{cfg['bn']}x32 s{cfg['stages']} b{cfg['min_blocks']}"
     if "tm" in cfg:

@@ -1,7 +1,8 @@
 """fused_linear_gelu and sketched_linear against float64 NumPy, on the GPU and in fallback.
 
 fused_linear_gelu is one kernel (matmul.linear: the matmul kernels with b_trans and the
-bias + GELU epilogue). GPU tests (marked `gpu`) poison the output first and bound
+bias + GELU epilogue), or for M <= 64 possibly the skinny split-K kernel and its reduce (which
+adds the bias and applies GELU: matmul.SKINNY_F32, tested at the end). GPU tests (marked `gpu`) poison the output first and bound
 ||out - ref|| by the GEMM error scale || |x| |W|ᵀ + |b| ||, as tests/test_matmul.py does;
 the launch-recording tests run anywhere and check what would be launched.
 """
@@ -36,7 +37,7 @@ def ml(backend, tmp_path_factory):
     m._autotuner = Autotuner(backend, path=str(tmp_path_factory.mktemp("tune") / "t.json"))
     if m.gpu:
         jobs = [(t, p) for t, sets in mm.template_variants().items() for p in sets
-                if "b_trans" in p]
+                if "b_trans" in p or p.get("kind") == "splitk_epilogue"]
         common.compile_all(m, jobs, None, 16, mm._kernel)
     return CudaML(m)
 
@@ -254,7 +255,9 @@ def test_gpu_fused_fp32_is_float32_accurate(ml):
 @pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT64, DT.FLOAT16, DT.BFLOAT16])
 def test_gpu_fused_linear_gelu_is_one_launch(ml, dtype):
     """After the first call (which autotunes), a call is exactly one kernel launch: no
-    transpose, no split-K reduction, no separate bias or GELU pass."""
+    transpose, no split-K reduction, no separate bias or GELU pass; unless the autotuner
+    chose a skinny split-K config (float32, M <= 64), which is that kernel and its reduce
+    (with the bias and GELU): two."""
     m = ml.math
     backend = m.backend
     rng = np.random.default_rng()
@@ -262,6 +265,11 @@ def test_gpu_fused_linear_gelu_is_one_launch(ml, dtype):
         (tx, tw, tb), _ = _inputs(m, rng, dtype, x_shape, n)
         for bias in (tb, None):
             ml.fused_linear_gelu(tx, tw, bias).free()
+            rows = int(np.prod(x_shape[:-1]))
+            p = mm.Plan(1, rows, n, x_shape[-1], 0, 0, (rows, n))
+            hits = [v for k, v in mm._cache(m).items()
+                    if k[:2] == ("linear", p) and k[2] is dtype and k[-1] == "bias_gelu"]
+            skinny = bool(hits) and bool(hits[0][1].get("skinny"))
             backend.enable_profiling = True
             try:
                 backend.profiler.reset()
@@ -269,11 +277,10 @@ def test_gpu_fused_linear_gelu_is_one_launch(ml, dtype):
                 stats = backend.profiler.kernel_stats()
             finally:
                 backend.enable_profiling = False
-            assert sum(s["total_executions"] for s in stats.values()) == 1, stats
-            (name,) = stats
+            assert sum(s["total_executions"] for s in stats.values()) == 1 + skinny, stats
             family = ("matmul_simt", "matmul_mma") if dtype is DT.FLOAT32 else \
                 ("matmul_simt",) if dtype is DT.FLOAT64 else ("matmul_mma",)
-            assert name.startswith(family), name
+            assert all(name.startswith(family) for name in stats), stats
             assert np.isfinite(m.to_numpy(y)).all()
 
 
@@ -373,10 +380,11 @@ class _RecordingMath:
 
     def kernel(self, template, device_id, **params):
         name, src = self.generator.render_kernel(template, **dict(params))
+        threads = re.search(r"#define THREADS (\d+)", src)   # (the reduces: block_size)
         k = types.SimpleNamespace(
             name=name, template=template, params=params,
             fmt=arg_format(src, name, kernel_signature(src, name)),
-            threads=int(re.search(r"#define THREADS (\d+)", src).group(1)))
+            threads=int(threads.group(1)) if threads else params["block_size"])
         self.backend.kernels[name] = k
         return k
 
@@ -433,7 +441,7 @@ def test_linear_variants_are_the_configs_it_launches():
     keeps the matmul variant list short."""
     variants = mm.template_variants()
     linear = {(t, tuple(sorted(p.items()))) for t, sets in variants.items() for p in sets
-              if "b_trans" in p}
+              if "b_trans" in p and p.get("kind") != "skinny"}
     want = set()
     for dtype, prec, _ in FAMS.values():
         family, _ = mm._linear_family(dtype, prec)
@@ -444,6 +452,13 @@ def test_linear_variants_are_the_configs_it_launches():
                     mm.linear_params(template, dtype, cfg, vec, "bias_gelu").items()))))
     assert linear == want
     assert sum(len(v) for v in variants.values()) <= 90
+    # the skinny split-K kernels: float32, both B layouts (matmul's (K, N), the weight's
+    # (N, K)), both alignments, and the linear layer's reduce with bias + GELU
+    skinny = {tuple(sorted(p.items())) for p in variants[mm.SIMT_TEMPLATE]
+              if p.get("kind") == "skinny"}
+    assert skinny == {tuple(sorted(mm.skinny_params(DT.FLOAT32, c, vec, bt).items()))
+                      for c in mm.SKINNY_F32 for vec in (True, False) for bt in (True, False)}
+    assert mm.splitk_epilogue_params(DT.FLOAT32, "bias_gelu") in variants[mm.SIMT_TEMPLATE]
 
 
 # -- property test (issue 7's fuzzing: the linear-layer family) -------------------------------
@@ -659,3 +674,244 @@ def test_gpu_sketched_linear_plan_path(ml, dtype, dims, monkeypatch):
         ref = sum(xr @ Uh[i] @ Vh[i] for i in range(terms)) / terms + b
         assert y.shape == (batch, outf)
         assert rel(m.to_numpy(y), ref) < TOL[dtype] * 10
+
+
+# -- skinny M: split-K over blocks (matmul.SKINNY_F32) -----------------------------------------
+# The brief's odd shapes: M rows in {1, 7, 32, 63}, K in {5, 1000, 4097}, N in {3, 1025} (element
+# loads: N or K not a multiple of 4), and aligned ones (16-byte copies), MLP shapes among them.
+SKINNY_ODD = [(M, K, N) for M in (1, 7, 32, 63) for K in (5, 1000, 4097) for N in (3, 1025)]
+SKINNY_ALIGNED = [(32, 1024, 4096), (32, 1024, 1024), (1, 1000, 1024), (63, 4096, 260),
+                  (7, 256, 36)]
+
+
+def test_skinny_candidates_for_small_m_only():
+    """The float32 linear layer (default and 'ieee') is offered the skinny split-K configs
+    for M <= 64 with K >= 256, each at split counts > 1 that are their own effective count;
+    never for larger M, short K, TF32 or the other dtypes."""
+    for prec in (None, "ieee"):
+        for M, K, N in ((1, 1024, 4096), (32, 1024, 4096), (32, 4096, 1024), (32, 1024, 1024),
+                        (64, 8192, 8192), (8, 2048, 256), (32, 256, 3)):
+            p = mm.Plan(1, M, N, K, 0, 0, (M, N))
+            cands = mm.skinny_candidates(DT.FLOAT32, prec, p, 132)
+            assert cands, (prec, M, K, N)
+            assert {tuple(sorted((k, v) for k, v in c.items() if k != "split"))
+                    for c in cands} <= {tuple(sorted(c.items())) for c in mm.SKINNY_F32}
+            for c in cands:
+                chunk, eff = mm.skinny_chunk(c, K, c["split"])
+                assert c["split"] == eff > 1 and chunk % c["bk"] == 0
+                assert chunk >= min(mm.SKINNY_MIN_CHUNK, K)
+        for M, K, N in ((65, 1024, 4096), (128, 4096, 1024), (8192, 4096, 4096), (32, 255, 4096),
+                        (32, 5, 1025)):
+            assert mm.skinny_candidates(DT.FLOAT32, prec, mm.Plan(1, M, N, K, 0, 0, (M, N)),
+                                        132) == []
+    p = mm.Plan(1, 32, 4096, 1024, 0, 0, (32, 4096))
+    for dtype, prec in ((DT.FLOAT32, "tf32"), (DT.FLOAT64, None), (DT.FLOAT16, None),
+                        (DT.BFLOAT16, None)):
+        assert mm.skinny_candidates(dtype, prec, p, 132) == []
+    assert mm.skinny_candidates(DT.FLOAT32, None, p._replace(batch=2), 132) == []
+
+
+@pytest.mark.parametrize("cfg", mm.SKINNY_F32, ids=lambda c: "{mt}x{bn}x{bk}_t{tn}".format(**c))
+def test_skinny_index_math_against_numpy(cfg):
+    """The kernel's block index math (matmul.skinny_blocks: row tile fastest in grid x,
+    split in grid y, K slices of whole tiles): every (split, m, n) of the workspace written
+    by exactly one block, the slices of a split partition K in order, and the partials
+    summed in split order plus bias, through GELU, give the float64 linear layer."""
+    rng = np.random.default_rng(5)
+    for M, K, N in SKINNY_ODD + SKINNY_ALIGNED[2:] + [(65, 300, 257), (130, 64, 33)]:
+        x = rng.standard_normal((M, K))
+        w = rng.standard_normal((N, K)) / np.sqrt(K)
+        b = rng.standard_normal(N)
+        p = mm.Plan(1, M, N, K, 0, 0, (M, N))
+        for splits in sorted({1, 3} | set(mm.skinny_split_options(cfg, p, 132))):
+            chunk, s = mm.skinny_chunk(cfg, K, splits)
+            blocks = mm.skinny_blocks(cfg, p, splits)
+            tiles_m, tiles_n = mm.skinny_tiles(cfg, p)
+            assert len(blocks) == s * tiles_m * tiles_n
+            work = np.zeros((s, M, N))
+            hits = np.zeros((s, M, N), np.int64)
+            slices = {}
+            for y, m0, m1, n0, n1, k0, k1 in blocks:
+                assert 0 <= k0 < k1 <= K and k0 == y * chunk and m1 - m0 <= cfg["mt"]
+                assert slices.setdefault(y, (k0, k1)) == (k0, k1)
+                work[y, m0:m1, n0:n1] = x[m0:m1, k0:k1] @ w[n0:n1, k0:k1].T
+                hits[y, m0:m1, n0:n1] += 1
+            assert (hits == 1).all()
+            # the splits' K slices partition [0, K) in order
+            ends = [slices[y] for y in range(s)]
+            assert ends[0][0] == 0 and ends[-1][1] == K
+            assert all(a[1] == b[0] for a, b in zip(ends, ends[1:]))
+            total = work[0].copy()
+            for y in range(1, s):
+                total += work[y]
+            np.testing.assert_allclose(mm.gelu_tanh(total + b),
+                                       lin.reference("fused_linear_gelu", x, w, bias=b),
+                                       rtol=1e-10, atol=1e-12)
+
+
+def _skinny_recording_math(pick_skinny):
+    """A _RecordingMath whose autotuner records the candidates and picks the first skinny
+    one (pick_skinny) or the first."""
+    m = _RecordingMath()
+    m.seen = []
+
+    def pick(op, key, cands, run, device_id=0, repeats=3):
+        m.seen.append((op, list(cands)))
+        for c in cands:
+            run(c)
+        sk = [c for c in cands if c.get("skinny")]
+        return dict(sk[0] if pick_skinny and sk else cands[0])
+    m.autotuner = types.SimpleNamespace(pick=pick)
+    return m
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("fam", ["fp32", "ieee"])
+@pytest.mark.parametrize("shape", [(32, 1024, 4096), (32, 1024, 1024), (7, 1000, 1025),
+                                   (63, 4097, 3)])
+def test_linear_skinny_launches(fam, shape, with_bias):
+    """The GPU branch against a recording backend, the skinny config chosen: the split-K
+    kernel (b_trans, vec by alignment) over (row tiles x column tiles, splits), x, W and the
+    workspace, M, N, K, the K chunk, its dynamic shared memory; then the reduce with the
+    bias (or a null pointer) and GELU over the same workspace into y, M * N elements, N,
+    the split count. Larger M gets no skinny candidate."""
+    dtype, prec, _ = FAMS[fam]
+    M, K, N = shape
+    m = _skinny_recording_math(True)
+    x, w = m.backend.empty((M, K), dtype), m.backend.empty((N, K), dtype)
+    b = m.backend.empty((N,), dtype) if with_bias else None
+    y = mm.linear(m, x, w, b, "bias_gelu", prec)
+    (_, cands), = m.seen
+    assert [c for c in cands if c.get("skinny")] == \
+        mm.skinny_candidates(dtype, prec, mm.Plan(1, M, N, K, 0, 0, (M, N)), 132)
+    cfg = next(c for c in cands if c.get("skinny"))
+    m.backend.launches.clear()
+    assert mm.linear(m, x, w, b, "bias_gelu", prec, out=y) is y
+    (k1, grid1, smem1, v1), (k2, grid2, smem2, v2) = m.backend.launches
+    vec = K % 4 == 0 and N % 4 == 0
+    assert k1.params == mm.skinny_params(dtype, cfg, vec, True)
+    chunk, s = mm.skinny_chunk(cfg, K, cfg["split"])
+    tiles_m, tiles_n = mm.skinny_tiles(cfg, mm.Plan(1, M, N, K, 0, 0, (M, N)))
+    assert grid1 == (tiles_m * tiles_n, s, 1) and smem1 == mm.skinny_smem(cfg, True)
+    assert v1[:2] == [x.ptr, w.ptr] and v1[3:] == [M, N, K, chunk]
+    assert k2.params == mm.splitk_epilogue_params(dtype, "bias_gelu") and smem2 == 0
+    assert v2 == [v1[2], y.ptr, b.ptr if with_bias else 0, M * N, N, s]
+    # the same call shape with M = 65: no skinny candidate
+    m2 = _skinny_recording_math(True)
+    mm.linear(m2, m2.backend.empty((65, K), dtype), m2.backend.empty((N, K), dtype), None,
+              "bias_gelu", prec)
+    assert not any(c.get("skinny") for _, cands in m2.seen for c in cands)
+
+
+def test_skinny_rejects_other_dtypes_and_batches():
+    m = _RecordingMath()
+    cfg = {**mm.SKINNY_F32[0], "split": 2}
+    x, w = m.backend.empty((8, 512), DT.FLOAT64), m.backend.empty((64, 512), DT.FLOAT64)
+    out = m.backend.empty((8, 64), DT.FLOAT64)
+    p = mm.Plan(1, 8, 64, 512, 0, 0, (8, 64))
+    with pytest.raises(cb.InvalidArgumentError, match="float32 only"):
+        mm.run_config(m, mm.SIMT_TEMPLATE, cfg, x, w, out, p, DT.FLOAT64, True, 0,
+                      epilogue="bias_gelu")
+    with pytest.raises(cb.InvalidArgumentError, match="batch"):
+        mm.run_config(m, mm.SIMT_TEMPLATE, cfg, x, w, out, p._replace(batch=2), DT.FLOAT32,
+                      True, 0)
+    assert m.backend.launches == []
+
+
+def _skinny_splits(cfg, p):
+    """Split counts a GPU test runs a skinny config at: 1, 3 and the autotuner's."""
+    return sorted({1, 3} | set(mm.skinny_split_options(cfg, p, 132)))
+
+
+@gpu
+@pytest.mark.parametrize("fam", ["fp32", "ieee"])
+@pytest.mark.parametrize("cfg", mm.SKINNY_F32, ids=lambda c: "{mt}x{bn}x{bk}_t{tn}".format(**c))
+def test_gpu_linear_skinny_configs(ml, cfg, fam):
+    """Every skinny config through run_config (the split-K kernel and the bias + GELU reduce)
+    with and without a bias, on the odd shapes (element copies) and aligned ones (16-byte
+    copies), at split counts 1, 3 and the autotuner's, into a poisoned output, within the
+    float32 bound of the linear layer; the same call twice gives the same bits
+    (deterministic: fixed summation order, no atomics)."""
+    m = ml.math
+    dtype, prec, bound = FAMS[fam]
+    rng = np.random.default_rng()
+    dev = m.backend.current_device
+    for M, K, N in SKINNY_ODD + SKINNY_ALIGNED:
+        (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (M, K), N)
+        p = mm.Plan(1, M, N, K, 0, 0, (M, N))
+        refs = {True: _reference(xr, wr, br), False: _reference(xr, wr, np.zeros(N))}
+        for splits in _skinny_splits(cfg, p):
+            for bias in (tb, None):
+                out = _poison(m, (M, N), dtype)
+                vec = mm.is_vec_ok(tx, tw, out, p)
+                assert vec is ((M, K, N) in SKINNY_ALIGNED)
+                mm.run_config(m, mm.SIMT_TEMPLATE, cfg, tx, tw, out, p, dtype, vec, dev,
+                              splits=splits, epilogue="bias_gelu", bias=bias)
+                ref, scale = refs[bias is not None]
+                got = m.to_numpy(out)
+                err = _err(got, ref, scale)
+                assert err <= bound, (cfg, (M, K, N), splits, vec, bias is not None, err)
+                if splits == 3 and bias is not None:
+                    again = _poison(m, (M, N), dtype)
+                    mm.run_config(m, mm.SIMT_TEMPLATE, {**cfg, "split": splits}, tx, tw, again,
+                                  p, dtype, vec, dev, epilogue="bias_gelu", bias=bias)
+                    assert np.array_equal(m.to_numpy(again), got)
+                    again.free()
+                out.free()
+
+
+@gpu
+def test_gpu_linear_skinny_bias_epilogue(ml):
+    """epilogue='bias' (no GELU) through the skinny configs."""
+    m = ml.math
+    dtype, _, bound = FAMS["fp32"]
+    rng = np.random.default_rng()
+    dev = m.backend.current_device
+    for M, K, N in ((7, 1000, 1025), (32, 1024, 1024)):
+        (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (M, K), N)
+        p = mm.Plan(1, M, N, K, 0, 0, (M, N))
+        for cfg in mm.SKINNY_F32:
+            out = _poison(m, (M, N), dtype)
+            mm.run_config(m, mm.SIMT_TEMPLATE, cfg, tx, tw, out, p, dtype,
+                          mm.is_vec_ok(tx, tw, out, p), dev, splits=5, epilogue="bias", bias=tb)
+            ref, scale = _reference(xr, wr, br, gelu=False)
+            assert _err(m.to_numpy(out), ref, scale) <= bound, (cfg, (M, K, N))
+            out.free()
+
+
+@gpu
+@pytest.mark.parametrize("fam", ["fp32", "ieee"])
+def test_gpu_linear_skinny_public_and_plan_path(ml, fam, monkeypatch):
+    """The MLP's layers (batch 32: 1024 -> 4096 and 1024 -> 1024, with a bias) through the
+    public fused_linear_gelu (autotuned: whichever config it measures fastest), then with
+    each skinny config made the call's choice: the general path once (it makes the plan),
+    then the plan (run_config made to raise); all within the float32 bound."""
+    m = ml.math
+    dtype, prec, bound = FAMS[fam]
+    rng = np.random.default_rng()
+    dev = m.backend.current_device
+    for M, K, N in ((32, 1024, 4096), (32, 1024, 1024)):
+        (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (M, K), N)
+        ref, scale = _reference(xr, wr, br)
+        _poison(m, (M, N), dtype).free()
+        y = lin.fused_linear_gelu(m, tx, tw, tb, precision=prec)
+        assert _err(m.to_numpy(y), ref, scale) <= bound
+        y.free()
+        p = mm.Plan(1, M, N, K, 0, 0, (M, N))
+        ckey = ("linear", p, dtype, mm.normalize_precision(prec, dtype), dev, True, "bias_gelu")
+        key = lin._linear_key(tx, tw, tb, prec)
+        for cfg in mm.skinny_candidates(dtype, prec, p, 132)[::2]:
+            mm._cache(m)[ckey] = (mm.SIMT_TEMPLATE, cfg)
+            m.plans.pop(key, None)
+            for second in (False, True):
+                _poison(m, (M, N), dtype).free()
+                with monkeypatch.context() as mp:
+                    if second:
+                        mp.setattr(mm, "run_config", _no_general_path)
+                    y = lin.fused_linear_gelu(m, tx, tw, tb, precision=prec)
+                assert key in m.plans
+                err = _err(m.to_numpy(y), ref, scale)
+                assert err <= bound, (cfg, (M, K, N), second, err)
+                y.free()
+        mm._cache(m).pop(ckey, None)
+        m.plans.pop(key, None)

@@ -744,3 +744,245 @@ def test_gpu_plan_path(m, fam, monkeypatch):
             assert res.shape == ref.shape and res.dtype is dtype
             err = rel_err(m.to_numpy(res), ref, scale)
             assert err <= bound, f"{fam} {a_shape}@{b_shape} (plan: {second}): {err:.3g}"
+
+
+# -- skinny M: split-K over blocks (matmul.SKINNY_F32) and the small-M split counts ------------
+SKINNY_ODD = [(M, K, N) for M in (1, 7, 32, 63) for K in (5, 1000, 4097) for N in (3, 1025)]
+SKINNY_ALIGNED = [(32, 4096, 1024), (32, 1024, 1024), (32, 1024, 4096), (1, 1000, 1024),
+                  (63, 4096, 260), (7, 256, 36)]
+
+
+def test_small_m_split_options_reach_more_blocks():
+    """For M <= 64 the SIMT GEMM's split-K counts go up to 16 with K chunks >= 128 (one 32- or
+    64-row tile of a 32 x 1024 output has 16 blocks per split); larger M keeps K // 256."""
+    for (M, K, N), least in (((32, 1024, 1024), 8), ((32, 4096, 1024), 16), ((64, 2048, 512), 16)):
+        p = mm.plan_shapes((M, K), (K, N))
+        cls = mm.shape_class(p, 132)
+        for c in mm.candidates(DT.FLOAT32, None, cls, True):
+            opts = mm.split_options(c, p, cls, 132)
+            assert max(opts) >= least and max(opts) <= min(K // 128, 16), (c, opts)
+            assert len(set(mm.effective_split(c, K, s) for s in opts)) == len(opts)
+    p = mm.plan_shapes((65, 1024), (1024, 1024))
+    for c in mm.candidates(DT.FLOAT32, None, mm.shape_class(p, 132), True):
+        assert max(mm.split_options(c, p, mm.shape_class(p, 132), 132)) <= 1024 // 256
+
+
+class _SkinnyRecorder:
+    """A CudaMath stand-in recording launches (kernel params, grid, shared memory, values)
+    and the autotuner's candidates; the autotuner picks the first skinny one if asked."""
+    gpu = True
+
+    def __init__(self, pick_skinny):
+        import types
+        from cuda_backend.kernels import KernelGenerator
+        rec = self
+        self.launches, self.seen, self.kernels = [], [], {}
+        self.generator = KernelGenerator(backend=object())
+        self.next_ptr = 1 << 20
+
+        class Backend:
+            def get_device_info(self, dev):
+                return types.SimpleNamespace(multiprocessor_count=132,
+                                             max_grid_dims=(2**31 - 1, 65535, 65535))
+
+            def empty(self, shape, dtype, dev=0):
+                t = CudaTensor(tuple(shape), DT.from_any(dtype), 0, rec.next_ptr)
+                rec.next_ptr += (t.nbytes // 256 + 2) * 256
+                return t
+
+            def launch_kernel(self, name, grid, *args, block_size=None, shared_mem=0,
+                              device_id=0):
+                values = [a.ptr if isinstance(a, CudaTensor) else a for a in args]
+                rec.launches.append((rec.kernels[name], grid, shared_mem, values))
+
+        def pick(op, key, cands, run, device_id=0, repeats=3):
+            rec.seen.append(list(cands))
+            sk = [c for c in cands if c.get("skinny")]
+            return dict(sk[0] if pick_skinny and sk else cands[0])
+        self.backend = Backend()
+        self.autotuner = types.SimpleNamespace(pick=pick)
+
+    def kernel(self, template, dev, **params):
+        import types
+        name, _ = self.generator.render_kernel(template, **dict(params))
+        self.kernels[name] = params
+        return types.SimpleNamespace(name=name, num_regs=128)
+
+
+@pytest.mark.parametrize("shape", [(32, 4096, 1024), (32, 1024, 4096), (7, 1000, 1025),
+                                   (63, 4097, 3)])
+def test_matmul_skinny_candidates_and_launches(shape):
+    """matrix_multiply's candidates for M <= 64: the SIMT (config, split) pairs and the skinny
+    ones (matmul.skinny_candidates); with a skinny one chosen, its kernel (B as (K, N), vec by
+    alignment) over (row tiles x column tiles, splits) with A, B, the workspace, M, N, K and
+    the K chunk, then splitk_reduce of that workspace into out. M = 128: none skinny."""
+    M, K, N = shape
+    m = _SkinnyRecorder(True)
+    a, b = m.backend.empty((M, K), DT.FLOAT32), m.backend.empty((K, N), DT.FLOAT32)
+    out = mm.matmul(m, a, b)
+    (cands,) = m.seen
+    p = mm.plan_shapes((M, K), (K, N))
+    sk = [c for c in cands if c.get("skinny")]
+    assert sk == mm.skinny_candidates(DT.FLOAT32, None, p, 132) and sk
+    assert all("bm" in c for c in cands if not c.get("skinny"))
+    m.launches.clear()
+    mm.matmul(m, a, b, out=out)
+    (k1, grid1, smem1, v1), (k2, grid2, smem2, v2) = m.launches
+    cfg = sk[0]
+    vec = K % 4 == 0 and N % 4 == 0
+    assert k1 == mm.skinny_params(DT.FLOAT32, cfg, vec, False)
+    chunk, s = mm.skinny_chunk(cfg, K, cfg["split"])
+    tiles_m, tiles_n = mm.skinny_tiles(cfg, p)
+    assert grid1 == (tiles_m * tiles_n, s, 1) and smem1 == mm.skinny_smem(cfg, False)
+    assert v1[:2] == [a.ptr, b.ptr] and v1[3:] == [M, N, K, chunk]
+    assert k2["kind"] == "splitk_reduce" and v2 == [v1[2], out.ptr, M * N, s]
+    m2 = _SkinnyRecorder(True)
+    mm.matmul(m2, m2.backend.empty((128, K), DT.FLOAT32), m2.backend.empty((K, N), DT.FLOAT32))
+    assert not any(c.get("skinny") for cands in m2.seen for c in cands)
+    # TF32 and float64: no skinny candidates either
+    for dtype, prec in ((DT.FLOAT32, "tf32"), (DT.FLOAT64, None)):
+        assert mm.skinny_candidates(dtype, prec, p, 132) == []
+
+
+def test_skinny_variants_render_for_both_layouts():
+    """Each skinny variant renders without #error, names its layout's loads (16-byte copies
+    only with vec) and its ring depth; the splitk_epilogue variant applies GELU."""
+    from cuda_backend.kernels import KernelGenerator
+    gen = KernelGenerator(backend=object())
+    sets = [p for p in mm.template_variants()[mm.SIMT_TEMPLATE] if p["kind"] == "skinny"]
+    assert len(sets) == 4 * len(mm.SKINNY_F32)
+    for params in sets:
+        _, src = gen.render_kernel(mm.SIMT_TEMPLATE, **params)
+        assert "#error" not in src and f"#define STAGES {params['stages']}" in src
+        assert ("cp_async16(dst, " in src) is params["vec"]
+        assert ("cp_async4(dst + 4 * e, " in src) is not params["vec"]
+        assert ("#define W_STAGE (BN * KS)" in src) is params["b_trans"]
+    _, src = gen.render_kernel(mm.SIMT_TEMPLATE,
+                               **mm.splitk_epilogue_params(DT.FLOAT32, "bias_gelu"))
+    assert "gelu_tanh(s)" in src and "#error" not in src
+
+
+@gpu
+@pytest.mark.parametrize("cfg", mm.SKINNY_F32, ids=lambda c: "{mt}x{bn}x{bk}_t{tn}".format(**c))
+def test_gpu_skinny_configs(m, cfg):
+    """Every skinny config through run_config (split-K kernel, then splitk_reduce) on the odd
+    shapes (element copies) and aligned ones (16-byte copies), at split counts 1, 3 and the
+    autotuner's, into a poisoned output, within the float32 bound; the same call twice gives
+    the same bits (fixed summation order, no atomics)."""
+    dtype, prec, bound = FAMILIES["fp32"]
+    rng = np.random.default_rng()
+    dev = m.backend.current_device
+    for M, K, N in SKINNY_ODD + SKINNY_ALIGNED:
+        a = to_dev(m, rand(rng, (M, K), dtype), dtype)
+        b = to_dev(m, rand(rng, (K, N), dtype), dtype)
+        ref, scale = reference(m, a, b)
+        p = mm.plan_shapes(a.shape, b.shape)
+        for splits in sorted({1, 3} | set(mm.skinny_split_options(cfg, p, 132))):
+            out = poisoned(m, ref.shape, dtype)
+            vec = mm.is_vec_ok(a, b, out, p)
+            assert vec is ((M, K, N) in SKINNY_ALIGNED)
+            mm.run_config(m, mm.SIMT_TEMPLATE, cfg, a, b, out, p, dtype, vec, dev,
+                          splits=splits)
+            got = m.to_numpy(out)
+            err = rel_err(got, ref, scale)
+            assert err <= bound, (cfg, (M, K, N), splits, vec, err)
+            if splits == 3:
+                again = poisoned(m, ref.shape, dtype)
+                mm.run_config(m, mm.SIMT_TEMPLATE, {**cfg, "split": 3}, a, b, again, p, dtype,
+                              vec, dev)
+                assert np.array_equal(m.to_numpy(again), got)
+                again.free()
+            out.free()
+
+
+@gpu
+def test_gpu_skinny_public_and_plan_path(m, monkeypatch):
+    """The MLP's second layer (32 x 4096 @ 4096 x 1024) and 32 x 1024 @ 1024 x 1024 through
+    the public matrix_multiply (autotuned among the SIMT splits and the skinny configs),
+    then with each skinny candidate made the call's choice: the general path (it makes the
+    plan), then the plan (run_config made to raise); all within the float32 bound."""
+    dtype, prec, bound = FAMILIES["fp32"]
+    rng = np.random.default_rng()
+    dev = m.backend.current_device
+    for M, K, N in ((32, 4096, 1024), (32, 1024, 1024)):
+        a = to_dev(m, rand(rng, (M, K), dtype), dtype)
+        b = to_dev(m, rand(rng, (K, N), dtype), dtype)
+        ref, scale = reference(m, a, b)
+        poisoned(m, ref.shape, dtype).free()
+        res = m.matrix_multiply(a, b)
+        assert rel_err(m.to_numpy(res), ref, scale) <= bound
+        res.free()
+        p = mm.plan_shapes(a.shape, b.shape)
+        ckey = (p, dtype, None, dev, True)
+        key = ("matmul", a.shape, b.shape, dtype, dtype, dev, dev, None)
+        for cfg in mm.skinny_candidates(dtype, None, p, 132)[::2]:
+            mm._cache(m)[ckey] = (mm.SIMT_TEMPLATE, cfg)
+            m.plans.pop(key, None)
+            for second in (False, True):
+                poisoned(m, ref.shape, dtype).free()
+                with monkeypatch.context() as mp:
+                    if second:
+                        mp.setattr(mm, "run_config", _no_general_path)
+                    res = m.matrix_multiply(a, b)
+                assert key in m.plans
+                err = rel_err(m.to_numpy(res), ref, scale)
+                assert err <= bound, (cfg, (M, K, N), second, err)
+                res.free()
+        mm._cache(m).pop(ckey, None)
+        m.plans.pop(key, None)
+
+
+def test_skinny_plan_runner_launches():
+    """The per-call plan of a skinny choice (matmul._runner): a pool block for the partials,
+    the split-K kernel and the reduce (splitk_reduce for matmul; splitk_epilogue with the
+    bias pointer for the linear layer) as prepared launches with run_config's grids and
+    arguments, the block released after them."""
+    import types
+    calls = []
+
+    class Pool:
+        def allocate_current(self, n):
+            calls.append(("alloc", n))
+            return 1 << 30
+
+        def release(self, block):
+            calls.append(("release", block))
+
+    class Backend:
+        memory_pools = {0: Pool()}
+
+        def get_device_info(self, dev):
+            return types.SimpleNamespace(multiprocessor_count=132,
+                                         max_grid_dims=(2**31 - 1, 65535, 65535))
+
+        def get_kernel(self, name, dev):
+            return name
+
+        def prepare_launch(self, kernel, grid, block, smem, dev):
+            return lambda *args: calls.append((kernel, grid, block, smem, args))
+
+    class Math:
+        backend = Backend()
+
+        def kernel(self, template, dev, **params):
+            return types.SimpleNamespace(name=f"{params['kind']}{params.get('b_trans', '')}")
+
+    p = mm.Plan(1, 32, 1024, 4096, 0, 0, (32, 1024))
+    for cfg in mm.skinny_candidates(DT.FLOAT32, None, p, 132):
+        chunk, s = mm.skinny_chunk(cfg, p.K, cfg["split"])
+        tiles_m, tiles_n = mm.skinny_tiles(cfg, p)
+        for epilogue in (None, "bias_gelu"):
+            calls.clear()
+            run = mm._runner(Math(), mm.SIMT_TEMPLATE, cfg, p, DT.FLOAT32, True, 0, epilogue)
+            run(1 << 20, 2 << 20, 3 << 20, 0 if epilogue is None else 4 << 20)
+            b_trans = epilogue is not None
+            reduce_args = (1 << 30, 3 << 20, 32 * 1024, s) if epilogue is None else \
+                (1 << 30, 3 << 20, 4 << 20, 32 * 1024, 1024, s)
+            assert calls == [
+                ("alloc", s * 32 * 1024 * 4),
+                (f"skinny{b_trans}", (tiles_m * tiles_n, s, 1), (mm.skinny_threads(cfg), 1, 1),
+                 mm.skinny_smem(cfg, b_trans), (1 << 20, 2 << 20, 1 << 30, 32, 1024, 4096, chunk)),
+                ("splitk_reduce" if epilogue is None else "splitk_epilogue",
+                 (mm.common.grid_1d(32 * 1024, mm.REDUCE_BLOCK, 132, waves=4), 1, 1),
+                 (mm.REDUCE_BLOCK, 1, 1), 0, reduce_args),
+                ("release", 1 << 30)]

@@ -2,7 +2,11 @@
 layer `sketched_linear` (y = (1/T) Σᵢ (x Uᵢ) Vᵢ + b).
 
 fused_linear_gelu is one kernel launch: the matmul kernels rendered to read the weight as
-(out, in) and to add the bias and apply GELU in their store stage (`matmul.linear`).
+(out, in) and to add the bias and apply GELU in their store stage (`matmul.linear`). With few
+rows (M <= 64, float32 on CUDA cores) the autotuner also times the skinny split-K configs
+(matmul.SKINNY_F32: K sliced over many blocks, float32 partials in a workspace, then one
+reduce that sums them in a fixed order, adds the bias and applies GELU: two launches), so
+that a batch-32 layer reads its weight at close to memory bandwidth.
 sketched_linear is composed from the matmul, elementwise and reduction kernels.
 """
 from __future__ import annotations
@@ -28,11 +32,12 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
 
 
 def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
-    """Compile every linear-layer kernel (matmul's variants with B read as (N, K)) in
-    parallel threads; returns how many were compiled (0 in fallback mode)."""
+    """Compile every linear-layer kernel (matmul's variants with B read as (N, K), and the
+    split-K reduce with the epilogue) in parallel threads; returns how many were compiled
+    (0 in fallback mode)."""
     from . import matmul as mm
     jobs = [(t, p) for t, sets in mm.template_variants().items() for p in sets
-            if p.get("b_trans")]
+            if p.get("b_trans") or p.get("kind") == "splitk_epilogue"]
     return common.compile_all(m, jobs, device_id, workers, mm._kernel)
 
 
@@ -79,10 +84,10 @@ def _check_linear(x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor])
 def fused_linear_gelu(m: Any, x: CudaTensor, weight: CudaTensor,
                       bias: Optional[CudaTensor] = None,
                       precision: Optional[str] = None) -> CudaTensor:
-    """GELU (tanh approximation) of x Wᵀ + b in one kernel launch; x (..., in), weight
-    (out, in) -> (..., out). float32 is float32-accurate: 3xTF32 on tensor cores or CUDA-core
-    FMA, whichever the autotuner times faster; precision='ieee' keeps CUDA cores and
-    precision='tf32' uses TF32."""
+    """GELU (tanh approximation) of x Wᵀ + b in one kernel launch (for few rows possibly a
+    split-K kernel and its reduce); x (..., in), weight (out, in) -> (..., out). float32 is
+    float32-accurate: 3xTF32 on tensor cores or CUDA-core FMA, whichever the autotuner times
+    faster; precision='ieee' keeps CUDA cores and precision='tf32' uses TF32."""
     key = _linear_key(x, weight, bias, precision)
     if key is not None:
         plans = getattr(m, "plans", None)

@@ -3,7 +3,11 @@
 Two kernel families, both templated:
 - `matmul_simt.cu.j2`: true FP32 (the float32 default) and FP64 on CUDA cores; register-tiled
   GEMM with a split-K mode (partial products in a workspace, then `splitk_reduce`) so that
-  skinny and small outputs still fill every SM.
+  skinny and small outputs still fill every SM; and for float32 with few rows (M <= 64,
+  SKINNY_F32) a skinny-M split-K kernel (all M rows per block, K sliced over many blocks,
+  B or the linear layer's weight read once by 16-byte cp.async) whose partials
+  `splitk_reduce` or, for the linear layer, `splitk_epilogue` (+ bias, GELU) sums in a
+  fixed order.
 - `matmul_mma.cu.j2`: tensor cores through mma.sync with float32 accumulators: TF32 for
   float32 with precision="tf32", float16 / bfloat16 (output in the input dtype).
 - `matmul_wgmma.cu.j2`: TF32 on Hopper's warpgroup tensor cores (wgmma, sm_90a) for
@@ -18,7 +22,9 @@ ones (stride 0), and NumPy's 1-D rules (a 1-D operand gains and then loses a uni
 
 `linear(m, x, weight, bias, epilogue)`: epilogue(x @ weightᵀ + bias) in one launch of the
 same kernels, rendered with b_trans (the (N, K) weight is read along K, no transpose) and a
-bias / bias+GELU epilogue in the store stage; never split-K (the epilogue needs whole sums).
+bias / bias+GELU epilogue in the store stage (these never split K: the epilogue needs whole
+sums); for M <= 64 the autotuner also times the skinny split-K configs, whose reduce kernel
+adds the bias and applies the epilogue after summing (two launches).
 """
 from __future__ import annotations
 
@@ -295,6 +301,33 @@ LINEAR_F32 = {
 EPILOGUES = ("bias", "bias_gelu")
 
 
+# -- skinny M: split-K over many blocks (kind "skinny" of matmul_simt.cu.j2) ------------------
+def _skinny(mt: int, bn: int, bk: int, tn: int, stages: int, min_blocks: int) -> Dict[str, Any]:
+    """Skinny-M split-K config: a block takes mt rows (all of a small M), bn columns and a K
+    slice (the autotuned "split" count); bn / tn threads, thread t owning columns
+    t + threads j (j < tn) for all mt rows (mt x tn FP32 accumulators); bk-deep tiles in a
+    `stages`-deep cp.async ring. The "skinny" key marks the kind (not a template
+    parameter)."""
+    return {"skinny": True, "mt": mt, "bn": bn, "bk": bk, "tn": tn, "stages": stages,
+            "min_blocks": min_blocks}
+
+
+# With M <= 64 rows the output has M x N elements: 128-wide tiles give N / 128 blocks, each
+# walking all of K, so the one-tile kernels leave most SMs idle. These split K over blocks
+# (each reads its slice of the weight once, coalesced 16-byte cp.async, x's slice too) and
+# write float32 partials to a workspace; a second kernel sums them in a fixed order (no
+# atomics: deterministic) and, for the linear layer, adds the bias and applies GELU.
+# True FP32 FMA on CUDA cores (the float32 default and precision="ieee"). ptxas sm_90, no
+# spills: registers with B as (N, K) / (K, N); dynamic shared bytes in comments.
+K_32x256x16_t2 = _skinny(32, 256, 16, 2, 4, 2)   # 128 thr, 252 / 221 regs, 92160 / 75776 B
+K_32x128x32_t1 = _skinny(32, 128, 32, 1, 4, 2)   # 128 thr, 158 / 156 regs, 92160 / 83968 B
+SKINNY_F32 = [K_32x256x16_t2, K_32x128x32_t1]
+SKINNY_MAX_M = 64      # offered where M <= this (and K >= SKINNY_MIN_K), batch 1
+SKINNY_MIN_K = 256
+SKINNY_MIN_CHUNK = 32  # a block's K slice is at least this long
+SKINNY_WAVES = (1, 2, 4)   # split counts timed: about this many blocks per SM
+
+
 def _family(dtype: CudaDataType, precision: Optional[str]) -> Tuple[str, Dict[str, list]]:
     """(template, candidate lists by class) for a dtype and precision."""
     if dtype is DT.FLOAT64:
@@ -321,6 +354,8 @@ def config_template(cfg: Dict[str, Any], family_template: str) -> str:
     sits in the float32 linear layer's list beside SIMT ones, wgmma for a wgmma one."""
     if cfg.get("wgmma"):
         return WGMMA_TEMPLATE
+    if cfg.get("skinny"):
+        return SIMT_TEMPLATE
     return MMA_TEMPLATE if cfg.get("x3") else family_template
 
 
@@ -385,6 +420,13 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
                 template = config_template(cfg, family)
                 params = linear_params(template, dt, cfg, vec, "bias_gelu")
                 (simt if template == SIMT_TEMPLATE else mma).append(params)
+    # skinny M (split-K over blocks): matrix_multiply's B (K, N) and the linear layer's
+    # weight (N, K), both alignments, and the linear layer's reduce with bias + GELU
+    for cfg in skinny_configs(DT.FLOAT32, None):
+        for b_trans in (True, False):
+            for vec in (True, False):
+                simt.append(skinny_params(DT.FLOAT32, cfg, vec, b_trans))
+    simt.append(splitk_epilogue_params(DT.FLOAT32, "bias_gelu"))
     return {SIMT_TEMPLATE: simt, MMA_TEMPLATE: mma, WGMMA_TEMPLATE: wgmma}
 
 
@@ -414,6 +456,102 @@ def linear_params(template: str, dtype: CudaDataType, cfg: Dict[str, Any], vec: 
     if template == SIMT_TEMPLATE:
         return {"kind": "gemm", "kc": 0, **params}
     return params
+
+
+# -- skinny M (split-K over blocks) --------------------------------------------------------------
+def skinny_configs(dtype: CudaDataType, precision: Optional[str]) -> List[Dict[str, Any]]:
+    """The skinny-M split-K configs of a family: float32 on CUDA cores (precision None,
+    "fp32", "ieee"); none for TF32 and the other dtypes."""
+    if dtype is DT.FLOAT32 and precision != "tf32":
+        return list(SKINNY_F32)
+    return []
+
+
+def skinny_params(dtype: CudaDataType, cfg: Dict[str, Any], vec: bool,
+                  b_trans: bool) -> Dict[str, Any]:
+    """Template parameters of a skinny config (b_trans: B given as (N, K), the linear
+    layer's weight; "skinny" and "split" are not parameters)."""
+    params = {**dtype_params(dtype), "kind": "skinny", **cfg, "vec": vec, "b_trans": b_trans}
+    params.pop("skinny", None)
+    params.pop("split", None)
+    return params
+
+
+def splitk_epilogue_params(dtype: CudaDataType, epilogue: str) -> Dict[str, Any]:
+    """Template parameters of the split-K reduce that adds the bias and applies the linear
+    layer's epilogue ('bias' / 'bias_gelu')."""
+    return {**dtype_params(dtype), "kind": "splitk_epilogue", "block_size": REDUCE_BLOCK,
+            "epilogue": epilogue}
+
+
+def skinny_threads(cfg: Dict[str, Any]) -> int:
+    return cfg["bn"] // cfg["tn"]
+
+
+def skinny_smem(cfg: Dict[str, Any], b_trans: bool, esize: int = 4) -> int:
+    """Dynamic shared memory of a skinny launch: per stage A's mt x (bk + 4) tile and B's,
+    bn x (bk + 4) with b_trans (k-contiguous rows), bk x bn without."""
+    ks = cfg["bk"] + 4
+    w = cfg["bn"] * ks if b_trans else cfg["bk"] * cfg["bn"]
+    return cfg["stages"] * (cfg["mt"] * ks + w) * esize
+
+
+def skinny_tiles(cfg: Dict[str, Any], p: Plan) -> Tuple[int, int]:
+    """(row tiles, column tiles) of a skinny launch; grid x = their product, the row tile
+    fastest (blocks that read the same slice of B run together)."""
+    return -(-p.M // cfg["mt"]), -(-p.N // cfg["bn"])
+
+
+def skinny_chunk(cfg: Dict[str, Any], K: int, splits: int) -> Tuple[int, int]:
+    """(k_chunk, effective splits) for a requested split count: the K slice of a block is a
+    whole number of bk-deep tiles (at least one), and every split's slice is non-empty."""
+    chunk = -(-K // max(1, splits))
+    chunk = max(1, -(-chunk // cfg["bk"])) * cfg["bk"]
+    return chunk, max(1, -(-K // chunk))
+
+
+def skinny_blocks(cfg: Dict[str, Any], p: Plan,
+                  splits: int) -> List[Tuple[int, int, int, int, int, int, int]]:
+    """The kernel's index math, block by block: (split, m0, m1, n0, n1, k0, k1) per block
+    (blockIdx.x = n-tile * tiles_m + m-tile, blockIdx.y = split), the block writing
+    work[split][m0:m1][n0:n1] = A[m0:m1, k0:k1] @ B[k0:k1, n0:n1] (for tests)."""
+    chunk, s = skinny_chunk(cfg, p.K, splits)
+    tiles_m, tiles_n = skinny_tiles(cfg, p)
+    out = []
+    for y in range(s):
+        k0 = y * chunk
+        k1 = min(p.K, k0 + chunk)
+        for x in range(tiles_m * tiles_n):
+            m0 = (x % tiles_m) * cfg["mt"]
+            n0 = (x // tiles_m) * cfg["bn"]
+            out.append((y, m0, min(p.M, m0 + cfg["mt"]), n0, min(p.N, n0 + cfg["bn"]),
+                        k0, k1))
+    return out
+
+
+def skinny_split_options(cfg: Dict[str, Any], p: Plan, sm_count: int,
+                         max_y: int = 65535) -> List[int]:
+    """Split counts to time for a skinny config: about SKINNY_WAVES blocks per SM, slices of
+    at least SKINNY_MIN_CHUNK (rounded to whole tiles), one per effective split, > 1."""
+    tiles_m, tiles_n = skinny_tiles(cfg, p)
+    most = max(1, min(p.K // SKINNY_MIN_CHUNK, max_y))
+    out: List[int] = []
+    for waves in SKINNY_WAVES:
+        s = min(-(-waves * sm_count // (tiles_m * tiles_n)), most)
+        eff = skinny_chunk(cfg, p.K, s)[1]
+        if eff > 1 and eff not in out:
+            out.append(eff)
+    return out
+
+
+def skinny_candidates(dtype: CudaDataType, precision: Optional[str], p: Plan, sm_count: int,
+                      max_y: int = 65535) -> List[Dict[str, Any]]:
+    """The autotuner's (skinny config, split) candidates for a call, beside the family's
+    own: only for M <= SKINNY_MAX_M, K >= SKINNY_MIN_K, batch 1, float32 on CUDA cores."""
+    if p.batch != 1 or not 1 <= p.M <= SKINNY_MAX_M or p.K < SKINNY_MIN_K:
+        return []
+    return [{**c, "split": s} for c in skinny_configs(dtype, precision)
+            for s in skinny_split_options(c, p, sm_count, max_y)]
 
 
 # -- shapes -------------------------------------------------------------------------------
@@ -743,6 +881,11 @@ def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
                                      getattr(kern, "static_shared_bytes", 0))
 
             cands = split_candidates(cands, p, cls, sms, max_z, per_sm)
+        if template == SIMT_TEMPLATE:
+            # small M: the skinny split-K configs too, each at its split counts (timed
+            # against the family's own, never forced)
+            cands = cands + skinny_candidates(dtype, prec, p, sms,
+                                              m.backend.get_device_info(dev).max_grid_dims[1])
         op = _op_name(template, dtype, prec, is_linear)
         shape_key = tune_key(p, cls, vec, prec)
 
@@ -798,8 +941,10 @@ def simt_params(dtype: CudaDataType, cfg: Dict[str, Any], vec: bool) -> Dict[str
     return params
 
 
-# Split-K counts the autotuner times besides the modelled one, where split-K is in play.
+# Split-K counts the autotuner times besides the modelled one, where split-K is in play;
+# for M <= SKINNY_MAX_M (few output tiles) also SPLIT_TRIES_SMALL_M, with K chunks >= 128.
 SPLIT_TRIES = (1, 2, 3, 4, 6, 8)
+SPLIT_TRIES_SMALL_M = (12, 16)
 
 
 def effective_split(cfg: Dict[str, Any], K: int, splits: int) -> int:
@@ -814,7 +959,8 @@ def split_options(cfg: Dict[str, Any], p: Plan, shape_cls: str, sm_count: int,
     """Split-K counts to time for a SIMT config: the modelled one (split_count) first; where
     split-K is in play (K >= 512 and a skinny / medium / small class, a modelled split > 1,
     or fewer blocks than 2 waves) also SPLIT_TRIES, capped by K // 256, 16 and
-    max_z // batch, one per effective split."""
+    max_z // batch, one per effective split; for M <= SKINNY_MAX_M (N / bn blocks or so per
+    split) also SPLIT_TRIES_SMALL_M, capped by K // 128 instead of K // 256."""
     per_sm = per_sm or cfg["min_blocks"]
     modelled = split_count(cfg, p, sm_count, max_z, per_sm)
     blocks = p.batch * -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"])
@@ -822,9 +968,11 @@ def split_options(cfg: Dict[str, Any], p: Plan, shape_cls: str, sm_count: int,
                               or blocks < 2 * sm_count * per_sm)
     if not in_play:
         return [modelled]
-    most = max(1, min(p.K // 256, 16, max_z // max(1, p.batch)))
+    small_m = p.M <= SKINNY_MAX_M
+    most = max(1, min(p.K // (128 if small_m else 256), 16, max_z // max(1, p.batch)))
+    tries = SPLIT_TRIES + (SPLIT_TRIES_SMALL_M if small_m else ())
     out: List[int] = []
-    for s in (modelled,) + SPLIT_TRIES:
+    for s in (modelled,) + tries:
         if s <= most:
             eff = effective_split(cfg, p.K, s)
             if eff not in out:
@@ -886,10 +1034,18 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
                bias: Optional[CudaTensor] = None) -> None:
     """Launch one config over the whole problem (split-K and batch chunking included).
     epilogue ('bias' / 'bias_gelu'): the linear-layer kernel instead, b given as (N, K) and
-    bias (N,) or None, in one launch (no split-K)."""
+    bias (N,) or None, in one launch (no split-K); a skinny config (batch 1): its split-K
+    kernel and the reduce that sums the partials (and adds the bias, applies the epilogue),
+    splits (or the config's "split") the K slices."""
     backend = m.backend
     info = backend.get_device_info(dev)
     max_z = info.max_grid_dims[2]
+    if cfg.get("skinny"):   # split-K over blocks, then the reduce (with the epilogue)
+        cfg = dict(cfg)
+        tuned = cfg.pop("split", None)
+        _run_skinny(m, cfg, a, b, out, p, dtype, vec, dev, tuned if splits is None else splits,
+                    epilogue, bias)
+        return
     if "split" in cfg:   # the autotuner's (config, split) pair: not a template parameter
         cfg = dict(cfg)
         tuned = cfg.pop("split")
@@ -996,6 +1152,88 @@ def _offsets(a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan, b0: int,
             out.ptr + b0 * p.M * p.N * esize)
 
 
+def _skinny_setup(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, vec: bool,
+                  dev: int, splits: Optional[int], epilogue: Optional[str]) -> Dict[str, Any]:
+    """What a skinny config's launches need: the two kernels, grids, the K chunk and the
+    effective split count, the workspace size."""
+    if dtype is not DT.FLOAT32:
+        raise InvalidArgumentError(f"skinny configs are float32 only, got {dtype.name_str}")
+    if p.batch != 1:
+        raise InvalidArgumentError(f"skinny configs take one matrix, got a batch of {p.batch}")
+    info = m.backend.get_device_info(dev)
+    max_x, max_y = info.max_grid_dims[0], info.max_grid_dims[1]
+    sms = info.multiprocessor_count
+    if splits is None:
+        opts = skinny_split_options(cfg, p, sms, max_y)
+        splits = opts[0] if opts else 1
+    chunk, s = skinny_chunk(cfg, p.K, max(1, min(splits, max_y)))
+    tiles_m, tiles_n = skinny_tiles(cfg, p)
+    if tiles_m * tiles_n > max_x:
+        raise InvalidArgumentError(f"matmul output {p.M}x{p.N} needs too many tiles")
+    b_trans = epilogue is not None
+    n = p.M * p.N
+    if epilogue is None:
+        red = {"kind": "splitk_reduce", "block_size": REDUCE_BLOCK, **dtype_params(dtype)}
+    else:
+        red = splitk_epilogue_params(dtype, epilogue)
+    return {"kernel": _kernel(m, SIMT_TEMPLATE, dev, skinny_params(dtype, cfg, vec, b_trans)),
+            "grid": (tiles_m * tiles_n, s, 1), "threads": skinny_threads(cfg),
+            "smem": skinny_smem(cfg, b_trans, dtype.itemsize), "chunk": chunk, "splits": s,
+            "n": n, "work_elems": s * n, "reduce": _kernel(m, SIMT_TEMPLATE, dev, red),
+            "reduce_grid": common.grid_1d(n, REDUCE_BLOCK, sms, waves=4)}
+
+
+def _run_skinny(m: Any, cfg: Dict[str, Any], a: CudaTensor, b: CudaTensor, out: CudaTensor,
+                p: Plan, dtype: CudaDataType, vec: bool, dev: int, splits: Optional[int],
+                epilogue: Optional[str], bias: Optional[CudaTensor]) -> None:
+    """A skinny config: the split-K kernel writes float32 partials work[split][M][N] (a pool
+    block), then splitk_reduce (matmul) or splitk_epilogue (linear: + bias, GELU) sums them
+    in split order into out; the block goes back to the pool after the launches."""
+    backend = m.backend
+    s = _skinny_setup(m, cfg, p, dtype, vec, dev, splits, epilogue)
+    work = backend.empty((s["work_elems"],), DT.FLOAT32, dev)
+    try:
+        backend.launch_kernel(s["kernel"].name, s["grid"], a, b, work, p.M, p.N, p.K,
+                              s["chunk"], block_size=(s["threads"], 1, 1),
+                              shared_mem=s["smem"], device_id=dev)
+        tail = (s["n"], s["splits"]) if epilogue is None else \
+            (0 if bias is None else bias, s["n"], p.N, s["splits"])
+        backend.launch_kernel(s["reduce"].name, (s["reduce_grid"], 1, 1), work, out, *tail,
+                              block_size=(REDUCE_BLOCK, 1, 1), device_id=dev)
+    finally:
+        work.free()  # back to the pool; later work on this stream is ordered after
+
+
+def _skinny_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, vec: bool,
+                   dev: int, epilogue: Optional[str]) -> Any:
+    """_run_skinny's launches as PreparedLaunches: run(pa, pb, pc, pbias)."""
+    backend = m.backend
+    prep, get = backend.prepare_launch, backend.get_kernel
+    cfg = dict(cfg)
+    s = _skinny_setup(m, cfg, p, dtype, vec, dev, cfg.pop("split", None), epilogue)
+    gemm = prep(get(s["kernel"].name, dev), s["grid"], (s["threads"], 1, 1), s["smem"], dev)
+    reduce = prep(get(s["reduce"].name, dev), (s["reduce_grid"], 1, 1), (REDUCE_BLOCK, 1, 1),
+                  0, dev)
+    M, N, K, chunk, n, splits = p.M, p.N, p.K, s["chunk"], s["n"], s["splits"]
+    wbytes = s["work_elems"] * 4
+    pool = backend.memory_pools[dev]
+    alloc, release = pool.allocate_current, pool.release
+    linear = epilogue is not None
+
+    def run(pa: int, pb: int, pc: int, pbias: int) -> None:
+        block = alloc(wbytes)
+        try:
+            pw = int(block)
+            gemm(pa, pb, pw, M, N, K, chunk)
+            if linear:
+                reduce(pw, pc, pbias, n, N, splits)
+            else:
+                reduce(pw, pc, n, splits)
+        finally:
+            release(block)   # as work.free(): the pool is stream-ordered
+    return run
+
+
 # -- per-call plans (ops/common.py remember_plan) ---------------------------------------------
 # A plan of matmul (key: "matmul", both shapes, dtypes and devices, the precision as given) or
 # of fused_linear_gelu (ops/linear.py) allocates the result and runs the launches run_config
@@ -1065,6 +1303,8 @@ def _runner(m: Any, template: str, cfg: Dict[str, Any], p: Plan, dtype: CudaData
     """run(pa, pb, pc, pbias): run_config's launches of one config (pointers as ints; pbias 0
     for no bias), as PreparedLaunches: the same kernels, grids and arguments, the split-K
     workspace and the wgmma B copy taken from the pool and given back after the launches."""
+    if cfg.get("skinny"):
+        return _skinny_runner(m, cfg, p, dtype, vec, dev, epilogue)
     backend = m.backend
     info = backend.get_device_info(dev)
     max_z = info.max_grid_dims[2]
