@@ -12,6 +12,7 @@ from .errors import (CudaBackendError, CudaNotAvailableError, CudaOutOfMemoryErr
                      InvalidDeviceError, InvalidPointerError, KernelCompilationError,
                      KernelLaunchError, KernelNotFoundError, LaunchConfigurationError,
                      ShapeMismatchError, TensorFreedError, TransferError)
+from .errors import IndexOutOfRangeError, InvalidIndexError  # noqa: E402
 from .devices import CudaDeviceInfo  # noqa: E402
 from .tensor import CudaTensor  # noqa: E402
 from .backend import CudaBackend, get_cuda_backend, FALLBACK_MESSAGE  # noqa: E402
@@ -25,4 +26,5 @@ __all__ = [
     "DTypeMismatchError", "GraphCaptureError", "InvalidArgumentError", "InvalidDeviceError", "InvalidPointerError",
     "KernelCompilationError", "KernelLaunchError", "KernelNotFoundError",
     "LaunchConfigurationError", "ShapeMismatchError", "TensorFreedError", "TransferError",
+    "InvalidIndexError", "IndexOutOfRangeError",
 ]

@@ -17,8 +17,10 @@ from .errors import InvalidArgumentError
 from .kernels import KernelGenerator
 from .ops import common
 from .ops import elementwise as ew
+from .ops import indexing as ix
 from .ops import matmul as mm
 from .ops import reduction as red
+from .ops import shape as sh
 from .ops import softmax as sm
 from .ops import transpose as tr
 from .tensor import CudaTensor, register_math, set_math_factory
@@ -151,7 +153,7 @@ class CudaMath:
 
     # -- elementwise --------------------------------------------------------------------
     def vector_add(self, a: CudaTensor, b: CudaTensor) -> CudaTensor:
-        """a + b for same-shape tensors (the seed's API); `add` broadcasts."""
+        """a + b for same-shape tensors (the documented API); `add` broadcasts."""
         if type(a) is CudaTensor and type(b) is CudaTensor:
             # the common call: binary()'s plan, looked up here (one call less)
             plan = self._ew_binary_plans.get(("add", a.dtype._name_, a.device_id))
@@ -258,10 +260,99 @@ class CudaMath:
         """
         return mm.matmul(self, a, b, precision)
 
+    # -- shapes (ops/shape.py): views where the layout allows, else strided copies --------
+    def reshape(self, tensor: CudaTensor, shape: Any) -> CudaTensor:
+        """The tensor with a new shape of as many elements (one dim may be -1): a view on the
+        same memory (no copy), keeping the tensor alive."""
+        return sh.reshape(self, tensor, shape)
+
+    def view(self, tensor: CudaTensor, shape: Any) -> CudaTensor:
+        """reshape (PyTorch's name): a view on the same memory."""
+        return sh.reshape(self, tensor, shape, "view")
+
+    def permute(self, tensor: CudaTensor, axes: Sequence[int]) -> CudaTensor:
+        """The axes reordered (out.shape[i] = tensor.shape[axes[i]]), as a new contiguous
+        tensor (a view when only size-1 axes move)."""
+        return sh.permute(self, tensor, tuple(axes) if type(axes) is list else axes)
+
+    def transpose(self, tensor: CudaTensor, axes: Optional[Sequence[int]] = None) -> CudaTensor:
+        """NumPy's transpose: axes reversed by default, else permute(tensor, axes)."""
+        return sh.transpose(self, tensor, tuple(axes) if type(axes) is list else axes)
+
+    def getitem(self, tensor: CudaTensor, key: Any) -> CudaTensor:
+        """tensor[key]: NumPy basic indexing (ints, slices with steps, None, Ellipsis); a view
+        when the result is contiguous in memory, else a copy. An int tensor key: take."""
+        return sh.getitem(self, tensor, key)
+
+    def concatenate(self, tensors: Sequence[CudaTensor], axis: Optional[int] = 0) -> CudaTensor:
+        """np.concatenate of tensors of one dtype along axis (None: flattened)."""
+        return sh.concatenate(self, tensors, axis)
+
+    def stack(self, tensors: Sequence[CudaTensor], axis: int = 0) -> CudaTensor:
+        """np.stack: tensors of one shape joined along a new axis."""
+        return sh.stack(self, tensors, axis)
+
+    def split(self, tensor: CudaTensor, indices_or_sections: Any,
+              axis: int = 0) -> list:
+        """np.split: a list of pieces along axis (views where contiguous, else copies)."""
+        return sh.split(self, tensor, indices_or_sections, axis)
+
+    def broadcast_to(self, tensor: CudaTensor, shape: Any) -> CudaTensor:
+        """np.broadcast_to, materialized as a new tensor."""
+        return sh.broadcast_to(self, tensor, shape)
+
+    def astype(self, tensor: CudaTensor, dtype: Any) -> CudaTensor:
+        """A new tensor converted to dtype (NumPy's astype; see ops/shape.py)."""
+        return sh.astype(self, tensor, dtype)
+
+    # -- comparisons and indexing (ops/indexing.py) ---------------------------------------
+    def equal(self, a: Operand, b: Operand) -> CudaTensor:
+        """a == b elementwise with broadcasting: a bool tensor."""
+        return ix.compare(self, "equal", a, b)
+
+    def not_equal(self, a: Operand, b: Operand) -> CudaTensor:
+        return ix.compare(self, "not_equal", a, b)
+
+    def less(self, a: Operand, b: Operand) -> CudaTensor:
+        return ix.compare(self, "less", a, b)
+
+    def less_equal(self, a: Operand, b: Operand) -> CudaTensor:
+        return ix.compare(self, "less_equal", a, b)
+
+    def greater(self, a: Operand, b: Operand) -> CudaTensor:
+        return ix.compare(self, "greater", a, b)
+
+    def greater_equal(self, a: Operand, b: Operand) -> CudaTensor:
+        return ix.compare(self, "greater_equal", a, b)
+
+    def where(self, cond: CudaTensor, a: Operand, b: Operand) -> CudaTensor:
+        """np.where(cond, a, b): cond a bool tensor; a, b tensors of one dtype or scalars."""
+        return ix.where(self, cond, a, b)
+
+    def take(self, tensor: CudaTensor, indices: CudaTensor, axis: Optional[int] = 0,
+             check_bounds: bool = True) -> CudaTensor:
+        """np.take by int32/int64 indices (an embedding lookup: take(weight, ids)). With
+        check_bounds (default) an out-of-range index raises IndexOutOfRangeError, at the
+        cost of a synchronizing 4-byte read after the kernel (see ops/indexing.py)."""
+        return ix.take(self, tensor, indices, axis, check_bounds)
+
+    def gather(self, tensor: CudaTensor, indices: CudaTensor, axis: Optional[int],
+               check_bounds: bool = True) -> CudaTensor:
+        """np.take_along_axis (torch.gather's layout); bounds as take."""
+        return ix.gather(self, tensor, indices, axis, check_bounds)
+
+    def scatter_add(self, target: CudaTensor, indices: CudaTensor, src: CudaTensor,
+                    axis: int = 0, check_bounds: bool = True) -> CudaTensor:
+        """np.add.at(target, (:,) * axis + (indices,), src) in place (take's adjoint: the
+        embedding backward); returns target. Float results vary run to run in rounding
+        (atomic adds in any order); bounds as take."""
+        return ix.scatter_add(self, target, indices, src, axis, check_bounds)
+
     # -- benchmarks ---------------------------------------------------------------------
     def benchmark_operations(self, sizes: Sequence[Tuple[int, ...]],
                              iterations: int = 20) -> dict:
-        """{operation: {size: {"average_time_ms", "gflops" or "gbps", ...}}} (the seed's)."""
+        """{operation: {size: {"average_time_ms", "gflops" or "gbps", ...}}} (the documented
+        API's format)."""
         from .math_benchmark import benchmark_operations
         return benchmark_operations(self, sizes, iterations)
 

@@ -158,6 +158,60 @@ class CudaML:
             CudaML._op_unary = staticmethod(unary)
         return unary(m, op, tensor)
 
+    # -- activation gradients (ops/activation_backward.py) ---------------------------------
+    def _activation_backward(self, op: str, grad_out: CudaTensor, v: CudaTensor,
+                             alpha: Any = None) -> CudaTensor:
+        m = self.math
+        if type(grad_out) is CudaTensor:
+            # the per-call plan of (op, dtype, device), made by a first general call
+            plan = m.plans.get((op + "_backward", grad_out.dtype, grad_out.device_id))
+            if plan is not None:
+                res = plan(grad_out, v, alpha)
+                if res is not None:
+                    return res
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op_fn = CudaML._op_act_backward
+        except AttributeError:
+            from .ops.activation_backward import backward as op_fn
+            CudaML._op_act_backward = staticmethod(op_fn)
+        return op_fn(m, op, grad_out, v, alpha)
+
+    def relu_backward(self, grad_out: CudaTensor, x: CudaTensor) -> CudaTensor:
+        """d relu(x) / dx * grad_out: grad_out where x > 0, else 0 (0 at x == 0, as
+        PyTorch's threshold_backward); x is relu's input."""
+        return self._activation_backward("relu", grad_out, x)
+
+    def leaky_relu_backward(self, grad_out: CudaTensor, x: CudaTensor,
+                            alpha: Optional[float] = None) -> CudaTensor:
+        """grad_out where x > 0, else alpha * grad_out (alpha defaults to 0.01)."""
+        return self._activation_backward("leaky_relu", grad_out, x, alpha)
+
+    def elu_backward(self, grad_out: CudaTensor, x: CudaTensor,
+                     alpha: Optional[float] = None) -> CudaTensor:
+        """grad_out where x > 0, else alpha * exp(x) * grad_out (alpha defaults to 1.0)."""
+        return self._activation_backward("elu", grad_out, x, alpha)
+
+    def sigmoid_backward(self, grad_out: CudaTensor, y: CudaTensor) -> CudaTensor:
+        """grad_out * y * (1 - y), from sigmoid's output y."""
+        return self._activation_backward("sigmoid", grad_out, y)
+
+    def tanh_backward(self, grad_out: CudaTensor, y: CudaTensor) -> CudaTensor:
+        """grad_out * (1 - y^2), from tanh's output y."""
+        return self._activation_backward("tanh", grad_out, y)
+
+    def gelu_backward(self, grad_out: CudaTensor, x: CudaTensor,
+                      approximate: str = "tanh") -> CudaTensor:
+        """The exact derivative of gelu(x, approximate) ("tanh" or "none") times grad_out;
+        x is gelu's input."""
+        if approximate == "tanh":
+            op = "gelu"
+        elif approximate == "none":
+            op = "gelu_exact"
+        else:
+            raise InvalidArgumentError(
+                f"approximate must be 'tanh' or 'none', got {approximate!r}")
+        return self._activation_backward(op, grad_out, x)
+
     # -- pooling ------------------------------------------------------------------------
     def max_pool2d(self, tensor: CudaTensor, pool_size: Pair, stride: Optional[Pair] = None,
                    padding: Pair = (0, 0)) -> CudaTensor:
@@ -207,6 +261,65 @@ class CudaML:
 
     def log_softmax(self, tensor: CudaTensor) -> CudaTensor:
         return self.math.log_softmax(tensor)
+
+    def softmax_backward(self, grad_out: CudaTensor, y: CudaTensor) -> CudaTensor:
+        """The gradient of softmax over the last axis with respect to its input:
+        y * (grad_out - sum(grad_out * y, -1)), from softmax's output y."""
+        m = self.math
+        if type(grad_out) is CudaTensor:
+            fast = m.plans.get(("softmax_backward", grad_out.shape, grad_out.dtype,
+                                grad_out.device_id, False))
+            if fast is not None:
+                res = fast(grad_out, y)
+                if res is not None:
+                    return res
+        from .ops import softmax_backward
+        return softmax_backward.backward(m, grad_out, y, log=False)
+
+    def log_softmax_backward(self, grad_out: CudaTensor, y: CudaTensor) -> CudaTensor:
+        """The gradient of log_softmax over the last axis with respect to its input:
+        grad_out - exp(y) * sum(grad_out, -1), from log_softmax's output y."""
+        m = self.math
+        if type(grad_out) is CudaTensor:
+            fast = m.plans.get(("softmax_backward", grad_out.shape, grad_out.dtype,
+                                grad_out.device_id, True))
+            if fast is not None:
+                res = fast(grad_out, y)
+                if res is not None:
+                    return res
+        from .ops import softmax_backward
+        return softmax_backward.backward(m, grad_out, y, log=True)
+
+    # -- losses ---------------------------------------------------------------------------
+    def cross_entropy(self, logits: CudaTensor, labels: CudaTensor, reduction: str = "mean",
+                      ignore_index: int = -100, check_labels: bool = True) -> CudaTensor:
+        """Fused cross-entropy of logits (N, C) against int32/int64 labels (N,), PyTorch's
+        semantics: per row logsumexp - logit[label]; rows labelled ignore_index give 0 and
+        leave the mean's count; reduction "mean" (shape (), NaN over zero counted rows),
+        "sum" or "none" (shape (N,)). A label outside [0, C) other than ignore_index raises
+        InvalidArgumentError: a device flag read back after the kernels, which makes the
+        call wait for them; check_labels=False skips that (such rows give NaN)."""
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_cross_entropy
+        except AttributeError:
+            from .ops.cross_entropy import cross_entropy as op
+            CudaML._op_cross_entropy = staticmethod(op)
+        return op(self.math, logits, labels, reduction, ignore_index, check_labels)
+
+    def cross_entropy_backward(self, logits: CudaTensor, labels: CudaTensor,
+                               grad_loss: Any = 1.0, reduction: str = "mean",
+                               ignore_index: int = -100,
+                               check_labels: bool = True) -> CudaTensor:
+        """d loss / d logits, (N, C): (softmax(logits) - onehot(labels)) * grad_loss per row
+        (divided by the count of rows not ignored for "mean"; 0 for ignored rows). grad_loss:
+        a number, or a tensor (shape () or (1,) for "mean"/"sum", (N,) for "none").
+        Labels are checked as in cross_entropy."""
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_cross_entropy_backward
+        except AttributeError:
+            from .ops.cross_entropy import cross_entropy_backward as op
+            CudaML._op_cross_entropy_backward = staticmethod(op)
+        return op(self.math, logits, labels, grad_loss, reduction, ignore_index, check_labels)
 
     # -- regularization -------------------------------------------------------------------
     def dropout(self, tensor: CudaTensor, keep_prob: float = 0.5, seed: Optional[int] = None,
@@ -301,7 +414,8 @@ class CudaML:
     def sketched_linear_params(self, in_features: int, out_features: int, num_terms: int,
                                low_rank: int, dtype: Any = "float32",
                                seed: Optional[int] = None) -> Tuple[CudaTensor, CudaTensor]:
-        """Draw U, V as the seed's SKLinear(in_features, out_features, num_terms, low_rank)."""
+        """Draw U, V as SKLinear(in_features, out_features, num_terms, low_rank) does
+        (../shared/seeds/004_98bf96c14fc0e5d5.txt)."""
         from .ops import linear
         return linear.sketched_linear_params(self.math, in_features, out_features, num_terms,
                                              low_rank, dtype, seed)

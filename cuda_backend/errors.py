@@ -157,3 +157,14 @@ def number_source_lines(source: str, marked: set = frozenset()) -> str:
 class GraphCaptureError(CudaBackendError, RuntimeError):
     """A call that cannot be recorded into a CUDA graph was made while capturing, or the
     capture failed."""
+
+
+class InvalidIndexError(CudaBackendError, IndexError):
+    """An index NumPy rejects with IndexError: too many indices for the tensor's dimensions,
+    a second Ellipsis, a float or other non-index object in a key."""
+
+
+class IndexOutOfRangeError(InvalidIndexError):
+    """An integer index outside [-size, size) of its axis: a key of `tensor[...]`, or an
+    element of the indices of take / gather / scatter_add (those are checked on the device,
+    by a flag the kernel sets, when check_bounds=True)."""

@@ -43,10 +43,12 @@ class OpEntry:
 
 # The op families, in the order kernels.template_variants() gathers their parameter sets.
 FAMILIES = ("elementwise", "reduction", "softmax", "transpose", "matmul", "pooling",
-            "normalization", "dropout", "optimizers", "conv2d", "attention", "linear")
+            "normalization", "dropout", "optimizers", "conv2d", "attention", "linear",
+            "activation_backward", "softmax_backward", "cross_entropy", "shape", "indexing")
 # Names every family module defines; `candidates` too where the family autotunes.
 CONTRACT = ("TEMPLATES", "template_variants", "warm_up", "reference")
-AUTOTUNED = ("softmax", "transpose", "matmul", "normalization", "conv2d", "attention", "linear")
+AUTOTUNED = ("softmax", "transpose", "matmul", "normalization", "conv2d", "attention", "linear",
+             "softmax_backward", "cross_entropy")
 
 _EW = ("elementwise.cu.j2",)
 _FILL = ("fill.cu.j2",)
@@ -54,6 +56,10 @@ _REDUCE = ("reduce.cu.j2", "reduce_axis.cu.j2")
 _MM = ("matmul_simt.cu.j2", "matmul_mma.cu.j2")
 _CONV = ("conv2d_simt.cu.j2", "conv2d_mma.cu.j2", "conv2d_prep.cu.j2", "conv2d_direct.cu.j2")
 _T_EW = "tests/test_elementwise.py"
+_STRIDED = ("strided_copy.cu.j2",)
+_T_SHAPE = "tests/test_shape_ops.py"
+_IX = ("indexing.cu.j2",)
+_T_IX = "tests/test_indexing.py"
 
 
 def _math(name: str, family: str, templates: Tuple[str, ...], test: str,
@@ -90,6 +96,17 @@ _ENTRIES: List[OpEntry] = [
           "matrix/matrix_transpose"),
     _math("matrix_multiply", "matmul", _MM + ("matmul_wgmma.cu.j2",) + _FILL +
           ("transpose.cu.j2",), "tests/test_matmul.py", "matrix/matrix_multiply"),
+    # CudaMath: shapes (views: no kernel; permute's plain 2-D transposes: transpose.cu.j2)
+    _math("reshape", "shape", (), _T_SHAPE, "matrix/reshape"),
+    _math("view", "shape", (), _T_SHAPE, "matrix/view"),
+    _math("permute", "shape", _STRIDED + ("transpose.cu.j2",), _T_SHAPE, "matrix/permute"),
+    _math("transpose", "shape", _STRIDED + ("transpose.cu.j2",), _T_SHAPE, "matrix/transpose"),
+    *[_math(op, "shape", _STRIDED, _T_SHAPE, f"matrix/{op}")
+      for op in ("getitem", "concatenate", "stack", "split", "broadcast_to", "astype")],
+    # CudaMath: comparisons and indexing
+    *[_math(op, "indexing", _IX, _T_IX, f"matrix/{op}")
+      for op in ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal",
+                 "where", "take", "gather", "scatter_add")],
     # CudaML
     _ml("conv2d", "conv2d", _CONV, "tests/test_conv2d.py", "ml/conv2d"),
     _ml("activation", "elementwise", _EW, _T_EW, "ml/activation"),
@@ -116,6 +133,14 @@ _ENTRIES: List[OpEntry] = [
         "tests/test_flash_attention.py", "ml/flash_attention"),
     _ml("sketched_linear", "linear", _MM + _REDUCE + _EW, "tests/test_linear.py",
         "ml/sketched_linear"),
+    # gradients (models, part 1): activations, softmax / log_softmax, fused cross-entropy
+    *[_ml(f"{op}_backward", "activation_backward", ("activation_backward.cu.j2",),
+          "tests/test_backward.py", f"ml/{op}_backward")
+      for op in ("relu", "leaky_relu", "elu", "gelu", "sigmoid", "tanh")],
+    *[_ml(op, "softmax_backward", ("softmax_backward.cu.j2",), "tests/test_backward.py",
+          f"ml/{op}") for op in ("softmax_backward", "log_softmax_backward")],
+    *[_ml(op, "cross_entropy", ("cross_entropy.cu.j2",), "tests/test_backward.py", f"ml/{op}")
+      for op in ("cross_entropy", "cross_entropy_backward")],
 ]
 
 OPS: Dict[str, OpEntry] = {e.key: e for e in _ENTRIES}
@@ -129,7 +154,7 @@ NON_OPS: Dict[str, str] = {
     "CudaMath.from_cuda_array": "wraps another library's device array without copying",
     "CudaMath.to_device": "copies a tensor to another GPU (perf/bench_multigpu.py times it)",
     "CudaMath.kernel": "the compiled-kernel accessor the op modules use",
-    "CudaMath.benchmark_operations": "the seed's benchmark runner over the operations",
+    "CudaMath.benchmark_operations": "the documented API's benchmark runner over the operations",
     "CudaML.sketched_linear_params": "draws random sketch weights on the host (no kernel)",
 }
 

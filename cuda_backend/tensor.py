@@ -272,6 +272,83 @@ class CudaTensor:
     def __neg__(self) -> "CudaTensor":
         return _math_of(self).negative(self)
 
+    # -- comparisons (CudaMath.equal, less, ...: bool tensors, broadcasting) ----------------
+    # Defining __eq__ would drop the default hash: tensors stay hashable by identity.
+    __hash__ = object.__hash__
+
+    def _compare(self, op: str, other: Any, symbol: str) -> Any:
+        if isinstance(other, np.ndarray):
+            other = _host_operand(other, symbol)
+        if not isinstance(other, (CudaTensor, int, float, np.number, np.bool_)):
+            return NotImplemented
+        return getattr(_math_of(self), op)(self, other)
+
+    def __eq__(self, other: Any) -> Any:  # type: ignore[override]
+        return self._compare("equal", other, "==")
+
+    def __ne__(self, other: Any) -> Any:  # type: ignore[override]
+        return self._compare("not_equal", other, "!=")
+
+    def __lt__(self, other: Any) -> Any:
+        return self._compare("less", other, "<")
+
+    def __le__(self, other: Any) -> Any:
+        return self._compare("less_equal", other, "<=")
+
+    def __gt__(self, other: Any) -> Any:
+        return self._compare("greater", other, ">")
+
+    def __ge__(self, other: Any) -> Any:
+        return self._compare("greater_equal", other, ">=")
+
+    def __bool__(self) -> bool:
+        """NumPy's rule: only a one-element tensor has a truth value (read back from the
+        device); `tensor in list` and `if tensor:` on others raise."""
+        if self.size != 1:
+            raise InvalidArgumentError(
+                f"the truth value of a tensor of shape {self.shape} is ambiguous (only "
+                f"one-element tensors have one)")
+        return bool(_math_of(self).to_numpy(self).reshape(-1)[0])
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        """Refused: device memory is not copied to the host implicitly (np.asarray would
+        otherwise walk the tensor element by element through __getitem__)."""
+        raise InvalidArgumentError(
+            "a CudaTensor is not converted to a NumPy array implicitly; use tensor.numpy() "
+            "(or CudaMath.to_numpy)")
+
+    # -- shapes and indexing (CudaMath.reshape, permute, getitem, astype) ------------------
+    def __getitem__(self, key: Any) -> "CudaTensor":
+        """NumPy basic indexing (a view where the result is contiguous, else a copy); an int
+        tensor key takes along axis 0."""
+        return _math_of(self).getitem(self, key)
+
+    def __iter__(self) -> Any:
+        """The sub-tensors along axis 0 (views), as NumPy iterates; a 0-d tensor raises."""
+        if not self.shape:
+            raise TypeError("iteration over a 0-d tensor")
+        return (self[i] for i in range(self.shape[0]))
+
+    def reshape(self, *shape: Any) -> "CudaTensor":
+        """A view of a new shape: t.reshape(2, 3) or t.reshape((2, 3)); one dim may be -1."""
+        return _math_of(self).reshape(self, _shape_args(shape))
+
+    def view(self, *shape: Any) -> "CudaTensor":
+        """reshape (PyTorch's name)."""
+        return _math_of(self).view(self, _shape_args(shape))
+
+    def permute(self, *axes: Any) -> "CudaTensor":
+        """t.permute(2, 0, 1) or t.permute((2, 0, 1)): a new tensor with the axes reordered."""
+        return _math_of(self).permute(self, _shape_args(axes))
+
+    def transpose(self, *axes: Any) -> "CudaTensor":
+        """NumPy's: t.transpose() reverses the axes; t.transpose(1, 0, 2) permutes them."""
+        return _math_of(self).transpose(self, _shape_args(axes) if axes else None)
+
+    def astype(self, dtype: Any) -> "CudaTensor":
+        """A new tensor converted to dtype (NumPy's astype)."""
+        return _math_of(self).astype(self, dtype)
+
     @property
     def T(self) -> "CudaTensor":
         """Transpose of a 2-D tensor (last two axes of a 3-D one), as a new tensor."""
@@ -415,3 +492,11 @@ def check_dtype(tensor: CudaTensor, expected: CudaDataType, what: str = "tensor"
     if tensor.dtype is not expected:
         raise DTypeMismatchError(
             f"{what} has dtype {tensor.dtype.name_str}, expected {expected.name_str}")
+
+
+def _shape_args(args: Tuple[Any, ...]) -> Any:
+    """A method's *args as one shape / axes: f(2, 3) and f((2, 3)) both give (2, 3)."""
+    if len(args) == 1 and not isinstance(args[0], (int, np.integer)):
+        a = args[0]
+        return tuple(a) if isinstance(a, list) else a
+    return tuple(args)

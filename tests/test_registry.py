@@ -4,14 +4,12 @@ templates render; its test file and report cases exist; each family's float64 re
 agrees with the op (fallback mode)."""
 from __future__ import annotations
 
-import contextlib
 import inspect
-import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers import StandInMath
 
 from cuda_backend import kernels, registry
 from cuda_backend.compiler import declared_kernels
@@ -112,36 +110,15 @@ def test_templates_declare_their_arch():
 
 
 # -- warm_up with a stand-in CudaMath (records the kernels asked for) -----------------------
-class _Backend:
-    current_device = 0
-
-    @contextlib.contextmanager
-    def device(self, device_id):
-        yield device_id
-
-
-class _Math:
-    def __init__(self, gpu=True):
-        self.gpu = gpu
-        self.backend = _Backend()
-        self.calls = []
-        self._lock = threading.Lock()
-
-    def kernel(self, template, device_id, **params):
-        with self._lock:
-            self.calls.append((template, device_id))
-        return SimpleNamespace(name="k")
-
-
 @pytest.mark.parametrize("family", registry.FAMILIES)
 def test_warm_up_compiles_the_family_templates(family):
     mod = registry.family_module(family)
-    m = _Math()
+    m = StandInMath()
     n = mod.warm_up(m, workers=4)
     assert n > 0 and len(m.calls) == n
-    assert {t for t, _ in m.calls} <= set(mod.TEMPLATES)
-    assert all(dev == 0 for _, dev in m.calls)
-    assert mod.warm_up(_Math(gpu=False)) == 0
+    assert {t for t, _, _ in m.calls} <= set(mod.TEMPLATES)
+    assert all(dev == 0 for _, dev, _ in m.calls)
+    assert mod.warm_up(StandInMath(gpu=False)) == 0
 
 
 # -- each entry ------------------------------------------------------------------------------
@@ -267,6 +244,72 @@ for _op in ("sum", "max", "min", "mean"):
         lambda op=_op: _ref("reduction")(op, IMG, axis=(0, 2)))
 SAMPLES["CudaMath.argmax"] = (F64, lambda m, ml, t: m.argmax(t(X), axis=1),
                               lambda: _ref("reduction")("argmax", X, axis=1))
+# shapes and indexing: int64 indices into X's last axis (size 6), with repeats and negatives
+_IDX = np.array([[2, 0], [5, -4]])
+_GIDX = np.array([[0, 5, -1, 2]])
+_SRC = RNG.standard_normal(X.shape[:1] + _IDX.shape)
+_KEY = (1, slice(None, None, -2), Ellipsis, slice(1, 5, 3))
+RX, RY = np.round(X), np.round(Y[0])
+SAMPLES.update({
+    "CudaMath.reshape": (F64, lambda m, ml, t: m.reshape(t(X), (3, -1)),
+                         lambda: _ref("shape")("reshape", X, (3, -1))),
+    "CudaMath.view": (F64, lambda m, ml, t: m.view(t(X), (9, 2)),
+                      lambda: _ref("shape")("view", X, (9, 2))),
+    "CudaMath.permute": (F64, lambda m, ml, t: m.permute(t(IMG), (2, 0, 3, 1)),
+                         lambda: _ref("shape")("permute", IMG, (2, 0, 3, 1))),
+    "CudaMath.transpose": (F64, lambda m, ml, t: m.transpose(t(X)),
+                           lambda: _ref("shape")("transpose", X)),
+    "CudaMath.getitem": (F64, lambda m, ml, t: m.getitem(t(IMG), _KEY),
+                         lambda: _ref("shape")("getitem", IMG, _KEY)),
+    "CudaMath.concatenate": (F64, lambda m, ml, t: m.concatenate([t(X), t(Y)], axis=1),
+                             lambda: _ref("shape")("concatenate", [X, Y], axis=1)),
+    "CudaMath.stack": (F64, lambda m, ml, t: m.stack([t(X), t(Y)], axis=-1),
+                       lambda: _ref("shape")("stack", [X, Y], axis=-1)),
+    "CudaMath.split": (F64, lambda m, ml, t: m.split(t(X), 3, axis=1)[1],
+                       lambda: _ref("shape")("split", X, 3, axis=1)[1]),
+    "CudaMath.broadcast_to": (F64, lambda m, ml, t: m.broadcast_to(t(X[0, :1]), (2, 3, 6)),
+                              lambda: _ref("shape")("broadcast_to", X[0, :1], (2, 3, 6))),
+    "CudaMath.astype": (F64, lambda m, ml, t: m.astype(t(X * 4), "int32"),
+                        lambda: _ref("shape")("astype", X * 4, "int32").astype(np.float64)),
+    "CudaMath.where": (F64, lambda m, ml, t: m.where(m.greater(t(X), 0.0), t(X), t(Y[0])),
+                       lambda: _ref("indexing")("where", X > 0, X, Y[0])),
+    "CudaMath.take": (F64, lambda m, ml, t: m.take(t(X), m.from_numpy(_IDX), axis=1),
+                      lambda: _ref("indexing")("take", X, _IDX, axis=1)),
+    "CudaMath.gather": (F64, lambda m, ml, t: m.gather(t(X), m.from_numpy(_GIDX), axis=1),
+                        lambda: _ref("indexing")("gather", X, _GIDX, axis=1)),
+    "CudaMath.scatter_add": (F64, lambda m, ml, t: m.scatter_add(
+        t(X), m.from_numpy(_IDX), t(_SRC), axis=1),
+        lambda: _ref("indexing")("scatter_add", X, _IDX, _SRC, axis=1)),
+})
+for _op in ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal"):
+    SAMPLES[f"CudaMath.{_op}"] = (
+        F64, lambda m, ml, t, op=_op: getattr(m, op)(t(RX), t(RY)),
+        lambda op=_op: _ref("indexing")(op, RX, RY).astype(np.float64))
+# gradients: activations (sigmoid / tanh from their outputs), softmax, cross-entropy
+_BRNG = np.random.default_rng(13)
+_LOGITS = _BRNG.standard_normal((5, 7)) * 3
+_LABELS = np.array([0, 6, -100, 3, 2])
+_SIG, _TANH = 1 / (1 + np.exp(-X)), np.tanh(X)
+for _op, _v in (("relu", X), ("leaky_relu", X), ("elu", X), ("gelu", X), ("sigmoid", _SIG),
+                ("tanh", _TANH)):
+    SAMPLES[f"CudaML.{_op}_backward"] = (
+        F64, lambda m, ml, t, op=_op, v=_v: getattr(ml, f"{op}_backward")(t(Y), t(v)),
+        lambda op=_op, v=_v: _ref("activation_backward")(op, Y, v))
+SAMPLES.update({
+    "CudaML.softmax_backward": (F64, lambda m, ml, t: ml.softmax_backward(t(Y), t(_SIG)),
+                                lambda: _ref("softmax_backward")(Y, _SIG)),
+    "CudaML.log_softmax_backward": (
+        F64, lambda m, ml, t: ml.log_softmax_backward(t(Y), t(-_SIG)),
+        lambda: _ref("softmax_backward")(Y, -_SIG, log=True)),
+    "CudaML.cross_entropy": (
+        F64, lambda m, ml, t: ml.cross_entropy(t(_LOGITS), m.from_numpy(_LABELS)),
+        lambda: _ref("cross_entropy")("cross_entropy", _LOGITS, _LABELS)),
+    "CudaML.cross_entropy_backward": (
+        F64, lambda m, ml, t: ml.cross_entropy_backward(t(_LOGITS), m.from_numpy(_LABELS), 0.5,
+                                                        reduction="sum"),
+        lambda: _ref("cross_entropy")("cross_entropy_backward", _LOGITS, _LABELS, "sum",
+                                      grad_loss=0.5)),
+})
 
 
 def test_every_op_has_a_reference_sample():

@@ -226,3 +226,107 @@ MATH_OPS: List[OpDef] = [
           variant="axis=-1", check=argmax_check, flops=per_element(1)),
 ]
 
+
+
+# -- shapes and indexing (ops/shape.py, ops/indexing.py) -------------------------------------
+def qkv_rows(rng: np.random.Generator, n: int) -> List[np.ndarray]:
+    """A transformer's fused QKV projection output (B=8, T=n/8, 3C=3*768): at n = 4096 the
+    (8, 512, 2304) -> (3, 8, 12, 512, 64) head split."""
+    return [rng.standard_normal((8, max(n // 8, 1), 3 * 768), dtype=F32)]
+
+
+def _qkv_heads(xp: Any, x: Any) -> Any:
+    return xp.ascontiguousarray(x.reshape(8, x.shape[1], 3, 12, 64).transpose(2, 0, 3, 1, 4))
+
+
+def ties(k: int):
+    """Small integers as floats, so that equal / less_equal see ties."""
+    return lambda rng, n: [rng.integers(-3, 4, (n, n)).astype(F32) for _ in range(k)]
+
+
+def where_inputs(rng: np.random.Generator, n: int) -> List[np.ndarray]:
+    return [rng.random((n, n)) < 0.5, rng.standard_normal((n, n), dtype=F32),
+            rng.standard_normal((n, n), dtype=F32)]
+
+
+def embedding(rng: np.random.Generator, n: int) -> List[np.ndarray]:
+    """A (n, 256) table and 4n int64 token ids."""
+    return [rng.standard_normal((n, 256), dtype=F32), rng.integers(0, n, 4 * n)]
+
+
+def embedding_grad(rng: np.random.Generator, n: int) -> List[np.ndarray]:
+    """A zero (n, 256) gradient, 4n int64 token ids (repeats) and their (4n, 256) gradients."""
+    return [np.zeros((n, 256), F32), rng.integers(0, n, 4 * n),
+            rng.standard_normal((4 * n, 256), dtype=F32)]
+
+
+def along_axis(rng: np.random.Generator, n: int) -> List[np.ndarray]:
+    return [rng.standard_normal((n, n), dtype=F32), rng.integers(0, n, (n, 8))]
+
+
+def _add_at(xp: Any, t: Any, i: Any, s: Any) -> Any:
+    xp.add.at(t, i, s)
+    return t
+
+
+_SLICE = (slice(None, None, 2), slice(1, None))
+_T_CMP = {"equal": "eq", "not_equal": "ne", "less": "lt", "less_equal": "le", "greater": "gt",
+          "greater_equal": "ge"}
+MATH_OPS += [
+    OpDef("reshape", M, square(1), lambda c, x: c.math.reshape(x, (-1,)),
+          cpu=lambda xp, x: x.reshape(-1), torch=lambda T, x: x.reshape(-1),
+          bytes_fn=lambda i, o: 0),
+    OpDef("view", M, square(1), lambda c, x: c.math.view(x, (x.shape[1], x.shape[0])),
+          cpu=lambda xp, x: x.reshape(x.shape[1], x.shape[0]),
+          torch=lambda T, x: x.view(x.shape[1], x.shape[0]), bytes_fn=lambda i, o: 0),
+    OpDef("permute", M, square(1), lambda c, x: c.math.permute(x, (1, 0)),
+          cpu=lambda xp, x: xp.ascontiguousarray(x.T),
+          torch=lambda T, x: x.permute(1, 0).contiguous(), dtypes=ALL),
+    OpDef("permute", M, qkv_rows,
+          lambda c, x: c.math.permute(c.math.reshape(x, (8, x.shape[1], 3, 12, 64)),
+                                      (2, 0, 3, 1, 4)),
+          cpu=_qkv_heads, variant="qkv heads (8,n/8,2304)->(3,8,12,n/8,64)", dtypes=ALL,
+          torch=lambda T, x: x.view(8, x.shape[1], 3, 12, 64).permute(2, 0, 3, 1, 4)
+          .contiguous(), min_size=8),
+    OpDef("transpose", M, square(1), lambda c, x: c.math.transpose(x),
+          cpu=lambda xp, x: xp.ascontiguousarray(x.T), torch=lambda T, x: x.t().contiguous()),
+    OpDef("getitem", M, square(1), lambda c, x: c.math.getitem(x, _SLICE),
+          cpu=lambda xp, x: xp.ascontiguousarray(x[_SLICE]),
+          torch=lambda T, x: x[_SLICE].contiguous(), variant="[::2, 1:]"),
+    OpDef("concatenate", M, square(2), lambda c, a, b: c.math.concatenate([a, b], axis=1),
+          cpu=lambda xp, a, b: xp.concatenate([a, b], axis=1),
+          torch=lambda T, a, b: T.cat([a, b], dim=1), variant="axis=1"),
+    OpDef("stack", M, square(2), lambda c, a, b: c.math.stack([a, b], axis=1),
+          cpu=lambda xp, a, b: xp.stack([a, b], axis=1),
+          torch=lambda T, a, b: T.stack([a, b], dim=1), variant="axis=1"),
+    OpDef("split", M, square(1), lambda c, x: c.math.split(x, 2, axis=1),
+          cpu=lambda xp, x: [xp.ascontiguousarray(p) for p in xp.split(x, 2, axis=1)],
+          torch=lambda T, x: [p.contiguous() for p in T.chunk(x, 2, dim=1)],
+          variant="2, axis=1"),
+    OpDef("broadcast_to", M, normal(1), lambda c, v: c.math.broadcast_to(v, (v.size, v.size)),
+          cpu=lambda xp, v: xp.broadcast_to(v, (v.size, v.size)).copy(),
+          torch=lambda T, v: v.expand(v.numel(), v.numel()).contiguous(), variant="(n,)->(n,n)"),
+    OpDef("astype", M, square(1), lambda c, x: c.math.astype(x, "float16"),
+          cpu=lambda xp, x: x.astype(xp.float16), torch=lambda T, x: x.to(T.float16),
+          variant="->float16", tol_scale=10.0),
+    *[OpDef(op, M, ties(2), lambda c, a, b, op=op: getattr(c.math, op)(a, b),
+            cpu=lambda xp, a, b, op=op: getattr(xp, op)(a, b),
+            torch=lambda T, a, b, op=op: getattr(T, _T_CMP[op])(a, b))
+      for op in ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal")],
+    OpDef("where", M, where_inputs, lambda c, k, a, b: c.math.where(k, a, b),
+          cpu=lambda xp, k, a, b: xp.where(k, a, b), torch=lambda T, k, a, b: T.where(k, a, b)),
+    OpDef("take", M, embedding, lambda c, w, i: c.math.take(w, i, axis=0),
+          cpu=lambda xp, w, i: xp.take(w, i, axis=0),
+          torch=lambda T, w, i: T.index_select(w, 0, i), variant="embedding (n,256)[4n]"),
+    OpDef("take", M, embedding, lambda c, w, i: c.math.take(w, i, axis=0, check_bounds=False),
+          cpu=lambda xp, w, i: xp.take(w, i, axis=0),
+          torch=lambda T, w, i: T.index_select(w, 0, i),
+          variant="embedding (n,256)[4n], check_bounds=False"),
+    OpDef("gather", M, along_axis, lambda c, x, i: c.math.gather(x, i, axis=1),
+          cpu=lambda xp, x, i: xp.take_along_axis(x, i, axis=1),
+          torch=lambda T, x, i: T.gather(x, 1, i), variant="(n,n) by (n,8), axis=1"),
+    OpDef("scatter_add", M, embedding_grad,
+          lambda c, t, i, s: c.math.scatter_add(t, i, s, axis=0), cpu=_add_at, cupy=False,
+          torch_factory=lambda T, t, i, s: (lambda: t.index_add_(0, i, s)),
+          result_inputs=(0,), variant="embedding backward (n,256) += [4n]"),
+]

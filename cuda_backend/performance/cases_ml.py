@@ -1,8 +1,9 @@
 """The CudaML cases (ml family), used when `cuda_backend.cuda_ml` can be imported.
 
 Sizes are a scale s: images are (8, 64, s, s), layer-norm rows s*s/2 x 1024, attention
-(2, 8, 8s, 64), optimizer vectors 64*s*s parameters. Signatures follow issue 4's API
-(`conv2d(input, kernel, ConvolutionConfig)`, `activation(x, ActivationType.X)`, ...). To
+(2, 8, 8s, 64), optimizer vectors 64*s*s parameters. Signatures follow the documented API
+(../shared/seeds/001_097e3d6e2f3c2394.txt: `conv2d(input, kernel, ConvolutionConfig)`,
+`activation(x, ActivationType.X)`, ...). To
 benchmark a new CudaML operation, add an OpDef to ML_OPS.
 """
 from __future__ import annotations
@@ -89,6 +90,27 @@ def sketched(xp: Any, x: Any, u: Any, v: Any) -> Any:
     return ((x @ u) @ v).mean(axis=0)
 
 
+def gelu_tanh_grad(xp: Any, g: Any, x: Any) -> Any:
+    """d gelu_tanh(x) / dx * g (PyTorch's formula)."""
+    t = xp.tanh(SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
+    return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI
+                * (1.0 + 3 * 0.044715 * x * x))
+
+
+def cross_entropy_loss(xp: Any, x: Any, labels: Any) -> Any:
+    """The mean cross-entropy (every label in range, none ignored)."""
+    m = x.max(axis=-1, keepdims=True)
+    lse = xp.log(xp.exp(x - m).sum(axis=-1)) + m[:, 0]
+    return (lse - xp.take_along_axis(x, labels[:, None], axis=-1)[:, 0]).mean()
+
+
+def cross_entropy_grad(xp: Any, x: Any, labels: Any) -> Any:
+    """d mean cross-entropy / d x."""
+    p = _softmax(xp, x)
+    p[xp.arange(x.shape[0]), labels] -= 1.0
+    return p / x.shape[0]
+
+
 def dropout_check(out, ref, inputs):
     """Every element is 0 or x/keep_prob, and the kept fraction is within 6 sigma of 0.5."""
     x = inputs[0]
@@ -143,6 +165,33 @@ def optimizer_state(k: int):
     return make
 
 
+def grad_pair(kind: str = "x"):
+    """(upstream gradient, the forward's input x or output y) of images' shape."""
+    def make(rng: np.random.Generator, s: int) -> List[np.ndarray]:
+        g, x = normal(rng, (8, 64, s, s)), normal(rng, (8, 64, s, s))
+        if kind == "sigmoid":
+            x = _sigmoid(np, x).astype(F32)
+        elif kind == "tanh":
+            x = np.tanh(x).astype(F32)
+        return [g, x]
+    return make
+
+
+def softmax_grad_rows(log: bool):
+    """(upstream gradient, softmax or log_softmax output) of rows s*s/2 x 1024."""
+    def make(rng: np.random.Generator, s: int) -> List[np.ndarray]:
+        n = max(s * s // 2, 1)
+        y = _softmax(np, normal(rng, (n, 1024)).astype(np.float64), log=log).astype(F32)
+        return [normal(rng, (n, 1024)), y]
+    return make
+
+
+def logits_labels(rng: np.random.Generator, s: int) -> List[np.ndarray]:
+    """Logits s*s/2 x 1000 (scale 3) and int64 labels in range."""
+    n = max(s * s // 2, 1)
+    return [normal(rng, (n, 1000), 3.0), rng.integers(0, 1000, n).astype(np.int64)]
+
+
 def linear(rng: np.random.Generator, s: int) -> List[np.ndarray]:
     return [normal(rng, (8 * s, 1024)), normal(rng, (1024, 1024), 1 / 32), normal(rng, 1024)]
 
@@ -175,6 +224,18 @@ def _act(name: str):
 
 def _opt_state(c: Any, **kw: Any) -> Any:
     return c.ml_module.OptimizerState(**kw)
+
+
+def _aten(T: Any) -> Any:
+    return T.ops.aten
+
+
+def torch_cross_entropy_backward(T: Any, x: Any, labels: Any):
+    """PyTorch's backward of F.cross_entropy as autograd runs it (nll_loss_backward, then
+    log_softmax_backward), the forward done once outside the timed call."""
+    xr = x.detach().requires_grad_(True)
+    loss = _F(T).cross_entropy(xr, labels)
+    return lambda: T.autograd.grad(loss, xr, retain_graph=True)[0]
 
 
 ML_OPS: List[OpDef] = [
@@ -244,4 +305,47 @@ ML_OPS: List[OpDef] = [
           cpu=sketched, torch=lambda T, x, u, v: ((x @ u) @ v).mean(dim=0), api="CudaML",
           variant="4 terms rank 32",
           flops=lambda sh: 2.0 * sh[1][0] * sh[0][0] * sh[1][2] * (sh[1][1] + sh[2][2])),
+    # gradients (ops/activation_backward.py, softmax_backward.py, cross_entropy.py)
+    OpDef("relu_backward", ML, grad_pair(), lambda c, g, x: c.ml.relu_backward(g, x),
+          cpu=lambda xp, g, x: xp.where(x <= 0, 0, g),
+          torch=lambda T, g, x: _aten(T).threshold_backward(g, x, 0), api="CudaML",
+          dtypes=TENSOR, flops=per_element(1)),
+    OpDef("leaky_relu_backward", ML, grad_pair(),
+          lambda c, g, x: c.ml.leaky_relu_backward(g, x),
+          cpu=lambda xp, g, x: xp.where(x > 0, g, g * 0.01),
+          torch=lambda T, g, x: _aten(T).leaky_relu_backward(g, x, 0.01, False), api="CudaML",
+          flops=per_element(2)),
+    OpDef("elu_backward", ML, grad_pair(), lambda c, g, x: c.ml.elu_backward(g, x),
+          cpu=lambda xp, g, x: xp.where(x <= 0, g * xp.exp(x), g),
+          torch=lambda T, g, x: _aten(T).elu_backward(g, 1.0, 1, 1, False, x), api="CudaML",
+          flops=per_element(4)),
+    OpDef("gelu_backward", ML, grad_pair(), lambda c, g, x: c.ml.gelu_backward(g, x),
+          cpu=gelu_tanh_grad,
+          torch=lambda T, g, x: _aten(T).gelu_backward(g, x, approximate="tanh"),
+          api="CudaML", variant="tanh", dtypes=TENSOR, flops=per_element(20)),
+    OpDef("sigmoid_backward", ML, grad_pair("sigmoid"),
+          lambda c, g, y: c.ml.sigmoid_backward(g, y), cpu=lambda xp, g, y: g * (1.0 - y) * y,
+          torch=lambda T, g, y: _aten(T).sigmoid_backward(g, y), api="CudaML",
+          flops=per_element(3)),
+    OpDef("tanh_backward", ML, grad_pair("tanh"), lambda c, g, y: c.ml.tanh_backward(g, y),
+          cpu=lambda xp, g, y: g * (1.0 - y * y),
+          torch=lambda T, g, y: _aten(T).tanh_backward(g, y), api="CudaML",
+          flops=per_element(3)),
+    OpDef("softmax_backward", ML, softmax_grad_rows(False),
+          lambda c, g, y: c.ml.softmax_backward(g, y),
+          cpu=lambda xp, g, y: y * (g - (g * y).sum(axis=-1, keepdims=True)),
+          torch=lambda T, g, y: _aten(T)._softmax_backward_data(g, y, -1, y.dtype),
+          api="CudaML", dtypes=TENSOR, flops=per_element(4)),
+    OpDef("log_softmax_backward", ML, softmax_grad_rows(True),
+          lambda c, g, y: c.ml.log_softmax_backward(g, y),
+          cpu=lambda xp, g, y: g - xp.exp(y) * g.sum(axis=-1, keepdims=True),
+          torch=lambda T, g, y: _aten(T)._log_softmax_backward_data(g, y, -1, y.dtype),
+          api="CudaML", flops=per_element(4)),
+    OpDef("cross_entropy", ML, logits_labels, lambda c, x, t: c.ml.cross_entropy(x, t),
+          cpu=cross_entropy_loss, torch=lambda T, x, t: _F(T).cross_entropy(x, t),
+          api="CudaML", variant="mean", cupy=False, dtypes=TENSOR, flops=per_element(5)),
+    OpDef("cross_entropy_backward", ML, logits_labels,
+          lambda c, x, t: c.ml.cross_entropy_backward(x, t), cpu=cross_entropy_grad,
+          torch_factory=torch_cross_entropy_backward, api="CudaML", variant="mean",
+          cupy=False, dtypes=TENSOR, flops=per_element(5)),
 ]

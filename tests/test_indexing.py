@@ -1,0 +1,348 @@
+"""Comparisons, where, take / gather and scatter_add (ops/indexing.py) against NumPy, and the
+tensor operators (==, <, ..., t[indices]).
+
+Every test taking `m` runs twice: on the GPU (marked `gpu`, skipped without one: the
+indexing.cu.j2 kernels, the device-side bounds flag) and in fallback mode (NumPy, skipped in a
+process that has a GPU). scatter_add's float results are checked against np.add.at in float64
+within the bound of their summation count (atomic adds land in any order).
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from cuda_backend import (CudaDataType as DT, DTypeMismatchError, IndexOutOfRangeError,
+                          InvalidArgumentError, ShapeMismatchError, from_bfloat16_bits,
+                          to_bfloat16_bits)
+from cuda_backend.driver import load_driver
+from cuda_backend.ops import indexing as ix
+
+ALL = list(DT)
+OPS = list(ix.COMPARE_OPS)
+NP_OPS = {"equal": np.equal, "not_equal": np.not_equal, "less": np.less,
+          "less_equal": np.less_equal, "greater": np.greater, "greater_equal": np.greater_equal}
+needs_fallback = pytest.mark.skipif(
+    load_driver()[0] is not None,
+    reason="this process has a GPU: the fallback variant runs only without one")
+
+
+@pytest.fixture(scope="module", params=[pytest.param("gpu", marks=pytest.mark.gpu),
+                                        pytest.param("cpu", marks=needs_fallback)])
+def m(request, backend):
+    from cuda_backend.cuda_math import CudaMath
+    math_ = CudaMath(backend)
+    assert math_.gpu == (request.param == "gpu")
+    ix.warm_up(math_, 0, workers=16)     # every variant in parallel (0 in fallback mode)
+    return math_
+
+
+def make(m, shape, dtype, rng, small=False):
+    """A tensor of random values (small integers with ties when small) and its host values
+    (bfloat16 as float32)."""
+    if dtype is DT.BOOL:
+        v = rng.random(shape) < 0.5
+    elif small or not dtype.is_floating:
+        lo = 0 if dtype is DT.UINT8 else -3
+        v = rng.integers(lo, 4, shape)
+    else:
+        v = rng.standard_normal(shape) * 10
+    t = m.from_numpy(np.asarray(v).astype(np.float32 if dtype is DT.BFLOAT16
+                                          else dtype.numpy_dtype), dtype=dtype)
+    return t, m.to_numpy(t)
+
+
+def same(m, t, expected):
+    got = m.to_numpy(t)
+    assert got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)
+
+
+def ids(dtypes):
+    return [d.name_str for d in dtypes]
+
+
+# -- comparisons ----------------------------------------------------------------------------------
+SHAPE_PAIRS = [((7,), (7,)), ((3, 5), (5,)), ((3, 1), (1, 6)), ((2, 3, 4), (3, 1)),
+               ((), (4,)), ((5, 1, 3), (4, 1)), ((1,), (33,))]
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))
+@pytest.mark.parametrize("op", OPS)
+def test_compare_every_op_and_dtype(m, op, dtype):
+    """Broadcast shapes, tensor-tensor and tensor-scalar (both sides), ties included."""
+    rng = np.random.default_rng(0)
+    f = NP_OPS[op]
+    for sa, sb in SHAPE_PAIRS:
+        a, ra = make(m, sa, dtype, rng, small=True)
+        b, rb = make(m, sb, dtype, rng, small=True)
+        out = getattr(m, op)(a, b)
+        assert out.dtype is DT.BOOL
+        same(m, out, f(ra, rb))
+    a, ra = make(m, (4, 9), dtype, rng, small=True)
+    s = True if dtype is DT.BOOL else 1
+    same(m, getattr(m, op)(a, s), f(ra, np.asarray(s, ra.dtype)))
+    same(m, getattr(m, op)(s, a), f(np.asarray(s, ra.dtype), ra))
+
+
+def test_compare_floats_nan_and_scalar_rounding(m):
+    v = np.array([np.nan, 1.0, -np.inf, np.inf, 0.1, -0.0], np.float32)
+    x = m.from_numpy(v)
+    same(m, m.equal(x, x), v == v)
+    same(m, m.not_equal(x, x), v != v)
+    same(m, m.less(x, np.inf), v < np.inf)
+    same(m, m.equal(x, 0.0), v == 0)
+    same(m, m.equal(x, 0.1), v == np.float32(0.1))          # the scalar in float32 first
+    h = m.from_numpy(np.array([0.1, 0.2], np.float16))
+    same(m, m.equal(h, 0.1), np.array([True, False]))        # NumPy 2: 0.1 as float16
+    b = m.from_numpy(np.array([0.1, 1.0 + 2.0**-8], np.float32), dtype="bfloat16")
+    same(m, m.equal(b, 1.0), np.array([False, True]))        # 1 + 2^-8 rounds to 1 in bf16
+
+
+def test_compare_errors(m):
+    a = m.zeros(3)
+    with pytest.raises(ShapeMismatchError):
+        m.less(a, m.zeros(4))
+    with pytest.raises(DTypeMismatchError):
+        m.less(a, m.zeros(3, DT.FLOAT64))
+    with pytest.raises(DTypeMismatchError, match="is not an integer"):
+        m.less(m.zeros(3, DT.INT32), 1.5)
+    with pytest.raises(InvalidArgumentError):
+        m.less(1, 2)
+    with pytest.raises(DTypeMismatchError):
+        m.less(a, np.zeros(3))
+
+
+def test_comparison_operators(m):
+    rng = np.random.default_rng(1)
+    a, ra = make(m, (3, 4), DT.FLOAT32, rng, small=True)
+    b, rb = make(m, (4,), DT.FLOAT32, rng, small=True)
+    same(m, a == b, ra == rb)
+    same(m, a != b, ra != rb)
+    same(m, a < b, ra < rb)
+    same(m, a <= 1, ra <= 1)
+    same(m, 1 < a, 1 < ra)                  # reflected: a > 1
+    same(m, a >= np.float32(0), ra >= 0)
+    same(m, a > np.array(0.0), ra > 0)      # a 0-d array is its scalar
+    assert (a == None) is False and (a != "x") is True    # noqa: E711
+    assert len({a, b}) == 2 and a in [a]                # hashable by identity
+    with pytest.raises(InvalidArgumentError, match="ambiguous"):
+        bool(a == a)
+    with pytest.raises(InvalidArgumentError, match="ambiguous"):
+        a in [b]                                        # NumPy's rule, not a silent True
+    assert bool(m.from_numpy(np.array([2.0])) > 1) is True
+    with pytest.raises(InvalidArgumentError, match="numpy"):
+        np.asarray(a)
+
+
+# -- where ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))
+def test_where(m, dtype):
+    rng = np.random.default_rng(2)
+    for sc, sa, sb in [((6,), (6,), (6,)), ((3, 1), (1, 5), (3, 5)), ((2, 3, 4), (4,), (3, 1)),
+                       ((), (3,), (2, 3)), ((4, 1, 2), (1, 7, 1), (1,))]:
+        c, rc = make(m, sc, DT.BOOL, rng)
+        a, ra = make(m, sa, dtype, rng)
+        b, rb = make(m, sb, dtype, rng)
+        same(m, m.where(c, a, b), np.where(rc, ra, rb))
+    c, rc = make(m, (3, 8), DT.BOOL, rng)
+    a, ra = make(m, (8,), dtype, rng)
+    s = True if dtype is DT.BOOL else 2
+    same(m, m.where(c, a, s), np.where(rc, ra, np.asarray(s, ra.dtype)))
+    same(m, m.where(c, s, a), np.where(rc, np.asarray(s, ra.dtype), ra))
+
+
+def test_where_masking_and_errors(m):
+    x = m.from_numpy(np.array([-1.5, 2.0, np.nan, 4.0], np.float32))
+    same(m, m.where(x > 0, x, 0.0), np.array([0.0, 2.0, 0.0, 4.0], np.float32))
+    same(m, m.where(x > 0, -np.inf, x), np.array([-1.5, -np.inf, np.nan, -np.inf], np.float32))
+    with pytest.raises(DTypeMismatchError, match="cond must be a bool tensor"):
+        m.where(x, x, x)
+    with pytest.raises(InvalidArgumentError):
+        m.where(x > 0, 1.0, 2.0)
+    with pytest.raises(DTypeMismatchError):
+        m.where(x > 0, x, m.zeros(4, DT.FLOAT64))
+    with pytest.raises(ShapeMismatchError):
+        m.where(x > 0, x, m.zeros(3))
+
+
+# -- take / gather --------------------------------------------------------------------------------
+ELEM_DTYPES = [DT.FLOAT32, DT.FLOAT64, DT.BFLOAT16, DT.UINT8, DT.BOOL, DT.INT64]
+
+
+@pytest.mark.parametrize("index_dtype", [DT.INT32, DT.INT64], ids=ids([DT.INT32, DT.INT64]))
+@pytest.mark.parametrize("dtype", ELEM_DTYPES, ids=ids(ELEM_DTYPES))
+def test_take(m, dtype, index_dtype):
+    """Every axis of odd shapes, repeated and negative indices, index tensors of 0-2 dims;
+    rows of 16-byte multiples (the vector path: embedding lookups) and odd ones."""
+    rng = np.random.default_rng(3)
+    for shape in [(5,), (7, 3), (4, 5, 6), (3, 2, 64), (9, 32)]:
+        x, rx = make(m, shape, dtype, rng)
+        for axis in range(len(shape)):
+            n = shape[axis]
+            for ishape in [(), (4,), (2, 3)]:
+                idx = rng.integers(-n, n, ishape)
+                if idx.size:
+                    idx.flat[0] = idx.flat[-1]                  # a repeat
+                it = m.from_numpy(idx.astype(index_dtype.numpy_dtype))
+                same(m, m.take(x, it, axis=axis), np.take(rx, idx, axis=axis))
+    x, rx = make(m, (3, 4), dtype, rng)
+    it = m.from_numpy(np.array([11, -12, 0], index_dtype.numpy_dtype))
+    same(m, m.take(x, it, axis=None), np.take(rx, [11, -12, 0]))
+    same(m, x[m.from_numpy(np.array([2, 0, 2], index_dtype.numpy_dtype))], rx[[2, 0, 2]])
+
+
+def test_embedding_lookup(m):
+    rng = np.random.default_rng(4)
+    w, rw = make(m, (50, 128), DT.FLOAT32, rng)
+    ids_ = rng.integers(0, 50, (4, 17))
+    same(m, m.take(w, m.from_numpy(ids_)), rw[ids_])
+    same(m, m.take(w, m.from_numpy(ids_.astype(np.int32)), check_bounds=False), rw[ids_])
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_take_out_of_range(m, check):
+    x = m.from_numpy(np.arange(12, dtype=np.float32).reshape(3, 4) + 1)
+    bad = m.from_numpy(np.array([0, 3, -4, 2], np.int64))
+    before = m.backend.memory_pools[0].get_stats()["active_blocks"] if m.gpu else None
+    if check:
+        with pytest.raises(IndexOutOfRangeError, match="out of bounds for axis 0 with size 3"):
+            m.take(x, bad, axis=0)
+        with pytest.raises(IndexError):
+            m.gather(x, m.from_numpy(np.array([[4]], np.int32)), axis=1)
+        if m.gpu:
+            assert m.backend.memory_pools[0].get_stats()["active_blocks"] == before
+    else:                               # out-of-range rows are zeros, silently
+        out = m.take(x, bad, axis=0, check_bounds=False)
+        exp = np.zeros((4, 4), np.float32)
+        exp[0], exp[3] = np.arange(1, 5), np.arange(9, 13)
+        same(m, out, exp)
+        g = m.gather(x, m.from_numpy(np.array([[4], [1], [-5]], np.int32)), axis=1,
+                     check_bounds=False)
+        same(m, g, np.array([[0], [6], [0]], np.float32))
+
+
+def test_take_errors(m):
+    x = m.zeros((3, 4))
+    with pytest.raises(DTypeMismatchError, match="indices must be int32 or int64, got float32"):
+        m.take(x, m.zeros(2), axis=0)
+    with pytest.raises(InvalidArgumentError):
+        m.take(x, np.array([0, 1]))
+    with pytest.raises(InvalidArgumentError, match="axis 2 is out of range"):
+        m.take(x, m.from_numpy(np.array([0])), axis=2)
+    with pytest.raises(IndexOutOfRangeError):
+        m.take(m.zeros((0, 4)), m.from_numpy(np.array([0])), axis=0)
+    assert m.take(m.zeros((0, 4)), m.from_numpy(np.zeros(0, np.int64)), axis=0).shape == (0, 4)
+
+
+@pytest.mark.parametrize("index_dtype", [DT.INT32, DT.INT64], ids=ids([DT.INT32, DT.INT64]))
+@pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT16, DT.INT32, DT.UINT8],
+                         ids=ids([DT.FLOAT32, DT.FLOAT16, DT.INT32, DT.UINT8]))
+def test_gather_take_along_axis(m, dtype, index_dtype):
+    rng = np.random.default_rng(5)
+    for xs, is_, axis in [((5, 7), (5, 3), 1), ((5, 7), (2, 7), 0), ((4, 6, 3), (4, 2, 3), 1),
+                          ((4, 6, 3), (1, 9, 3), 1), ((4, 6, 1), (4, 2, 5), 1),
+                          ((3, 8), (3, 8), -1), ((6,), (10,), 0)]:
+        x, rx = make(m, xs, dtype, rng)
+        n = xs[axis]
+        idx = rng.integers(-n, n, is_)
+        got = m.gather(x, m.from_numpy(idx.astype(index_dtype.numpy_dtype)), axis=axis)
+        bshape = np.broadcast_shapes(tuple(1 if d == axis % len(xs) else s
+                                           for d, s in enumerate(xs)), is_)
+        bx = np.broadcast_to(rx, tuple(xs[d] if d == axis % len(xs) else bshape[d]
+                                       for d in range(len(xs))))
+        same(m, got, np.take_along_axis(bx, np.where(idx < 0, idx + n, idx), axis=axis))
+    with pytest.raises(ShapeMismatchError):
+        m.gather(m.zeros((3, 4), dtype), m.from_numpy(np.zeros((2, 4), np.int64)), axis=1)
+    with pytest.raises(ShapeMismatchError):
+        m.gather(m.zeros((3, 4), dtype), m.from_numpy(np.zeros(4, np.int64)), axis=1)
+
+
+# -- scatter_add ----------------------------------------------------------------------------------
+EPS = {DT.FLOAT64: 2.0**-53, DT.FLOAT32: 2.0**-24, DT.FLOAT16: 2.0**-11, DT.BFLOAT16: 2.0**-8}
+
+
+@pytest.mark.parametrize("index_dtype", [DT.INT32, DT.INT64], ids=ids([DT.INT32, DT.INT64]))
+@pytest.mark.parametrize("dtype", list(ix.SCATTER_DTYPES), ids=ids(ix.SCATTER_DTYPES))
+def test_scatter_add_repeated_indices(m, dtype, index_dtype):
+    """np.add.at in float64 with heavily repeated indices (every axis of odd shapes): floats
+    within count * eps * sum |terms| of each element (plus the final rounding), ints exact."""
+    rng = np.random.default_rng(6)
+    for tshape, ishape, axis in [((5, 3), (40,), 0), ((4, 7), (3, 9), 1), ((3, 5, 6), (25,), 1),
+                                 ((6, 16), (2, 50), 0), ((2, 3, 4), (7,), 2)]:
+        t, rt = make(m, tshape, dtype, rng, small=not dtype.is_floating)
+        n = tshape[axis]
+        idx = rng.integers(-n, n, ishape)
+        sshape = tshape[:axis] + ishape + tshape[axis + 1:]
+        s, rs = make(m, sshape, dtype, rng, small=not dtype.is_floating)
+        res = m.scatter_add(t, m.from_numpy(idx.astype(index_dtype.numpy_dtype)), s, axis=axis)
+        assert res is t
+        key = (slice(None),) * axis + (idx,)
+        if not dtype.is_floating:
+            exp = rt.copy()
+            np.add.at(exp, key, rs)
+            same(m, t, exp)
+            continue
+        exp = rt.astype(np.float64)
+        np.add.at(exp, key, rs.astype(np.float64))
+        mag = np.abs(rt.astype(np.float64))
+        np.add.at(mag, key, np.abs(rs.astype(np.float64)))
+        count = np.zeros(tshape)
+        np.add.at(count, key, 1.0)
+        bound = (count + 1) * EPS[dtype] * mag + 1e-300
+        err = np.abs(m.to_numpy(t).astype(np.float64) - exp)
+        assert np.all(err <= bound), (tshape, axis, float((err / bound).max()))
+
+
+def test_scatter_add_embedding_backward(m):
+    """grad_weight (vocab, dim) += grad_out (B, T, dim) at token_ids (B, T), float32 and
+    float64; take's adjoint: sum(take(w, ids) * g) == sum(w * scatter_add(0, ids, g))."""
+    rng = np.random.default_rng(7)
+    ids_ = rng.integers(0, 20, (3, 11))
+    ids_[0, :5] = 7                                  # a hot token
+    for dtype in (DT.FLOAT32, DT.FLOAT64):
+        g, rg = make(m, (3, 11, 64), dtype, rng)
+        gw = m.zeros((20, 64), dtype)
+        m.scatter_add(gw, m.from_numpy(ids_), g)
+        exp = np.zeros((20, 64))
+        np.add.at(exp, ids_, rg.astype(np.float64))
+        np.testing.assert_allclose(m.to_numpy(gw), exp, rtol=1e-5 if dtype is DT.FLOAT32
+                                   else 1e-13, atol=1e-5 if dtype is DT.FLOAT32 else 1e-13)
+
+
+def test_scatter_add_out_of_range_and_errors(m):
+    t = m.zeros((3, 2))
+    src = m.from_numpy(np.ones((3, 2), np.float32))
+    bad = m.from_numpy(np.array([0, 5, -1], np.int64))
+    with pytest.raises(IndexOutOfRangeError):
+        m.scatter_add(t, bad, src)
+    same(m, t, np.array([[1, 1], [0, 0], [1, 1]], np.float32))   # the in-range adds landed
+    m.scatter_add(t, bad, src, check_bounds=False)
+    same(m, t, np.array([[2, 2], [0, 0], [2, 2]], np.float32))
+    with pytest.raises(ShapeMismatchError, match="expected"):
+        m.scatter_add(t, bad, m.zeros((2, 2)))
+    with pytest.raises(DTypeMismatchError):
+        m.scatter_add(m.zeros(3, DT.UINT8), m.from_numpy(np.array([0])), m.zeros(1, DT.UINT8))
+    with pytest.raises(DTypeMismatchError):
+        m.scatter_add(t, bad, m.zeros((3, 2), DT.FLOAT64))
+    with pytest.raises(DTypeMismatchError):
+        m.scatter_add(t, m.zeros(3), src)
+
+
+# -- host-side helpers -----------------------------------------------------------------------------
+def test_template_variants():
+    sets = ix.template_variants()[ix.TEMPLATE]
+    assert sum(p["kind"] == "map" and p["op"] != "where" for p in sets) == len(OPS) * len(ALL)
+    assert {(p["elem"], p["index_dtype"]) for p in sets if p["kind"] == "gather"} == \
+        set(itertools.product(ix.ELEMS, ("int32", "int64")))
+    assert len([p for p in sets if p["kind"] == "scatter_add"]) == 2 * len(ix.SCATTER_DTYPES)
+
+
+def test_reference():
+    x = np.arange(12.0).reshape(3, 4)
+    np.testing.assert_array_equal(ix.reference("take", x, [2, 0], axis=1), x[:, [2, 0]])
+    np.testing.assert_array_equal(ix.reference("less", x, 5.0), x < 5)
+    out = ix.reference("scatter_add", np.zeros(3), np.array([1, 1, 2]), np.ones(3))
+    np.testing.assert_array_equal(out, [0, 2, 1])
+    assert from_bfloat16_bits(to_bfloat16_bits(np.float32([1.0])))[0] == 1.0
