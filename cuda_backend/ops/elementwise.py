@@ -46,8 +46,6 @@ TEMPLATES = (TEMPLATE, "fill.cu.j2")   # the registry's contract (fill's sets: k
 # the grid at 2 or 8 waves cost 5-10%.
 BLOCK = 128          # threads per block
 UNROLL = 1           # 16-byte vectors per operand per thread per loop step
-BLOCKS_PER_SM = 2048 // BLOCK   # resident blocks per SM at full occupancy
-GRID_WAVES = 0       # 0: one block per BLOCK*UNROLL vectors; k > 0: cap at k full waves
 FILL_BLOCK = 256     # fill.cu.j2's block size (the parameter sets kernels.py lists)
 MAX_BCAST_DIMS = 6
 _LAUNCH_LIMIT = 2**31   # a broadcast launch stays under this many elements (32-bit division)
@@ -144,8 +142,7 @@ def _kernel_name(m: Any, cache: _DeviceCache, dev: int, kind: str, op: str,
             for pname, default in UNARY_OPS[op][1].items():
                 zero = _scalar(dtype, default, pname)
         per_block = BLOCK * params["unroll"]
-        cap = min(cache.sm_count * BLOCKS_PER_SM * GRID_WAVES if GRID_WAVES else 2**31 - 1,
-                  2**31 - 1)
+        cap = 2**31 - 1   # one block per BLOCK*UNROLL vectors (an exact grid, see BLOCK)
         k = (m.kernel(TEMPLATE, dev, **params).name, per_block, params["vec"], zero, cap)
         cache.kernels[key] = k
     return k[0], k[1]
@@ -462,11 +459,10 @@ def _make_copy_plan(m: Any, dtype: CudaDataType, dev: int) -> Optional[Callable]
     return plan
 
 
-def _grid(items: int, per_block: int, sm_count: int) -> int:
-    """Blocks for `items` work items (vectors or elements), per_block per block-step."""
+def _grid(items: int, per_block: int) -> int:
+    """Blocks for `items` work items (vectors or elements), per_block per block-step: an
+    exact grid (see BLOCK), within the 2^31 - 1 grid limit."""
     blocks = -(-items // per_block) or 1
-    if GRID_WAVES:
-        blocks = min(blocks, sm_count * BLOCKS_PER_SM * GRID_WAVES)
     return min(blocks, 2**31 - 1)
 
 
@@ -674,7 +670,7 @@ def binary(m: Any, op: str, a: Any, b: Any, out: Optional[CudaTensor] = None) ->
     else:
         aligned = not ((res._ptr | b._ptr) & 15)
         args = (res, 0, b, sv, n, 2)
-    grid = _grid(n // vec if aligned else n, per_block, cache.sm_count)
+    grid = _grid(n // vec if aligned else n, per_block)
     m.backend.launch_kernel(name, grid, *args, block_size=_BLOCK_DIMS, device_id=dev)
     if out is None:
         if mode == 0:
@@ -735,7 +731,7 @@ def _broadcast_launch(m: Any, cache: _DeviceCache, op: str, dtype: CudaDataType,
     vec = 16 // dtype.itemsize
     launch = m.backend.launch_kernel
     for args in _broadcast_plan(dims, dtype.itemsize, res.ptr, a.ptr, b.ptr):
-        grid = _grid(args[3] // vec if args[5] else args[3], per_block, cache.sm_count)
+        grid = _grid(args[3] // vec if args[5] else args[3], per_block)
         launch(name, grid, *args, block_size=_BLOCK_DIMS, device_id=dev)
     return res
 
@@ -858,7 +854,7 @@ def unary(m: Any, op: str, x: CudaTensor, out: Optional[CudaTensor] = None,
     cache = _cache(m, dev)
     name, per_block = _kernel_name(m, cache, dev, "unary", op, x.dtype)
     aligned = not ((res._ptr | x._ptr) & 15)
-    grid = _grid(n // (16 // x.dtype.itemsize) if aligned else n, per_block, cache.sm_count)
+    grid = _grid(n // (16 // x.dtype.itemsize) if aligned else n, per_block)
     m.backend.launch_kernel(name, grid, res, x, n, alpha, block_size=_BLOCK_DIMS,
                             device_id=dev)
     if out is None and (not params or op in ALPHA_OPS):
