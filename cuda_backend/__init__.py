@@ -17,6 +17,7 @@ from .devices import CudaDeviceInfo  # noqa: E402
 from .tensor import CudaTensor  # noqa: E402
 from .backend import CudaBackend, get_cuda_backend, FALLBACK_MESSAGE  # noqa: E402
 from .kernels import KernelGenerator, get_kernel_generator  # noqa: E402
+from .dlpack import from_dlpack  # noqa: E402
 
 __all__ = [
     "__version__", "CudaBackend", "get_cuda_backend", "CudaTensor", "CudaDataType",
@@ -27,4 +28,12 @@ __all__ = [
     "KernelCompilationError", "KernelLaunchError", "KernelNotFoundError",
     "LaunchConfigurationError", "ShapeMismatchError", "TensorFreedError", "TransferError",
     "InvalidIndexError", "IndexOutOfRangeError",
+    "from_dlpack",
 ]
+
+
+def __getattr__(name: str):  # the training modules load on first use, not at import
+    if name in ("autograd", "nn", "optim"):
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -280,7 +280,7 @@ class Autotuner:
             return
         doc = {"version": 1, "choices": self._choices}
         try:
-            write_json_atomic(self.path, doc)
+            write_json_atomic(self.path, doc, private=True)
         except OSError as exc:
             logger.debug("autotune: cannot write %s: %s", self.path, exc)
 

@@ -1,26 +1,72 @@
-"""`cuda-backend` command line: `info` prints the devices; `report` runs the benchmarks."""
+"""`cuda-backend` command line (also `python -m cuda_backend`): `info` prints the devices,
+`report` benchmarks the backend and writes the report."""
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional
+from typing import List, Optional, Sequence
+
+from . import __version__
+
+# Exit statuses, listed in `--help`. `report` uses all of them, `info` 0 and 2.
+EXIT_OK = 0
+EXIT_CASE_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+EXIT_CODES = (
+    (EXIT_OK, "success (in fallback mode too: no GPU is not an error)"),
+    (EXIT_CASE_FAILED, "report: at least one case failed (see its FAILURES table)"),
+    (EXIT_USAGE, "bad command line or options (the message says which)"),
+    (EXIT_INTERRUPTED, "report: interrupted by Ctrl-C or SIGTERM (the cases measured so far "
+                       "are written)"),
+)
+
+
+def exit_codes_text() -> str:
+    """The exit-status table of `--help`."""
+    return "exit status:\n" + "\n".join(f"  {code:<4} {what}" for code, what in EXIT_CODES)
+
+
+def _cell(value: object, missing: bool) -> str:
+    return "n/a" if missing else str(value)
+
+
+def device_rows(devices: Sequence, fallback: bool) -> List[List[str]]:
+    """One row per device for `info`: the whole name, and n/a where fallback mode has no
+    value (no compute capability, L2, bandwidth or PCI bus for the host)."""
+    rows = [["id", "name", "cc", "memory", "SMs" if not fallback else "cores", "L2",
+             "bandwidth", "PCI bus"]]
+    for d in devices:
+        rows.append([
+            str(d.device_id), d.name,
+            _cell("%d.%d" % tuple(d.compute_capability), fallback),
+            f"{d.memory_total / 2**30:.1f} GiB",
+            str(d.multiprocessor_count),
+            _cell(f"{d.l2_cache_size / 2**20:.1f} MiB", fallback or not d.l2_cache_size),
+            _cell(f"{d.theoretical_bandwidth_gbps:.0f} GB/s",
+                  fallback or not d.theoretical_bandwidth_gbps),
+            _cell(d.pci_bus_id, fallback or not d.pci_bus_id),
+        ])
+    return rows
+
+
+def format_rows(rows: List[List[str]]) -> List[str]:
+    """Columns padded to their widest cell (nothing is cut)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
 def cmd_info(_: argparse.Namespace) -> int:
+    """Print every device (the host in fallback mode) and the versions in use."""
     from .backend import get_cuda_backend
     b = get_cuda_backend()
     if not b.is_available:
         print(f"fallback mode: {b.fallback_reason}")
-    print(f"{'id':>2}  {'name':<28} {'cc':>4} {'memory':>9} {'SMs':>4} {'L2':>7} "
-          f"{'bandwidth':>10}  pci")
-    for d in b.devices:
-        print(f"{d.device_id:>2}  {d.name[:28]:<28} {'%d.%d' % d.compute_capability:>4} "
-              f"{d.memory_total / 2**30:>7.1f}Gi {d.multiprocessor_count:>4} "
-              f"{d.l2_cache_size / 2**20:>5.1f}Mi {d.theoretical_bandwidth_gbps:>7.0f}GB/s  "
-              f"{d.pci_bus_id}")
+    for line in format_rows(device_rows(b.devices, not b.is_available)):
+        print(line)
     v = b.versions()
     print("versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val))
-    return 0
+    return EXIT_OK
 
 
 def add_report_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -36,15 +82,16 @@ def add_report_options(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                              "(default: reports)")
     parser.add_argument("--profile", action="store_true",
                         help="also write the backend's stats (profile_stats.json) and a "
-                             "Chrome trace (trace.json) of every launch and copy")
+                             "Chrome trace (trace.json, open it in https://ui.perfetto.dev or "
+                             "chrome://tracing) of every launch and copy; each case is an "
+                             "NVTX range for Nsight Systems where libnvtx is found")
     parser.add_argument("--no-peers", action="store_true",
                         help="skip CuPy and PyTorch (the CPU NumPy baseline is still timed)")
     return parser
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """Run the benchmarks, print the summary, write the report. Exit status: 0 all passed,
-    1 some case failed, 2 bad options, 130 interrupted (the partial report is written)."""
+    """Run the benchmarks, print the summary, write the report (exit statuses: EXIT_CODES)."""
     from .performance import CudaPerformanceTester, TestConfiguration
     peers = ("numpy",) if args.no_peers else ("numpy", "cupy", "torch")
     try:
@@ -54,31 +101,52 @@ def cmd_report(args: argparse.Namespace) -> int:
         summary = tester.run_comprehensive_benchmark()
     except ValueError as exc:
         print(f"cuda-backend report: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     tester.print_summary_report(summary)
     if summary["interrupted"]:
         print("interrupted: the report holds the cases measured so far", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     failed = summary["counts"]["failed"]
     if failed:
         print(f"{failed} case(s) failed: see the FAILURES table", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_CASE_FAILED
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `cuda-backend` parser: `--version`, `info`, `report`, exit statuses in --help."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="cuda-backend", formatter_class=fmt, epilog=exit_codes_text(),
+        description="A small GPU backend on PyCUDA: `info` lists the devices, `report` "
+                    "benchmarks every operation\nagainst NumPy, CuPy and PyTorch. Without "
+                    "PyCUDA or a GPU both run in fallback mode (NumPy on\nthe host) and say "
+                    "so. `python -m cuda_backend` is the same command.")
+    parser.add_argument("--version", action="version", version=f"cuda-backend {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,report}")
+    sub.add_parser(
+        "info", formatter_class=fmt, epilog=exit_codes_text(),
+        help="print the devices table and the fallback status",
+        description="Print one line per device (in fallback mode the host: name, memory, CPU "
+                    "cores), whether\nthe backend is in fallback mode and why, and the "
+                    "versions of Python, NumPy, PyCUDA,\nthe CUDA driver and nvcc.")
+    add_report_options(sub.add_parser(
+        "report", formatter_class=fmt, epilog=exit_codes_text(),
+        help="benchmark the backend and write results.json, charts, summary.md and index.html",
+        description="Benchmark every operation on device 0 against NumPy on the CPU and "
+                    "against CuPy and PyTorch\non the GPU, print the summary tables and "
+                    "write the report to DIR/<device-slug>/:\nresults.json, the charts, "
+                    "summary.md and index.html."))
+    return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="cuda-backend", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="print the devices table and the fallback status")
-    add_report_options(sub.add_parser(
-        "report", help="benchmark the backend and write results.json, charts, summary.md "
-                       "and index.html"))
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command == "info":
         return cmd_info(args)
     if args.command == "report":
         return cmd_report(args)
-    return 2
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

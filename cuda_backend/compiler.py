@@ -43,7 +43,8 @@ _SCALAR_FORMATS = {
     "unsigned char": "B", "uint8_t": "B", "bool": "?",
     "float": "f", "double": "d",
 }
-_LAUNCH_BOUNDS = r"(?:__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)\s*)?"
+# launch attributes between __global__ and the name: __launch_bounds__(...), __cluster_dims__(...)
+_LAUNCH_BOUNDS = r"(?:(?:__launch_bounds__|__cluster_dims__)\s*\((?:[^()]|\([^()]*\))*\)\s*)*"
 _QUALIFIERS = {"const", "volatile", "__restrict__", "__restrict", "restrict",
                "__grid_constant__", "struct"}
 

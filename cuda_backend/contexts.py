@@ -28,7 +28,7 @@ class _ThreadState:
             except Exception:
                 pass
 
-    stack_pop = None  # set to drv.Context.pop by the manager
+    stack_pop: Any = None  # set to drv.Context.pop by the manager
 
 
 class ContextManager:

@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .backend import CudaBackend, get_cuda_backend
+from .dlpack import from_dlpack as dlpack_import
 from .dtypes import CudaDataType
 from .errors import InvalidArgumentError
 from .kernels import KernelGenerator
@@ -24,8 +25,10 @@ from .ops import shape as sh
 from .ops import softmax as sm
 from .ops import transpose as tr
 from .tensor import CudaTensor, register_math, set_math_factory
+from .transfers import bf16_from_host
 
 Operand = Union[CudaTensor, int, float]
+_BF16 = CudaDataType.BFLOAT16   # (an Enum member's class attribute lookup costs ~0.3 us)
 Axis = Union[None, int, Tuple[int, ...]]
 
 
@@ -65,8 +68,13 @@ class CudaMath:
         return self.backend.empty(shape, CudaDataType.from_any(dtype), device_id)
 
     def from_numpy(self, array: Any, device_id: Optional[int] = 0,
-                   dtype: Any = None) -> CudaTensor:
-        """Copy a host array to a new tensor; dtype= converts (e.g. to bfloat16)."""
+                   dtype: Any = None, bits: bool = False) -> CudaTensor:
+        """Copy a host array to a new tensor; dtype= converts (e.g. to bfloat16). An
+        ml_dtypes.bfloat16 array makes a bfloat16 tensor as it is; bits=True takes a uint16
+        array as bfloat16 bit patterns (a uint16 array with dtype="bfloat16" raises: its
+        numbers would be converted, not its bits)."""
+        if bits:
+            return bf16_from_host(self, array, dtype, device_id, bits=True)
         if type(array) is np.ndarray and dtype is None:
             # the common call: the array's dtype, looked up in a per-instance memo of
             # CudaDataType.from_any (which scans the members)
@@ -87,14 +95,18 @@ class CudaMath:
                     f"from_numpy cannot make an array of the {type(array).__name__} given: "
                     f"{exc}") from None
             target = CudaDataType.from_any(dtype if dtype is not None else a.dtype)
+        if target is _BF16:
+            return bf16_from_host(self, a, dtype, device_id)
         dev = self.backend.current_device if device_id is None else device_id
         return common.from_host(self, a, target, dev)
 
     def to_numpy(self, tensor: CudaTensor) -> np.ndarray:
-        """A host copy; bfloat16 comes back as float32 (NumPy has no bfloat16)."""
+        """A host copy; bfloat16 comes back as ml_dtypes.bfloat16 (the same bits; NumPy
+        arithmetic on it; `.astype(np.float32)` widens it exactly)."""
         if type(tensor) is CudaTensor and tensor.dtype is not CudaDataType.BFLOAT16:
             return self.backend.to_host(tensor)   # (it raises TensorFreedError when freed)
-        return common.host_array(self, common.check_tensor(tensor, "tensor"))
+        t = common.check_tensor(tensor, "tensor")
+        return self.backend.to_host(t).view(t.dtype.array_dtype)
 
     def free_tensor(self, tensor: CudaTensor) -> None:
         """Give the tensor's memory back to its pool now."""
@@ -102,9 +114,15 @@ class CudaMath:
             raise InvalidArgumentError(f"expected a CudaTensor, got {type(tensor).__name__}")
         tensor.free()
 
-    def from_cuda_array(self, obj: Any) -> CudaTensor:
-        """Wrap a CuPy/PyTorch/Numba device array without copying."""
-        return CudaTensor.from_cuda_array(obj, backend=self.backend)
+    def from_cuda_array(self, obj: Any, dtype: Any = None) -> CudaTensor:
+        """Wrap a CuPy/PyTorch/Numba device array without copying (dtype="bfloat16" reads
+        an opaque '<V2' typestr as bfloat16; PyTorch's and CuPy's are read so anyway)."""
+        return CudaTensor.from_cuda_array(obj, backend=self.backend, dtype=dtype)
+
+    def from_dlpack(self, obj: Any, copy: Optional[bool] = None) -> CudaTensor:
+        """A tensor on a DLPack producer's memory (PyTorch, CuPy, JAX, NumPy arrays, or a
+        capsule), zero-copy, stream-ordered; see dlpack.from_dlpack for when it copies."""
+        return dlpack_import(obj, copy=copy, backend=self.backend)
 
     def to_device(self, tensor: CudaTensor, device_id: int) -> CudaTensor:
         """A copy of tensor on device_id (peer-to-peer when the devices allow)."""

@@ -96,6 +96,20 @@ class CudaML:
             CudaML._op_conv2d = staticmethod(op)
         return op(self.math, input, kernel, config, bias, precision)
 
+    def conv2d_backward(self, grad_out: CudaTensor, input: CudaTensor, kernel: CudaTensor,
+                        config: ConvolutionConfig, has_bias: bool = False,
+                        precision: Optional[str] = None) -> Any:
+        """The gradients of conv2d(input, kernel, config, bias, precision) for grad_out (the
+        output's shape): (grad_input, grad_kernel, grad_bias, or None without has_bias),
+        every stride/padding/dilation/groups the forward takes. float32 is true FP32 by
+        default; precision="tf32" lets the stride-1 input gradient use TF32 tensor cores."""
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_conv2d_backward
+        except AttributeError:
+            from .ops.conv2d_backward import conv2d_backward as op
+            CudaML._op_conv2d_backward = staticmethod(op)
+        return op(self.math, grad_out, input, kernel, config, has_bias, precision)
+
     # -- activations ----------------------------------------------------------------------
     def activation(self, tensor: CudaTensor, activation_type: ActivationType,
                    alpha: Optional[float] = None) -> CudaTensor:
@@ -233,6 +247,32 @@ class CudaML:
             CudaML._op_pool2d = staticmethod(op)
         return op(self.math, "avg", tensor, pool_size, stride, padding)
 
+    def max_pool2d_backward(self, grad_out: CudaTensor, input: CudaTensor, pool_size: Pair,
+                            stride: Optional[Pair] = None,
+                            padding: Pair = (0, 0)) -> CudaTensor:
+        """d max_pool2d(input, ...) / d input times grad_out: each window's gradient goes to
+        the element the forward picked (first maximum, last NaN, as PyTorch's indices);
+        input is the forward's, grad_out of its output shape. Deterministic (no atomics)."""
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_pool2d_backward
+        except AttributeError:
+            from .ops.pooling_backward import pool2d_backward as op
+            CudaML._op_pool2d_backward = staticmethod(op)
+        return op(self.math, "max", grad_out, input, pool_size, stride, padding)
+
+    def avg_pool2d_backward(self, grad_out: CudaTensor, input: CudaTensor, pool_size: Pair,
+                            stride: Optional[Pair] = None,
+                            padding: Pair = (0, 0)) -> CudaTensor:
+        """d avg_pool2d(input, ...) / d input times grad_out: grad_out / (kh * kw) to every
+        element of each window (padding counted, as the forward); input gives the shape,
+        dtype and device only."""
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_pool2d_backward
+        except AttributeError:
+            from .ops.pooling_backward import pool2d_backward as op
+            CudaML._op_pool2d_backward = staticmethod(op)
+        return op(self.math, "avg", grad_out, input, pool_size, stride, padding)
+
     # -- normalization --------------------------------------------------------------------
     def batch_norm(self, input: CudaTensor, gamma: CudaTensor, beta: CudaTensor,
                    mean: CudaTensor, var: CudaTensor, eps: float = 1e-5,
@@ -255,6 +295,36 @@ class CudaML:
             from .ops.normalization import layer_norm as op
             CudaML._op_layer_norm = staticmethod(op)
         return op(self.math, x, weight, bias, eps)
+
+    def layer_norm_backward(self, grad_out: CudaTensor, x: CudaTensor,
+                            weight: Optional[CudaTensor] = None, eps: float = 1e-5
+                            ) -> Tuple[CudaTensor, Optional[CudaTensor], CudaTensor]:
+        """(grad_x, grad_weight, grad_bias) of layer_norm(x, weight, bias, eps) for the
+        gradient grad_out of its output; the row statistics are recomputed from x.
+        grad_weight is None when weight is None; grad_bias (D,) is always returned.
+        Deterministic (no atomics)."""
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_layer_norm_backward
+        except AttributeError:
+            from .ops.normalization_backward import layer_norm_backward as op
+            CudaML._op_layer_norm_backward = staticmethod(op)
+        return op(self.math, grad_out, x, weight, eps)
+
+    def batch_norm_backward(self, grad_out: CudaTensor, input: CudaTensor, gamma: CudaTensor,
+                            eps: float = 1e-5, training: bool = True,
+                            running_mean: Optional[CudaTensor] = None,
+                            running_var: Optional[CudaTensor] = None
+                            ) -> Tuple[CudaTensor, CudaTensor, CudaTensor]:
+        """(grad_input, grad_gamma, grad_beta) of batch_norm for the gradient grad_out of its
+        output, per channel (axis 1): training=True with the batch statistics recomputed
+        from input (biased variance), training=False with running_mean and running_var
+        (required then). Deterministic (no atomics)."""
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_batch_norm_backward
+        except AttributeError:
+            from .ops.normalization_backward import batch_norm_backward as op
+            CudaML._op_batch_norm_backward = staticmethod(op)
+        return op(self.math, grad_out, input, gamma, eps, training, running_mean, running_var)
 
     def softmax(self, tensor: CudaTensor) -> CudaTensor:
         return self.math.softmax(tensor)
@@ -336,6 +406,17 @@ class CudaML:
             CudaML._op_dropout = staticmethod(op)
         return op(self.math, tensor, keep_prob, seed, return_mask)
 
+    def dropout_backward(self, grad_out: CudaTensor, keep_prob: float, seed: int) -> CudaTensor:
+        """grad_out times the mask `dropout(x, keep_prob, seed)` drew, divided by keep_prob:
+        the mask regenerated from the seed (element i of grad_out pairs with element i of
+        x, so grad_out has x's element count)."""
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_dropout_backward
+        except AttributeError:
+            from .ops.dropout import dropout_backward as op
+            CudaML._op_dropout_backward = staticmethod(op)
+        return op(self.math, grad_out, keep_prob, seed)
+
     # -- optimizers -----------------------------------------------------------------------
     def sgd_update(self, params: CudaTensor, gradients: CudaTensor,
                    momentum: Optional[CudaTensor], optimizer_state: OptimizerState) -> None:
@@ -386,10 +467,69 @@ class CudaML:
         from .ops import linear
         return linear.fused_linear_gelu(m, x, weight, bias, precision)
 
+    def linear(self, x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor] = None,
+               precision: Optional[str] = None) -> CudaTensor:
+        """x Wᵀ + b in one kernel (the bias added in its store stage); weight is
+        (out_features, in_features), x (..., in_features). Precision as fused_linear_gelu."""
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_linear
+        except AttributeError:
+            from .ops.linear import linear as op
+            CudaML._op_linear = staticmethod(op)
+        return op(self.math, x, weight, bias, precision)
+
+    # -- GEMM gradients (ops/matmul_backward.py) -------------------------------------------
+    def linear_backward(self, grad_out: CudaTensor, x: CudaTensor, weight: CudaTensor,
+                        has_bias: bool = True, precision: Optional[str] = None) -> Any:
+        """The gradients of linear(x, weight, bias): (grad_x = grad_out W, grad_weight =
+        grad_outᵀ x, grad_bias = grad_out's column sums, or None with has_bias=False), no
+        transposed copy. float32 is true FP32 by default; precision="tf32" uses TF32."""
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_linear_backward
+        except AttributeError:
+            from .ops.matmul_backward import linear_backward as op
+            CudaML._op_linear_backward = staticmethod(op)
+        return op(self.math, grad_out, x, weight, has_bias, precision)
+
+    def fused_linear_gelu_backward(self, grad_out: CudaTensor, x: CudaTensor,
+                                   weight: CudaTensor, bias: Optional[CudaTensor] = None,
+                                   precision: Optional[str] = None) -> Any:
+        """The gradients of fused_linear_gelu(x, weight, bias): (grad_x, grad_weight,
+        grad_bias or None), through dZ = grad_out * GELU'(x Wᵀ + b) from one recompute whose
+        epilogue applies the derivative (no pre-activation stored)."""
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_fused_linear_gelu_backward
+        except AttributeError:
+            from .ops.matmul_backward import fused_linear_gelu_backward as op
+            CudaML._op_fused_linear_gelu_backward = staticmethod(op)
+        return op(self.math, grad_out, x, weight, bias, precision)
+
+    def matmul_backward(self, grad_out: CudaTensor, a: CudaTensor, b: CudaTensor,
+                        precision: Optional[str] = None) -> Any:
+        """The gradients of matrix_multiply(a, b): (grad_a = grad_out bᵀ, grad_b =
+        aᵀ grad_out), of a's and b's shapes (a broadcast batch summed), no transposed copy.
+        float32 is true FP32 by default; precision="tf32" uses TF32."""
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_matmul_backward
+        except AttributeError:
+            from .ops.matmul_backward import matmul_backward as op
+            CudaML._op_matmul_backward = staticmethod(op)
+        return op(self.math, grad_out, a, b, precision)
+
     def flash_attention(self, q: CudaTensor, k: CudaTensor, v: CudaTensor,
-                        scale: Optional[float] = None, causal: bool = False) -> CudaTensor:
-        """softmax(q kᵀ · scale) v for (batch, heads, seq, head_dim), never forming seq×seq."""
+                        scale: Optional[float] = None, causal: bool = False,
+                        return_lse: bool = False) -> Any:
+        """softmax(q kᵀ · scale) v for (batch, heads, seq, head_dim), never forming seq×seq.
+        return_lse=True gives (out, lse): lse float32 (batch, heads, seq_q), the natural log
+        of each row's sum of exp(scale q·k) (-inf without keys), for flash_attention_backward."""
         m = self.math
+        if return_lse is not False:   # ops/attention.py looks up its plan ("flash_attention_lse")
+            try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+                op = CudaML._op_flash_attention
+            except AttributeError:
+                from .ops.attention import flash_attention as op
+                CudaML._op_flash_attention = staticmethod(op)
+            return op(m, q, k, v, scale, causal, return_lse=return_lse)
         if type(causal) is bool and (scale is None or type(scale) is float) and \
                 type(q) is CudaTensor and type(k) is CudaTensor and type(v) is CudaTensor:
             # the plan of ops/attention.py flash_attention (same key), looked up here too so
@@ -404,6 +544,31 @@ class CudaML:
                     return res
         from .ops import attention
         return attention.flash_attention(m, q, k, v, scale, causal)
+
+    def flash_attention_backward(self, grad_out: CudaTensor, q: CudaTensor, k: CudaTensor,
+                                 v: CudaTensor, out: CudaTensor, lse: CudaTensor,
+                                 scale: Optional[float] = None,
+                                 causal: bool = False) -> Tuple[CudaTensor, CudaTensor,
+                                                                CudaTensor]:
+        """(grad_q, grad_k, grad_v) of flash_attention for the gradient grad_out of its
+        output, from the forward's out and lse (flash_attention(..., return_lse=True));
+        scale and causal as given to the forward."""
+        m = self.math
+        if type(causal) is bool and (scale is None or type(scale) is float) and \
+                type(q) is CudaTensor and type(k) is CudaTensor:
+            # the plan of ops/attention_backward.py (its plan_key), looked up here too
+            fast = m.plans.get(("flash_attention_backward", q.shape, k.shape, q.dtype,
+                                q.device_id, scale is None, causal))
+            if fast is not None and m.backend.direct_launch(q.device_id):
+                res = fast(grad_out, q, k, v, out, lse, scale)
+                if res is not None:
+                    return res
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = CudaML._op_flash_attention_backward
+        except AttributeError:
+            from .ops.attention_backward import flash_attention_backward as op
+            CudaML._op_flash_attention_backward = staticmethod(op)
+        return op(m, grad_out, q, k, v, out, lse, scale, causal)
 
     def sketched_linear(self, x: CudaTensor, U: CudaTensor, V: CudaTensor,
                         bias: Optional[CudaTensor] = None) -> CudaTensor:

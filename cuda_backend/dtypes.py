@@ -1,16 +1,26 @@
 """`CudaDataType`: the element types tensors and templates support.
 
-NumPy has no bfloat16, so BFLOAT16 is stored on the host as uint16 bit patterns;
-`to_bfloat16_bits` / `from_bfloat16_bits` convert explicitly (round to nearest even).
+NumPy has no bfloat16 of its own; `ml_dtypes.bfloat16` (a dependency) is the NumPy dtype the
+ecosystem (JAX, PyTorch's and CuPy's interop) shares, so `to_numpy` returns it and `from_numpy`
+takes it (`array_dtype`). Storage is still handled as uint16 bit patterns (`numpy_dtype`:
+host views, copies); `to_bfloat16_bits` / `from_bfloat16_bits` convert explicitly between
+float32 and those patterns (round to nearest even).
+
+Members compare equal to the NumPy dtypes, types and names they stand for
+(`CudaDataType.FLOAT32 == np.float32 == "float32"`) but hash by identity, as before: `is`
+comparisons and dicts keyed by members are unchanged.
 """
 from __future__ import annotations
 
 import enum
-from typing import Union
+from typing import Any, Union
 
+import ml_dtypes
 import numpy as np
 
 from .errors import DTypeMismatchError
+
+BFLOAT16_NUMPY = np.dtype(ml_dtypes.bfloat16)   # '<V2' as a typestr: NumPy sees a 2-byte void
 
 
 class CudaDataType(enum.Enum):
@@ -29,6 +39,19 @@ class CudaDataType(enum.Enum):
     # dtypes are in the key of every per-call plan)
     __hash__ = object.__hash__
 
+    def __eq__(self, other: Any) -> Any:
+        """A member equals itself, and the NumPy dtype, type or name it stands for
+        (`dtype == np.float32`, `dtype == "bf16"`); never raises. Members hash by identity, so
+        a dict keyed by members is not looked up by names: use `from_any` for that."""
+        if type(other) is CudaDataType:
+            return self is other
+        if isinstance(other, (str, np.dtype, type)):
+            hit = _EQUAL.get(other)
+            if hit is None:
+                hit = _equal_member(other)
+            return self is hit
+        return NotImplemented
+
     @property
     def name_str(self) -> str:
         """Short name, as NumPy and PyTorch spell it ('float32', 'bfloat16')."""
@@ -41,8 +64,14 @@ class CudaDataType(enum.Enum):
 
     @property
     def numpy_dtype(self) -> np.dtype:
-        """Host dtype; BFLOAT16 maps to uint16 (its bit pattern)."""
+        """Host storage dtype (host views, copies); BFLOAT16 maps to uint16 (its bit pattern)."""
         return _NUMPY[self]
+
+    @property
+    def array_dtype(self) -> np.dtype:
+        """The dtype of the arrays `to_numpy` returns and `from_numpy` takes as they are:
+        numpy_dtype, but ml_dtypes.bfloat16 for BFLOAT16 (same bits, NumPy arithmetic)."""
+        return BFLOAT16_NUMPY if self is CudaDataType.BFLOAT16 else _NUMPY[self]
 
     @property
     def itemsize(self) -> int:
@@ -50,16 +79,16 @@ class CudaDataType(enum.Enum):
 
     @property
     def is_floating(self) -> bool:
-        return self in (CudaDataType.FLOAT32, CudaDataType.FLOAT64,
-                        CudaDataType.FLOAT16, CudaDataType.BFLOAT16)
+        return self in _FLOATING    # a set: found by identity, no __eq__ call
 
     @property
     def typestr(self) -> str:
         """The `__cuda_array_interface__` typestr; bfloat16 has none and raises."""
         if self is CudaDataType.BFLOAT16:
             raise DTypeMismatchError(
-                "bfloat16 has no __cuda_array_interface__ typestr (NumPy has no bfloat16); "
-                "convert to float32 or float16 first")
+                "bfloat16 has no __cuda_array_interface__ typestr of its own (it would be the "
+                "opaque '<V2'); share bfloat16 tensors through DLPack (torch.from_dlpack(t), "
+                "cupy.from_dlpack(t)), or convert to float32 or float16 first")
         return self.numpy_dtype.str
 
     @classmethod
@@ -83,6 +112,8 @@ class CudaDataType(enum.Enum):
         except TypeError:
             dt = None
         if dt is not None:
+            if dt == BFLOAT16_NUMPY:
+                return CudaDataType.BFLOAT16
             dt = dt.newbyteorder("=") if dt.byteorder not in ("=", "|") else dt
             for member in cls:
                 if member is not CudaDataType.BFLOAT16 and member.numpy_dtype == dt:
@@ -101,6 +132,21 @@ class CudaDataType(enum.Enum):
 _NUMPY = {m: np.dtype(np.uint16) if m is CudaDataType.BFLOAT16 else np.dtype(m.value[0])
           for m in CudaDataType}
 _ITEMSIZE = {m: dt.itemsize for m, dt in _NUMPY.items()}
+_FLOATING = frozenset((CudaDataType.FLOAT32, CudaDataType.FLOAT64, CudaDataType.FLOAT16,
+                       CudaDataType.BFLOAT16))
+_EQUAL: dict = {}   # names, NumPy dtypes and types already compared -> member (or None)
+
+
+def _equal_member(other: Union[str, np.dtype, type]) -> Any:
+    """The member a name, NumPy dtype or type stands for (as from_any), False for none;
+    remembered in _EQUAL."""
+    try:
+        hit: Any = CudaDataType.from_any(other)
+    except (DTypeMismatchError, TypeError, ValueError):
+        hit = False
+    if len(_EQUAL) < 1024:
+        _EQUAL[other] = hit
+    return hit
 
 
 def to_bfloat16_bits(array: np.ndarray) -> np.ndarray:

@@ -6,7 +6,7 @@ MemoryError, KeyError), so generic handlers keep working.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import AbstractSet, Optional, Sequence
 
 
 class CudaBackendError(Exception):
@@ -143,7 +143,7 @@ def _error_lines(log: str) -> set:
     return {int(m) for m in re.findall(r"\.cu\((\d+)\)", log)}
 
 
-def number_source_lines(source: str, marked: set = frozenset()) -> str:
+def number_source_lines(source: str, marked: AbstractSet[int] = frozenset()) -> str:
     """The source with 1-based line numbers, marking the lines in `marked`."""
     lines = source.splitlines()
     width = len(str(len(lines)))

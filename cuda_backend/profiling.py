@@ -1,16 +1,21 @@
-"""Kernel and copy timing statistics, a Chrome trace, and their JSON export.
+"""Kernel and copy timing statistics, a Chrome trace, and their JSON export; NVTX ranges.
 
 Only fed when profiling is on: the hot path with profiling off never touches it.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
+import functools
 import json
 import logging
 import os
-import tempfile
+import secrets
+import shutil
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List, Optional
 
 logger = logging.getLogger("cuda_backend")
 
@@ -105,11 +110,15 @@ class Profiler:
         return write_json_atomic(filename, doc)
 
 
-def write_json_atomic(filename: str, doc: Any) -> str:
-    """Write JSON to a temp file in the same folder, then rename it into place."""
+def write_json_atomic(filename: str, doc: Any, private: bool = False) -> str:
+    """Write JSON to a temporary file in the same folder, then rename it into place (a reader
+    sees the old file or the new one, never a part). The file gets the mode open() would
+    give it (0666 less the umask, 0644 usually), like the report's other files; `private`
+    makes it 0600 (files whose contents steer what runs, e.g. the autotune choices)."""
     folder = os.path.dirname(os.path.abspath(filename))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+    tmp = os.path.join(folder, f".tmp-{os.getpid()}-{secrets.token_hex(4)}.json")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f, indent=2, default=_json_default)
@@ -119,6 +128,61 @@ def write_json_atomic(filename: str, doc: Any) -> str:
             os.unlink(tmp)
         raise
     return filename
+
+
+# -- NVTX -------------------------------------------------------------------------------------
+# PyCUDA has no NVTX binding: the C API's two range calls through ctypes, from the NVTX v2
+# library or the CUDA 12.8+ "interop" one, found by the loader or next to nvcc. Without a
+# profiler attached (Nsight Systems) they return at once; without the library they are skipped.
+NVTX_LIBRARIES = ("libnvToolsExt.so.1", "libnvToolsExt.so", "libnvtx3interop.so.1",
+                  "libnvtx3interop.so", "nvToolsExt64_1.dll")
+
+
+def _nvtx_candidates() -> List[str]:
+    names = list(NVTX_LIBRARIES)
+    for short in ("nvToolsExt", "nvtx3interop"):
+        found = ctypes.util.find_library(short)
+        if found:
+            names.append(found)
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        homes.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    for home in filter(None, homes):
+        for sub in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")):
+            names += [os.path.join(home, sub, n) for n in NVTX_LIBRARIES]
+    return names
+
+
+@functools.lru_cache(maxsize=1)
+def nvtx_library() -> Optional[Any]:
+    """The loaded NVTX library (nvtxRangePushA / nvtxRangePop), or None where there is none."""
+    for name in _nvtx_candidates():
+        try:
+            lib = ctypes.CDLL(name)
+            push, pop = lib.nvtxRangePushA, lib.nvtxRangePop
+        except (OSError, AttributeError):
+            continue
+        push.argtypes, push.restype = [ctypes.c_char_p], ctypes.c_int
+        pop.argtypes, pop.restype = [], ctypes.c_int
+        logger.debug("NVTX ranges through %s", name)
+        return lib
+    return None
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str, enabled: bool = True) -> Iterator[None]:
+    """An NVTX range named `name` around the block (Nsight Systems shows it on the thread's
+    timeline above the kernels it launched); a no-op when disabled or without libnvtx."""
+    lib = nvtx_library() if enabled else None
+    if lib is None:
+        yield
+        return
+    lib.nvtxRangePushA(name.encode("utf-8", "replace"))
+    try:
+        yield
+    finally:
+        lib.nvtxRangePop()
 
 
 def _json_default(obj: Any) -> Any:

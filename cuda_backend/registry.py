@@ -44,11 +44,18 @@ class OpEntry:
 # The op families, in the order kernels.template_variants() gathers their parameter sets.
 FAMILIES = ("elementwise", "reduction", "softmax", "transpose", "matmul", "pooling",
             "normalization", "dropout", "optimizers", "conv2d", "attention", "linear",
-            "activation_backward", "softmax_backward", "cross_entropy", "shape", "indexing")
+            "activation_backward", "softmax_backward", "cross_entropy", "shape", "indexing",
+            "attention_backward",
+            "conv2d_backward",
+            "pooling_backward",
+            "matmul_backward",
+            "normalization_backward")
 # Names every family module defines; `candidates` too where the family autotunes.
 CONTRACT = ("TEMPLATES", "template_variants", "warm_up", "reference")
 AUTOTUNED = ("softmax", "transpose", "matmul", "normalization", "conv2d", "attention", "linear",
-             "softmax_backward", "cross_entropy")
+             "attention_backward",
+             "conv2d_backward",
+             "softmax_backward", "cross_entropy", "matmul_backward")
 
 _EW = ("elementwise.cu.j2",)
 _FILL = ("fill.cu.j2",)
@@ -122,6 +129,9 @@ _ENTRIES: List[OpEntry] = [
     _ml("log_softmax", "softmax", ("softmax.cu.j2",), "tests/test_softmax.py",
         "matrix/log_softmax"),
     _ml("dropout", "dropout", ("dropout.cu.j2",), "tests/test_dropout.py", "ml/dropout"),
+    # dropout_backward: the forward's kernel on grad_out, the mask regenerated from the seed
+    _ml("dropout_backward", "dropout", ("dropout.cu.j2",), "tests/test_dropout.py",
+        "ml/dropout_backward"),
     _ml("sgd_update", "optimizers", ("optimizers.cu.j2",), "tests/test_optimizers.py",
         "ml/sgd_update"),
     _ml("adam_update", "optimizers", ("optimizers.cu.j2",), "tests/test_optimizers.py",
@@ -141,6 +151,31 @@ _ENTRIES: List[OpEntry] = [
           f"ml/{op}") for op in ("softmax_backward", "log_softmax_backward")],
     *[_ml(op, "cross_entropy", ("cross_entropy.cu.j2",), "tests/test_backward.py", f"ml/{op}")
       for op in ("cross_entropy", "cross_entropy_backward")],
+    # the plain linear layer (matmul.linear, the bias epilogue alone) and the GEMM gradients:
+    # the matmul kernels (a_trans, b_trans, the bias_gelu_grad epilogue), wgmma and
+    # transpose.cu.j2 for TF32's transposed A, the reductions for bias and batch sums
+    _ml("linear", "linear", _MM, "tests/test_matmul_backward.py", "ml/linear"),
+    *[_ml(op, "matmul_backward", _MM + ("matmul_wgmma.cu.j2",) + _FILL + ("transpose.cu.j2",)
+          + _REDUCE, "tests/test_matmul_backward.py", f"ml/{op}")
+      for op in ("matmul_backward", "linear_backward", "fused_linear_gelu_backward")],
+    *[_ml(f"{kind}_pool2d_backward", "pooling_backward", ("pool2d_backward.cu.j2",),
+          "tests/test_pooling_backward.py", f"ml/{kind}_pool2d_backward")
+      for kind in ("max", "avg")],
+    # conv2d gradients: dgrad / wgrad GEMMs and their auxiliary kernels; the forward's
+    # kernels run the stride-1 data gradient as conv2d(grad_out, flipped filter)
+    _ml("conv2d_backward", "conv2d_backward", ("conv2d_dgrad.cu.j2", "conv2d_wgrad.cu.j2",
+                                                "conv2d_grad_aux.cu.j2") + _CONV,
+        "tests/test_conv2d_backward.py", "ml/conv2d_backward"),
+    # attention gradients: a prep kernel (delta, lse2, the dQ accumulator zeroed), the main
+    # kernel (dK, dV; dQ by atomics), the same prep template's dQ stage
+    _ml("flash_attention_backward", "attention_backward",
+        ("flash_attention_backward.cu.j2", "flash_attention_backward_prep.cu.j2"),
+        "tests/test_attention_backward.py", "ml/flash_attention_backward"),
+    # normalization gradients: statistics recomputed, per-block partial sums, fixed-order finish
+    _ml("layer_norm_backward", "normalization_backward", ("layer_norm_backward.cu.j2",),
+        "tests/test_normalization_backward.py", "ml/layer_norm_backward"),
+    _ml("batch_norm_backward", "normalization_backward", ("batch_norm_backward.cu.j2",),
+        "tests/test_normalization_backward.py", "ml/batch_norm_backward"),
 ]
 
 OPS: Dict[str, OpEntry] = {e.key: e for e in _ENTRIES}
@@ -152,6 +187,7 @@ NON_OPS: Dict[str, str] = {
     "CudaMath.to_numpy": "device-to-host copy (transfers; the report's transfers cases)",
     "CudaMath.free_tensor": "returns memory to the pool",
     "CudaMath.from_cuda_array": "wraps another library's device array without copying",
+    "CudaMath.from_dlpack": "wraps a DLPack producer's memory without copying (dlpack.py)",
     "CudaMath.to_device": "copies a tensor to another GPU (perf/bench_multigpu.py times it)",
     "CudaMath.kernel": "the compiled-kernel accessor the op modules use",
     "CudaMath.benchmark_operations": "the documented API's benchmark runner over the operations",

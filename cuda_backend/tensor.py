@@ -49,11 +49,12 @@ class CudaTensor:
     """Device array: shape, dtype, device, and a pool block it owns (or an owner it keeps alive).
 
     Use `free()` (or `with tensor:`) to give memory back early; any use afterwards raises
-    TensorFreedError. Exports `__cuda_array_interface__` v3 for CuPy, PyTorch and Numba.
+    TensorFreedError. Exports DLPack (`__dlpack__`, zero-copy, bfloat16 included; see
+    dlpack.py) and `__cuda_array_interface__` v3 for CuPy, PyTorch, JAX, Numba and NumPy.
     """
 
     __slots__ = ("shape", "dtype", "device_id", "_block", "_ptr", "_pool", "_owner",
-                 "_host", "stream", "size", "nbytes", "on_host", "__weakref__")
+                 "_host", "stream", "size", "nbytes", "on_host", "_exports", "__weakref__")
 
     def __init__(self, shape: Tuple[int, ...], dtype: CudaDataType, device_id: int,
                  ptr: int, block: Any = None, pool: Any = None, owner: Any = None,
@@ -70,6 +71,7 @@ class CudaTensor:
         self.stream = None  # the stream it was last used on; None: the legacy default stream
         self.size = size = math.prod(self.shape)
         self.nbytes = size * dtype.itemsize
+        self._exports = 0   # DLPack exports a consumer still holds (dlpack.py)
 
     # -- basic properties ---------------------------------------------------------
     @property
@@ -116,17 +118,16 @@ class CudaTensor:
 
     # -- lifetime -----------------------------------------------------------------
     def free(self) -> None:
-        """Return the memory to the pool now; a second free is a no-op."""
+        """Return the memory to the pool now; a second free is a no-op. The tensor is unusable
+        at once; while a DLPack consumer still holds an export of it (or of a view of it),
+        the memory goes back when that consumer releases the export instead."""
         if self._ptr is None:
             return
         self._ptr = None
-        block, pool = self._block, self._pool
-        self._block = self._pool = self._owner = self._host = None
-        if block is not None:
-            if pool is not None:
-                pool.release(block)
-            else:
-                block.free()
+        if self._exports:
+            self._host = None
+            return
+        release_storage(self)
 
     def __enter__(self) -> "CudaTensor":
         return self.check_alive()
@@ -135,6 +136,26 @@ class CudaTensor:
         self.free()
 
     # -- interop ------------------------------------------------------------------
+    def __dlpack__(self, *, stream: Optional[int] = None,
+                   max_version: Optional[Tuple[int, int]] = None,
+                   dl_device: Optional[Tuple[int, int]] = None,
+                   copy: Optional[bool] = None) -> Any:
+        """A DLPack capsule of this tensor's memory, no copy (the Python array API protocol:
+        `torch.from_dlpack(t)`, `cupy.from_dlpack(t)`, `jax.dlpack.from_dlpack(t)`, and
+        `np.from_dlpack(t)` for fallback-mode tensors, which export host memory).
+
+        stream: the consumer's stream on this device (None or 1: the legacy default stream,
+        2: the per-thread one, -1: no ordering); it waits for the work queued on this
+        tensor. max_version >= (1, 0) gives a versioned capsule, else a legacy one. The memory
+        stays alive until the consumer releases it, even across free(). dl_device=(1, 0)
+        (kDLCPU) exports a host copy; copy=True a copy, copy=False never copies."""
+        from .dlpack import export
+        return export(self, stream, max_version, dl_device, copy)
+
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        """(kDLCUDA = 2, device id), or (kDLCPU = 1, 0) for a fallback-mode tensor."""
+        return (1, 0) if self.on_host else (2, self.device_id)
+
     @property
     def __cuda_array_interface__(self) -> dict:
         """Version 3, with the stream our work on this tensor was last issued to (1: the
@@ -156,12 +177,15 @@ class CudaTensor:
 
     @classmethod
     def from_cuda_array(cls, obj: Any, device_id: Optional[int] = None,
-                        backend: Any = None) -> "CudaTensor":
+                        backend: Any = None, dtype: Any = None) -> "CudaTensor":
         """Wrap any object exporting `__cuda_array_interface__` without copying.
 
         The tensor keeps `obj` alive; `free()` drops that reference and frees nothing. When
         the exporter names a stream, work issued after this call (on this thread's current
         stream) waits for the work already queued there, as the interface's version 3 asks.
+        The opaque typestr '<V2' is read as bfloat16 when a PyTorch or CuPy array exports it
+        (their bfloat16) or when `dtype="bfloat16"` says so; otherwise dtype= must agree with
+        the typestr. (`from_dlpack` carries bfloat16 without either.)
         """
         cai = getattr(obj, "__cuda_array_interface__", None)
         if cai is None:
@@ -177,7 +201,7 @@ class CudaTensor:
                 f"fallback mode ({backend.fallback_reason}): tensors there live in host "
                 f"memory; copy it to the host and use from_numpy")
         shape = tuple(int(s) for s in cai["shape"])
-        dtype = CudaDataType.from_typestr(cai["typestr"])
+        dtype = interface_dtype(obj, cai["typestr"], dtype)
         strides = cai.get("strides")
         if strides is not None:
             expected, acc = [], dtype.itemsize
@@ -308,7 +332,41 @@ class CudaTensor:
             raise InvalidArgumentError(
                 f"the truth value of a tensor of shape {self.shape} is ambiguous (only "
                 f"one-element tensors have one)")
-        return bool(_math_of(self).to_numpy(self).reshape(-1)[0])
+        return bool(self.item())
+
+    # -- Python scalars (NumPy's rules; each reads the one element back from the device) -----
+    def item(self) -> Any:
+        """The value of a one-element tensor as a Python float, int or bool."""
+        if self.size != 1:
+            raise InvalidArgumentError(
+                f"item() needs a one-element tensor, got shape {self.shape} ({self.size} "
+                f"elements); use to_numpy() for the values")
+        return _math_of(self).to_numpy(self).reshape(-1)[0].item()
+
+    def __float__(self) -> float:
+        if self.size != 1:
+            raise InvalidArgumentError(
+                f"float() needs a one-element tensor, got shape {self.shape} ({self.size} "
+                f"elements)")
+        return float(self.item())
+
+    def __int__(self) -> int:
+        """int() of the one element (a float truncates toward zero, as NumPy's)."""
+        if self.size != 1:
+            raise InvalidArgumentError(
+                f"int() needs a one-element tensor, got shape {self.shape} ({self.size} "
+                f"elements)")
+        return int(self.item())
+
+    def __index__(self) -> int:
+        """A one-element integer tensor as an index (range(t), list[t], operator.index);
+        DTypeMismatchError (a TypeError, as the protocol asks) for anything else."""
+        if self.dtype not in _INTEGERS or self.size != 1:
+            raise DTypeMismatchError(
+                f"only a one-element integer tensor (int32, int64, uint8) converts to an "
+                f"index, got a {self.dtype.name_str} tensor of shape {self.shape} "
+                f"({self.size} elements)")
+        return int(self.item())
 
     def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
         """Refused: device memory is not copied to the host implicitly (np.asarray would
@@ -361,7 +419,7 @@ class CudaTensor:
         return _backend_of(self).copy_to_tensor_device(self, device_id)
 
     def numpy(self) -> np.ndarray:
-        """A host copy (bfloat16 as float32)."""
+        """A host copy (bfloat16 as ml_dtypes.bfloat16; `.astype(np.float32)` widens it)."""
         return _math_of(self).to_numpy(self)
 
     # -- display ------------------------------------------------------------------
@@ -378,6 +436,47 @@ class CudaTensor:
 
 
 _new = object.__new__
+_INTEGERS = frozenset((CudaDataType.INT32, CudaDataType.INT64, CudaDataType.UINT8))
+
+
+def release_storage(t: CudaTensor) -> None:
+    """free()'s second half: give t's block back to its pool (or drop what keeps its memory
+    alive). dlpack.py calls it when the last export of a tensor freed meanwhile goes."""
+    block, pool = t._block, t._pool
+    t._block = t._pool = t._owner = t._host = None
+    if block is not None:
+        if pool is not None:
+            pool.release(block)
+        else:
+            block.free()
+
+
+def interface_dtype(obj: Any, typestr: Any, dtype: Any) -> CudaDataType:
+    """The dtype of a __cuda_array_interface__ typestr: '<V2' (an opaque 2-byte type) is
+    PyTorch's and CuPy's bfloat16 (ml_dtypes.bfloat16's typestr), else needs dtype=."""
+    wanted = None if dtype is None else CudaDataType.from_any(dtype)
+    if isinstance(typestr, str) and typestr.lstrip("<>|=").upper() == "V2":
+        module = type(obj).__module__.partition(".")[0]
+        if wanted is CudaDataType.BFLOAT16 or (wanted is None and module in ("torch", "cupy")):
+            return CudaDataType.BFLOAT16
+        raise DTypeMismatchError(
+            f"a {type(obj).__name__} exports the opaque typestr {typestr!r} (2-byte elements of "
+            f"unknown type); pass dtype='bfloat16' if they are bfloat16"
+            + ("" if wanted is None else f" (dtype={wanted.name_str} does not fit it)"))
+    try:
+        found = CudaDataType.from_typestr(typestr)
+    except DTypeMismatchError:
+        raise
+    except TypeError:    # np.dtype() rejects it
+        raise DTypeMismatchError(
+            f"unsupported __cuda_array_interface__ typestr {typestr!r} from a "
+            f"{type(obj).__name__}") from None
+    if wanted is not None and wanted is not found:
+        raise DTypeMismatchError(
+            f"dtype={wanted.name_str} was given, but the {type(obj).__name__} exports "
+            f"{found.name_str} (typestr {typestr!r}); dtype= only names the type of an "
+            f"opaque typestr ('<V2': bfloat16)")
+    return found
 
 
 def pool_tensor(shape: Tuple[int, ...], dtype: CudaDataType, device_id: int, block: Any,
@@ -399,6 +498,7 @@ def pool_tensor(shape: Tuple[int, ...], dtype: CudaDataType, device_id: int, blo
     t.stream = block.stream if type(block) is StreamBlock else None
     t.size = size
     t.nbytes = nbytes
+    t._exports = 0
     return t
 
 

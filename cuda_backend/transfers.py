@@ -47,6 +47,44 @@ def host_contiguous(array: Any) -> np.ndarray:
     return a if a.flags.c_contiguous else np.array(a, order="C")
 
 
+def bf16_from_host(m: Any, array: Any, dtype: Any, device_id: Optional[int],
+                   bits: bool = False) -> Any:
+    """CudaMath.from_numpy's bfloat16 tensors: an ml_dtypes.bfloat16 array, or with bits=True
+    a uint16 array of bit patterns, is copied as it is (no rounding, NaN payloads kept); other
+    arrays are rounded to bfloat16 (nearest even). A uint16 array without bits=True raises:
+    whether its numbers or its bits are meant cannot be told."""
+    from .dtypes import BFLOAT16_NUMPY, CudaDataType
+    from .errors import DTypeMismatchError
+    bf16 = CudaDataType.BFLOAT16
+    if bits:
+        if dtype is not None and CudaDataType.from_any(dtype) is not bf16:
+            raise DTypeMismatchError(
+                f"from_numpy(bits=True) makes a bfloat16 tensor from uint16 bit patterns; "
+                f"dtype={dtype!r} contradicts it (leave dtype out)")
+        raw = np.asarray(array)
+        if raw.dtype != np.uint16:
+            raise DTypeMismatchError(
+                f"from_numpy(bits=True) takes a uint16 array of bfloat16 bit patterns, got "
+                f"{raw.dtype}")
+    elif array.dtype == BFLOAT16_NUMPY:
+        raw = array.view(np.uint16)
+    elif array.dtype == np.uint16:
+        raise DTypeMismatchError(
+            "from_numpy got a uint16 array for a bfloat16 tensor: its numbers would be "
+            "rounded to bfloat16 (1 -> 1.0), not taken as bit patterns; pass bits=True for "
+            "bit patterns, or an array of the values (ml_dtypes.bfloat16 or float32, e.g. "
+            "from_bfloat16_bits(bits))")
+    else:
+        from .ops import common
+        dev = m.backend.current_device if device_id is None else device_id
+        return common.from_host(m, array, bf16, dev)
+    host = host_contiguous(raw)
+    out = m.backend.empty(host.shape, bf16, device_id)
+    if out.nbytes:
+        m.backend.copy_to_device(host, out)
+    return out
+
+
 class TransferEngine:
     """copy_to_device / copy_from_device / copy_device_to_device with event timing."""
 

@@ -1,7 +1,10 @@
-"""Shared test setup: skip `gpu` / `multigpu` tests where they cannot run; the `backend` fixture.
+"""Shared test setup: skip `gpu` / `multigpu` tests where they cannot run; leave `slow` tests
+out of the default run (`--runslow` adds them); one summary line per skip reason; the
+`backend` fixture.
 
 The markers themselves are declared in pyproject.toml.
 """
+import collections
 import os
 
 import pytest
@@ -36,7 +39,47 @@ def _mark_large(items):
             item.add_marker(pytest.mark.large)
 
 
+SLOW_LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run the tests marked `slow` (every template variant through "
+                          "nvcc, the wheel build, the long pool state machine); the default "
+                          "run leaves them out unless an -m expression or their node id "
+                          "names them")
+
+
+def _named_ids(config):
+    """Node ids given on the command line (`tests/x.py::test`), relative to the rootdir."""
+    ids = []
+    for arg in config.args:
+        if "::" in arg:
+            path, rest = arg.split("::", 1)
+            rel = os.path.relpath(os.path.abspath(path), str(config.rootpath))
+            ids.append(rel.replace(os.sep, "/") + "::" + rest)
+    return ids
+
+
+def _leave_out_slow(config, items):
+    """Deselect `slow` tests unless --runslow, an -m expression (it selects exactly what it
+    says) or an explicit node id asks for them."""
+    if config.getoption("--runslow") or config.option.markexpr:
+        return
+    named = _named_ids(config)
+    keep, slow = [], []
+    for item in items:
+        explicit = any(item.nodeid == n or item.nodeid.startswith((n + "[", n + "::"))
+                       for n in named)
+        (slow if item.get_closest_marker("slow") and not explicit else keep).append(item)
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = keep
+    config.stash[SLOW_LEFT_OUT] = len(slow)
+
+
 def pytest_collection_modifyitems(config, items):
+    _leave_out_slow(config, items)
     _mark_large(items)
     needs_gpu = [it for it in items
                  if it.get_closest_marker("gpu") or it.get_closest_marker("multigpu")]
@@ -57,3 +100,25 @@ def backend():
     """The process-wide backend (fallback mode without PyCUDA or a GPU)."""
     from cuda_backend import get_cuda_backend
     return get_cuda_backend()
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Skips counted once per reason (not one line per test), and how to run what the
+    default run left out."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if skipped:
+        reasons = collections.Counter(_skip_reason(r) for r in skipped)
+        terminalreporter.write_sep("-", f"{len(skipped)} skipped, by reason")
+        for reason, n in reasons.most_common():
+            terminalreporter.write_line(f"{n:>6}  {reason}")
+    left_out = config.stash.get(SLOW_LEFT_OUT, 0)
+    if left_out:
+        what = "test left out (--runslow runs it)" if left_out == 1 else \
+            "tests left out (--runslow runs them)"
+        terminalreporter.write_line(f"{left_out} slow {what}")

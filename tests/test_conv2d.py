@@ -516,7 +516,7 @@ FALLBACK_SCRIPT = textwrap.dedent(r'''
     for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT32, "tf32"), (DT.BFLOAT16, None)):
         args = [ml.math.from_numpy(data[k], dtype=dt) for k in ("x", "w", "b")]
         y = ml.conv2d(args[0], args[1], cfg, args[2], precision=prec)
-        out[f"{dt.name_str}_{prec}"] = ml.math.to_numpy(y)
+        out[f"{dt.name_str}_{prec}"] = ml.math.to_numpy(y).astype(np.float32)
     np.savez(sys.argv[2], **out)
 ''')
 

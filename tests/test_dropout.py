@@ -313,6 +313,202 @@ def test_negative_and_large_seeds_wrap_to_64_bits(m):
     np.testing.assert_array_equal(m.to_numpy(a), m.to_numpy(b))
 
 
+# -- dropout_backward ---------------------------------------------------------------------
+def expected_backward(g, keep, p, dtype):
+    """grad_out * (keep ? 1/keep_prob : 0) as the kernel computes it: in float32 (float64
+    for float64) with the scale rounded to that type, then rounded once to the dtype."""
+    work = np.float64 if dtype is DT.FLOAT64 else np.float32
+    with np.errstate(invalid="ignore"):
+        v = g.astype(work) * np.where(keep, work(1.0 / p), work(0))
+    if dtype is DT.BFLOAT16:
+        return cb.from_bfloat16_bits(cb.to_bfloat16_bits(v)).astype(np.float64)
+    return v.astype(dtype.numpy_dtype).astype(np.float64)
+
+
+def same_bits(a, b, what=""):
+    """Equal values, NaN where NaN, and the same sign of zero (a NaN's sign is the
+    platform's: the GPU's default NaN is positive, x86's negative)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    np.testing.assert_array_equal(a, b, err_msg=what)
+    num = ~np.isnan(a)
+    np.testing.assert_array_equal(np.signbit(a[num]), np.signbit(b[num]), err_msg=what)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
+def test_backward_is_grad_times_the_forward_mask(m, dtype):
+    """dropout_backward(g, p, seed) = g * mask / p bit for bit, the mask being the one
+    dropout(x, p, seed, return_mask=True) returned (odd shapes, several probabilities and
+    64-bit seeds, keep_prob 1), and equal to dropout(g, p, seed)."""
+    ml = CudaML(m)
+    rng = np.random.default_rng(31)
+    for shape in [(1,), (7,), (3, 5, 7), (17, 129), (2, 3, 4, 5)]:
+        for p in (0.1, 0.5, 0.9, 1.0):
+            seed = int(rng.integers(0, 2**63)) * 2 + 1
+            x, _ = make(m, int(np.prod(shape)), dtype, rng)
+            x = m.reshape(x, shape)
+            g = m.from_numpy(rng.standard_normal(shape).astype(host_dtype(dtype)), dtype=dtype)
+            hg = m.to_numpy(g).astype(np.float64)
+            _, mask = ml.dropout(x, p, seed, return_mask=True)
+            keep = m.to_numpy(mask).astype(bool)
+            dx = ml.dropout_backward(g, p, seed)
+            assert dx.shape == shape and dx.dtype is dtype
+            got = m.to_numpy(dx).astype(np.float64)
+            what = f"{shape} p={p}"
+            same_bits(got, expected_backward(hg, keep, p, dtype), what)
+            assert np.all(got[~keep] == 0), what
+            same_bits(got, m.to_numpy(ml.dropout(g, p, seed)).astype(np.float64), what)
+
+
+def test_backward_nan_and_inf_gradients(m):
+    """A dropped NaN or inf gradient gives NaN (g * 0, as PyTorch's grad * mask * scale); a
+    kept one stays NaN or inf."""
+    ml = CudaML(m)
+    n = 64
+    g = np.tile(np.array([np.nan, np.inf, -np.inf, 1.5], np.float32), n // 4)
+    keep = dr.host_mask(n, 0.5, 9)
+    got = m.to_numpy(ml.dropout_backward(m.from_numpy(g), 0.5, 9)).astype(np.float64)
+    same_bits(got, expected_backward(g.astype(np.float64), keep, 0.5, DT.FLOAT32))
+    assert np.isnan(got[~keep & ~np.isfinite(g)]).all()
+
+
+def test_backward_against_torch(m):
+    """torch.ops.aten.native_dropout_backward(grad, mask, 1 / keep_prob) on the forward's
+    mask, float32 and float64 on the CPU: the same bits."""
+    torch = pytest.importorskip("torch")
+    ml = CudaML(m)
+    rng = np.random.default_rng(32)
+    for dtype, tdt in ((DT.FLOAT32, torch.float32), (DT.FLOAT64, torch.float64)):
+        for p in (0.3, 0.5, 0.8):
+            g = rng.standard_normal((5, 33)).astype(dtype.numpy_dtype)
+            keep = dr.host_mask(g.size, p, 77).reshape(g.shape)
+            want = torch.ops.aten.native_dropout_backward(
+                torch.from_numpy(g).to(tdt), torch.from_numpy(keep), 1.0 / p).numpy()
+            got = m.to_numpy(ml.dropout_backward(m.from_numpy(g), p, 77))
+            same_bits(got, want, f"{dtype.name_str} p={p}")
+
+
+def test_backward_zero_size_and_plain_seed_types(m):
+    ml = CudaML(m)
+    assert ml.dropout_backward(m.from_numpy(np.ones((0, 4), np.float32)), 0.5, 3).shape == (0, 4)
+    g = m.from_numpy(np.ones(16, np.float32))
+    a = m.to_numpy(ml.dropout_backward(g, 0.5, 5))
+    same_bits(m.to_numpy(ml.dropout_backward(g, np.float64(0.5), np.int64(5))), a)
+    same_bits(m.to_numpy(ml.dropout_backward(g, 0.5, 5 + 2**64)), a)   # wraps as forward
+
+
+def test_backward_errors(m):
+    ml = CudaML(m)
+    g = m.from_numpy(np.ones(8, np.float32))
+    for bad in (None, 1.5, "7", True):
+        with pytest.raises(cb.InvalidArgumentError,
+                           match=r"dropout_backward needs the seed the forward dropout drew"):
+            ml.dropout_backward(g, 0.5, bad)
+    for bad in (0, 1.5, float("nan"), "0.5", None):
+        with pytest.raises(cb.InvalidArgumentError, match="keep_prob"):
+            ml.dropout_backward(g, bad, 1)
+    with pytest.raises(cb.DTypeMismatchError, match="dropout_backward does not support int32"):
+        ml.dropout_backward(m.from_numpy(np.ones(4, np.int32)), 0.5, 1)
+    with pytest.raises(cb.InvalidArgumentError, match="grad_out must be a CudaTensor"):
+        ml.dropout_backward(np.ones(4, np.float32), 0.5, 1)
+    f = m.from_numpy(np.ones(4, np.float32))
+    f.free()
+    with pytest.raises(cb.TensorFreedError):
+        ml.dropout_backward(f, 0.5, 1)
+    assert m.to_numpy(ml.dropout_backward(g, 0.5, 1)).shape == (8,)   # still usable
+
+
+BACKWARD_STUB_SCRIPT = r'''
+    ml = CudaML(m)
+    rng = np.random.default_rng(0)
+    for shape, dt in (((1024,), np.float32), ((3, 333), np.float16), ((7,), np.float64)):
+        G = m.from_numpy(rng.standard_normal(shape).astype(dt))
+        for keep in (0.5, 0.9):
+            # the forward's launch on G (no mask), then the backward's general path and plan
+            m.plans.pop(("dropout", G.shape, G.dtype, 0, keep, False), None)
+            launches.clear()
+            ml.dropout(G, keep, 12345).free()
+            forward = list(launches)
+            key = ("dropout_backward", G.shape, G.dtype, 0, keep)
+            m.plans.pop(key, None)
+            launches.clear()
+            r1 = ml.dropout_backward(G, keep, 12345)
+            assert launches == forward and key in m.plans
+            want = slots(r1)
+            r1.free()
+            plan, seen = m.plans[key], []
+            m.plans[key] = lambda *a: seen.append(plan(*a)) or seen[-1]
+            launches.clear()
+            r2 = ml.dropout_backward(G, keep, 12345)
+            m.plans[key] = plan
+            assert len(seen) == 1 and seen[0] is not None and launches == forward
+            like_general(r2, want)
+    # seeds the plan must not take: None (the backward needs the forward's), bool, NumPy
+    G = m.from_numpy(np.ones(1024, np.float32))
+    ml.dropout_backward(G, 0.5, 1)
+    for bad in (None, True, 1.0):
+        with pytest.raises(InvalidArgumentError, match="needs the seed"):
+            ml.dropout_backward(G, 0.5, bad)
+    launches.clear()
+    ml.dropout_backward(G, 0.5, np.int64(1))
+    assert len(launches) == 1
+    print("OK")
+'''
+
+
+def test_backward_plan_on_a_stubbed_driver():
+    """With PyCUDA replaced by perf/bench_host_path.py's stubs (tests/test_host_path.py's
+    harness): dropout_backward launches exactly the forward's kernel launch on grad_out,
+    through its general path and through the plan that makes, and a seed of None, a bool or
+    a float raises even with a plan in place."""
+    from test_host_path import BACKEND, STUBS, run_script, script
+    run_script(script(STUBS, "\n    from cuda_backend.cuda_ml import CudaML\n    from "
+                      "cuda_backend.errors import InvalidArgumentError\n", BACKEND,
+                      BACKWARD_STUB_SCRIPT))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
+def test_gpu_backward_takes_the_plan(m, dtype):
+    """dropout_backward twice on fresh gradients of odd shapes with fresh seeds: the second
+    call goes through the plan the first made (the seed is its argument); both are g times
+    the forward kernel's mask over keep_prob, bit for bit."""
+    ml = CudaML(m)
+    rng = np.random.default_rng(33)
+    for shape in [(1001,), (3, 7, 5), (17, 129), ((1 << 20) + 3,)]:
+        n = int(np.prod(shape))
+        key = ("dropout_backward", shape, dtype, 0, 0.7)
+        m.plans.pop(key, None)
+        for second in (False, True):
+            g = m.from_numpy(rng.standard_normal(shape).astype(host_dtype(dtype)), dtype=dtype)
+            hg = m.to_numpy(g).astype(np.float64)
+            seed = int(rng.integers(0, 2**63))
+            x = m.from_numpy(np.ones(shape, host_dtype(dtype)), dtype=dtype)
+            _, mask = ml.dropout(x, 0.7, seed, return_mask=True)
+            keep = m.to_numpy(mask).astype(bool)
+            np.testing.assert_array_equal(keep.reshape(-1), dr.host_mask(n, 0.7, seed))
+            call = lambda: ml.dropout_backward(g, 0.7, seed)  # noqa: E731
+            dx = call_through_plan(m, key, call) if second else call()
+            assert key in m.plans
+            same_bits(m.to_numpy(dx), expected_backward(hg, keep, 0.7, dtype),
+                      f"{shape} second={second}")
+            for t in (g, x, mask, dx):
+                t.free()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
+def test_gpu_backward_misaligned_gradient(m, dtype):
+    """A gradient one element past 16-byte alignment (the element path): the same mask."""
+    ml = CudaML(m)
+    rng = np.random.default_rng(34)
+    n = 4099
+    base, b = make(m, n + 1, dtype, rng)
+    g = CudaTensor((n,), dtype, base.device_id, base.ptr + dtype.itemsize, owner=base)
+    got = m.to_numpy(ml.dropout_backward(g, 0.3, 77))
+    same_bits(got, expected_backward(b[1:], dr.host_mask(n, 0.3, 77), 0.3, dtype))
+    base.free()
+
+
 def test_template_variants():
     v = dr.template_variants()["dropout.cu.j2"]
     assert [p["dtype"] for p in v] == [d.name_str for d in FLOATS]

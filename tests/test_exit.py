@@ -167,7 +167,12 @@ def test_exit_after_errors_is_clean(name):
 
 def test_sigint_in_the_middle_of_work():
     """A real Ctrl-C while operations run: KeyboardInterrupt, and a clean exit."""
-    code = PRELUDE + textwrap.dedent("""
+    # A child inherits an ignored SIGINT (pytest started with SIGINT ignored: `nohup`, a
+    # background job of a non-interactive shell, some CI runners), and Python then installs no
+    # KeyboardInterrupt handler. The child first installs the handler Python's startup gives a
+    # program whose SIGINT is not ignored, as when started from a terminal.
+    code = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n" \
+        + PRELUDE + textwrap.dedent("""
         keep = work()
         print("READY", flush=True)
         while True:

@@ -1290,7 +1290,7 @@ COPY_FILL_SCRIPT = script(STUBS, r'''
     b.copy_to_device(swapped, t)               # byte-swapped: converted first
     assert copies[-1][2].dtype == np.float32 and np.array_equal(copies[-1][2], h)
     bf = m.from_numpy(np.ones(4, np.float32), dtype=DT.BFLOAT16)
-    assert copies[-1][2].dtype == np.uint16 and m.to_numpy(bf).dtype == np.float32
+    assert copies[-1][2].dtype == np.uint16 and m.to_numpy(bf).dtype == DT.BFLOAT16.array_dtype
     assert events[0] == e0, "a copy on the legacy stream created events"
 
     # a stream (given, or a `with stream:` block's): the async copy, timed with events

@@ -361,5 +361,14 @@ class PoolMachine(RuleBasedStateMachine):
         assert s["n_free_blocks"] == self.pool.n_free_blocks()
 
 
-TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+class TestPoolMachine(PoolMachine.TestCase):
+    """The state machine in the default run: a few short sequences."""
+
+    settings = settings(max_examples=10, stateful_step_count=20, deadline=None)
+
+
+@pytest.mark.slow
+class TestPoolMachineLong(PoolMachine.TestCase):
+    """60 sequences of up to 30 steps (seconds; --runslow)."""
+
+    settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

@@ -52,7 +52,7 @@ def make(m, shape, dtype, rng, ints=(-1000, 1000)):
     else:
         values = rng.integers(*ints, size=shape)
     t = m.from_numpy(np.asarray(values).astype(host_dtype(dtype)), dtype=dtype)
-    return t, m.to_numpy(t)
+    return t, m.to_numpy(t).astype(host_dtype(dtype))
 
 
 def poisoned(m, shape, dtype):

@@ -311,6 +311,66 @@ SAMPLES.update({
                                       grad_loss=0.5)),
 })
 
+# conv2d gradients: grad_input (the family's reference gives all three), float32 operands
+_CONV_GO = np.random.default_rng(17).standard_normal((2, 3, 6, 6))
+SAMPLES["CudaML.conv2d_backward"] = (
+    F32, lambda m, ml, t: ml.conv2d_backward(t(_CONV_GO), t(IMG), t(CONV_W), _CONV_CFG)[0],
+    lambda: _ref("conv2d_backward")(_r32(_CONV_GO), _r32(IMG), _r32(CONV_W), registry.family_module(
+        "conv2d").plan(IMG.shape, CONV_W.shape, _CONV_CFG))[0])
+
+# attention gradients: grad_q from the forward's out and lse, float32 operands
+_ATT_GO = np.random.default_rng(19).standard_normal(Q.shape)
+
+
+def _attention_grad_q(m, ml, t):
+    q, k, v = t(Q), t(K), t(V)
+    out, lse = ml.flash_attention(q, k, v, return_lse=True)
+    return ml.flash_attention_backward(t(_ATT_GO), q, k, v, out, lse)[0]
+
+
+SAMPLES["CudaML.flash_attention_backward"] = (
+    F32, _attention_grad_q, lambda: _ref("attention_backward")(
+        _r32(_ATT_GO), _r32(Q), _r32(K), _r32(V), 1 / np.sqrt(8), False)[0])
+
+
+# normalization gradients: grad_x
+SAMPLES["CudaML.layer_norm_backward"] = (
+    F64, lambda m, ml, t: ml.layer_norm_backward(t(Y), t(X), t(X[0]))[0],
+    lambda: _ref("normalization_backward")("layer_norm", Y, X, X[0])[0])
+SAMPLES["CudaML.batch_norm_backward"] = (
+    F64, lambda m, ml, t: ml.batch_norm_backward(t(IMG * 0.5 + 1), t(IMG), t(CH[0]))[0],
+    lambda: _ref("normalization_backward")("batch_norm", IMG * 0.5 + 1, IMG, CH[0])[0])
+
+# pooling and dropout gradients
+_PG = np.random.default_rng(23).standard_normal((2, 4, 4, 4))
+SAMPLES["CudaML.max_pool2d_backward"] = (F64, lambda m, ml, t: ml.max_pool2d_backward(
+    t(_PG), t(IMG), 2, padding=1), lambda: _ref("pooling_backward")("max", _PG, IMG, 2, padding=1))
+SAMPLES["CudaML.avg_pool2d_backward"] = (F64, lambda m, ml, t: ml.avg_pool2d_backward(
+    t(_PG[:, :, :2, :2]), t(IMG), 3, 2),
+    lambda: _ref("pooling_backward")("avg", _PG[:, :, :2, :2], IMG, 3, 2))
+SAMPLES["CudaML.dropout_backward"] = (F64, lambda m, ml, t: ml.dropout_backward(t(X), 0.6, 11),
+                                      lambda: _ref("dropout")(X, 0.6, 11))
+
+# GEMM gradients and the plain linear layer (ops/matmul_backward.py, ops/linear.py): X (3, 6),
+# LIN_W (5, 6); the products' upstream gradients and matmul's b drawn here
+_GRNG = np.random.default_rng(17)
+_GY, _GM, _MB = _GRNG.standard_normal((3, 5)), _GRNG.standard_normal((3, 4)), \
+    _GRNG.standard_normal((6, 4))
+SAMPLES.update({
+    "CudaML.linear": (F64, lambda m, ml, t: ml.linear(t(X), t(LIN_W), t(LIN_B)),
+                      lambda: _ref("linear")("linear", X, LIN_W, bias=LIN_B)),
+    "CudaML.linear_backward": (
+        F64, lambda m, ml, t: ml.linear_backward(t(_GY), t(X), t(LIN_W))[1],
+        lambda: _ref("matmul_backward")("linear_backward", _GY, X, LIN_W)[1]),
+    "CudaML.fused_linear_gelu_backward": (
+        F64, lambda m, ml, t: ml.fused_linear_gelu_backward(t(_GY), t(X), t(LIN_W), t(LIN_B))[0],
+        lambda: _ref("matmul_backward")("fused_linear_gelu_backward", _GY, X, LIN_W,
+                                        bias=LIN_B)[0]),
+    "CudaML.matmul_backward": (
+        F64, lambda m, ml, t: ml.matmul_backward(t(_GM), t(X), t(_MB))[1],
+        lambda: _ref("matmul_backward")("matmul_backward", _GM, X, _MB)[1]),
+})
+
 
 def test_every_op_has_a_reference_sample():
     assert set(SAMPLES) == set(registry.OPS)

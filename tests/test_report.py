@@ -309,6 +309,7 @@ def test_seed_running_benchmarks_snippet(tmp_path, monkeypatch, capsys):
     assert "== Vector operations ==" in capsys.readouterr().out
 
 
+@pytest.mark.exclusive   # its 60 s budget is for the machine alone, not beside a loaded suite
 def test_cli_quick_fallback_end_to_end(tmp_path):
     r = run_cli(["-m", "cuda_backend.cli", "report", "--quick", "--out", "out"], tmp_path)
     folder = report_dir(tmp_path / "out")

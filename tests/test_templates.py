@@ -3,7 +3,6 @@ import concurrent.futures
 import os
 import shutil
 import subprocess
-import tempfile
 
 import jinja2
 import pytest
@@ -50,7 +49,7 @@ def test_renders_and_declares_the_kernel(template, index, params):
     assert name.isidentifier()
     assert "Undefined" not in source and "{{" not in source and "{%" not in source
     assert declared_kernels(source) == [name]
-    assert f'extern "C" __global__' in source
+    assert 'extern "C" __global__' in source
     sig = kernel_signature(source, name)
     assert sig, sig
     fmt = arg_format(source, name, sig)  # every parameter has a launchable format
@@ -120,23 +119,46 @@ def _compile(workdir: str, template: str, index: int, params: dict):
     return name, proc, cubin
 
 
+# The compile check, one test per template and chunk so `pytest -n auto` (pytest-xdist) can
+# spread it: each template's first variant in the default run (seconds), the other variants
+# in chunks of COMPILE_CHUNK marked `slow` (minutes on two cores; --runslow).
+COMPILE_CHUNK = 16
+
+
+def _compile_chunks():
+    out = []
+    for t in TEMPLATES:
+        variants = list(enumerate(VARIANTS.get(t, [])))
+        out.append(pytest.param(t, variants[:1], id=f"{t}-0"))
+        for s in range(1, len(variants), COMPILE_CHUNK):
+            chunk = variants[s:s + COMPILE_CHUNK]
+            out.append(pytest.param(t, chunk, id=f"{t}-{chunk[0][0]}-{chunk[-1][0]}",
+                                    marks=pytest.mark.slow))
+    return out
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
-def test_every_variant_compiles_cleanly_with_nvcc():
-    with tempfile.TemporaryDirectory() as workdir:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-            futures = {pool.submit(_compile, workdir, t, i, p): (t, i, p) for t, i, p in CASES}
-            failures = []
-            for fut in concurrent.futures.as_completed(futures):
-                template, index, params = futures[fut]
-                name, proc, cubin = fut.result()
-                if proc.returncode != 0 or proc.stdout.strip() or proc.stderr.strip():
-                    failures.append(f"{template} {params} (rc={proc.returncode}):\n"
-                                    f"{proc.stdout}{proc.stderr}")
-                    continue
-                # extern "C": the symbol is the plain name, not a C++-mangled one
-                assert name.encode() in cubin
-                assert f"_Z{len(name)}{name}".encode() not in cubin
+@pytest.mark.parametrize("template, variants", _compile_chunks())
+def test_variants_compile_cleanly_with_nvcc(template, variants, tmp_path):
+    # one nvcc at a time under xdist (its workers already fill the cores), else a few threads
+    workers = 1 if os.environ.get("PYTEST_XDIST_WORKER") else min(4, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(lambda iv: _compile(str(tmp_path), template, *iv), variants))
+    failures = []
+    for (index, params), (name, proc, cubin) in zip(variants, results):
+        if proc.returncode != 0 or proc.stdout.strip() or proc.stderr.strip():
+            failures.append(f"{template} #{index} {params} (rc={proc.returncode}):\n"
+                            f"{proc.stdout}{proc.stderr}")
+            continue
+        # extern "C": the symbol is the plain name, not a C++-mangled one
+        assert name.encode() in cubin, (template, index)
+        assert f"_Z{len(name)}{name}".encode() not in cubin, (template, index)
     assert not failures, "\n\n".join(failures)
+
+
+def test_compile_chunks_cover_every_variant_once():
+    seen = [(p.values[0], i) for p in _compile_chunks() for i, _ in p.values[1]]
+    assert sorted(seen) == sorted((t, i) for t, i, _ in CASES)
 
 
 # -- the documented generator API ---------------------------------------------------------

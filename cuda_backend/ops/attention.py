@@ -11,12 +11,14 @@ with float32 accumulation and softmax; float32 runs on tensor cores in the 3xTF3
 tensor-core accumulators and added to the output in round-to-nearest float FMAs, since the
 MMA's own accumulation truncates and would bias a sum over thousands of keys).
 head_dim 64 and 128 are the fast paths; any head_dim up to 256 is padded in shared memory.
-seq_kv == 0 gives zeros (an empty sum).
+seq_kv == 0 gives zeros (an empty sum). return_lse=True also returns each query row's
+log-sum-exp (float32, natural log, from the kernel's running max and sum), which
+ops/attention_backward.py takes to recompute the probabilities.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -33,6 +35,7 @@ TEMPLATES = (TEMPLATE, FILL_TEMPLATE)   # fill: the output of an empty key seque
 DTYPES = (DT.FLOAT32, DT.FLOAT16, DT.BFLOAT16)
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
+LSE_PLAN = "flash_attention_lse"   # the plan key's name for return_lse=True
 
 
 def _cfg(hd: int, bc: int, nw: int, q_regs: bool, min_blocks: int,
@@ -125,7 +128,8 @@ def check_inputs(q: Any, k: Any, v: Any) -> CudaDataType:
     return dtype
 
 
-def _scale(scale: Any, d: int) -> float:
+def resolve_scale(scale: Any, d: int) -> float:
+    """The scale a call uses: 1/sqrt(d) for None, else a finite real number (checked)."""
     if scale is None:
         return 1.0 / math.sqrt(d) if d > 0 else 1.0
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
@@ -139,15 +143,17 @@ def _scale(scale: Any, d: int) -> float:
 # -- entry point ----------------------------------------------------------------------------
 def flash_attention(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor,
                     scale: Optional[float] = None, causal: bool = False,
-                    out: Optional[CudaTensor] = None) -> CudaTensor:
-    """softmax(scale * q kᵀ [+ causal mask]) v; out= (internal) receives the result."""
+                    out: Optional[CudaTensor] = None, return_lse: bool = False) -> Any:
+    """softmax(scale * q kᵀ [+ causal mask]) v; out= (internal) receives the result. With
+    return_lse, (result, lse): lse float32 (batch, heads, seq_q), the natural log of each
+    row's sum of exp(scale q·k) over its keys (-inf with no keys), for the backward."""
     if out is None and type(q) is CudaTensor and type(k) is CudaTensor and \
             type(v) is CudaTensor and type(causal) is bool and \
-            (scale is None or type(scale) is float):
+            (scale is None or type(scale) is float) and type(return_lse) is bool:
         plans = getattr(m, "plans", None)
         fast = None if plans is None else plans.get(
-            ("flash_attention", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
-             q.device_id, k.device_id, v.device_id, scale is None, causal))
+            (LSE_PLAN if return_lse else "flash_attention", q.shape, k.shape, v.shape, q.dtype,
+             k.dtype, v.dtype, q.device_id, k.device_id, v.device_id, scale is None, causal))
         if fast is not None and m.backend.direct_launch(q.device_id):
             res = fast(q, k, v, scale)
             if res is not None:
@@ -155,9 +161,12 @@ def flash_attention(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor,
     dtype = check_inputs(q, k, v)
     B, Hh, Sq, D = q.shape
     Skv = k.shape[2]
-    sc = _scale(scale, D)
+    sc = resolve_scale(scale, D)
     if not isinstance(causal, (bool, np.bool_)):
         raise InvalidArgumentError(f"causal must be a bool, got {causal!r}")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise InvalidArgumentError(f"return_lse must be a bool, got {return_lse!r}")
+    return_lse = bool(return_lse)
     if m.gpu and (max(Sq, Skv) * D >= 2**31 or B * Hh * -(-Sq // 16) >= 2**31):
         raise InvalidArgumentError(
             f"flash_attention: sequence too long for 32-bit indexing ({q.shape}, {k.shape})")
@@ -167,30 +176,37 @@ def flash_attention(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor,
         out = m.backend.empty(q.shape, dtype, dev)
     else:
         _check_out(out, q, k, v)
-    if out.size == 0:
-        return out
+    lse = None
     try:
-        cfg = _compute(m, q, k, v, out, sc, bool(causal))
+        if return_lse:
+            lse = m.backend.empty((B, Hh, Sq), DT.FLOAT32, dev)
+        if out.size == 0 and (lse is None or lse.size == 0):
+            return (out, lse) if return_lse else out
+        cfg = _compute(m, q, k, v, out, sc, bool(causal), lse)
     except BaseException:
         if owned:
             out.free()  # nothing leaks from a failed launch
+        if lse is not None:
+            lse.free()
         raise
     if cfg is not None and type(q) is CudaTensor and type(k) is CudaTensor and \
             type(v) is CudaTensor and type(causal) is bool and \
             (scale is None or type(scale) is float) and \
             getattr(m, "plans", None) is not None and hasattr(m.backend, "prepare_launch"):
         common.remember_plan(
-            m, ("flash_attention", q.shape, k.shape, v.shape, dtype, dtype, dtype, dev, dev,
-                dev, scale is None, causal), _fast_plan(m, cfg, q, k, causal))
-    return out
+            m, (LSE_PLAN if return_lse else "flash_attention", q.shape, k.shape, v.shape,
+                dtype, dtype, dtype, dev, dev, dev, scale is None, causal),
+            _fast_plan(m, cfg, q, k, causal, return_lse))
+    return (out, lse) if return_lse else out
 
 
 def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
-               causal: bool) -> Any:
+               causal: bool, with_lse: bool = False) -> Any:
     """The per-call plan (ops/common.py remember_plan) of flash_attention on operands shaped
     like q, k (v as k) with this causal flag, after the general path chose cfg: the result
-    from the pool and run_config's launch, prepared; scale (None or a float, as the key
-    says) and the pointer-dependent vec / pair flags per call, as run_config computes them."""
+    (and with_lse the lse) from the pool and run_config's launch, prepared; scale (None or
+    a float, as the key says) and the pointer-dependent vec / pair flags per call, as
+    run_config computes them."""
     from ..tensor import pool_tensor
     dtype, dev = q.dtype, q.device_id
     shape = q.shape
@@ -204,8 +220,11 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
     pool = m.backend.memory_pools[dev]
     alloc = pool.allocate_current
     size, nbytes = q.size, q.nbytes
+    lse_shape, lse_size = (B, Hh, Sq), B * Hh * Sq
+    lse_nbytes = 4 * lse_size
+    f32 = DT.FLOAT32
     d_vec, d_pair = D % (16 // dtype.itemsize) == 0, D % 2 == 0
-    scaled = float(_scale(None, D) * LOG2E)
+    scaled = float(resolve_scale(None, D) * LOG2E)
     flag = int(causal)
     isfinite = math.isfinite
 
@@ -224,34 +243,71 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
         out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
         po = out._ptr
         try:
-            go(pq, pk, pv, po, Sq, Skv, D, sc, flag,
+            go(pq, pk, pv, po, 0, Sq, Skv, D, sc, flag,
                int(d_vec and not (pq | pk | pv) & 15), int(d_pair and not po & 7))
         except BaseException:
             out.free()   # as the general path: nothing leaks from a failed launch
             raise
         return out
-    return run
+
+    def run_lse(q: CudaTensor, k: CudaTensor, v: CudaTensor,
+                scale: Optional[float]) -> Optional[Tuple[CudaTensor, CudaTensor]]:
+        """run, also writing the log-sum-exp: (out, lse)."""
+        pq, pk, pv = q._ptr, k._ptr, v._ptr
+        if pq is None or pk is None or pv is None or q.stream is not None or \
+                k.stream is not None or v.stream is not None:
+            return None
+        if scale is None:
+            sc = scaled
+        elif isfinite(scale):
+            sc = scale * LOG2E
+        else:
+            return None
+        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
+        po = out._ptr
+        lse = None
+        try:
+            lse = pool_tensor(lse_shape, f32, dev, alloc(lse_nbytes), pool, lse_size,
+                              lse_nbytes)
+            go(pq, pk, pv, po, lse._ptr, Sq, Skv, D, sc, flag,
+               int(d_vec and not (pq | pk | pv) & 15), int(d_pair and not po & 7))
+        except BaseException:
+            out.free()
+            if lse is not None:
+                lse.free()
+            raise
+        return out, lse
+    return run_lse if with_lse else run
 
 
 def _compute(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor, out: CudaTensor,
-             sc: float, causal: bool) -> Optional[Dict[str, Any]]:
-    """Fill out: NumPy in fallback mode, zeros for no keys, else the autotuned kernel (its
-    config returned; None for the other two)."""
+             sc: float, causal: bool, lse: Optional[CudaTensor] = None
+             ) -> Optional[Dict[str, Any]]:
+    """Fill out (and lse): NumPy in fallback mode, zeros (lse -inf) for no keys, else the
+    autotuned kernel (its config returned; None for the other two)."""
     dtype, dev = q.dtype, q.device_id
     B, Hh, Sq, D = q.shape
     Skv = k.shape[2]
     if not m.gpu:
-        _write_host(m, out, reference(common.host_array(m, q), common.host_array(m, k),
-                                      common.host_array(m, v), sc, causal))
+        res = reference(common.host_array(m, q), common.host_array(m, k),
+                        common.host_array(m, v), sc, causal, return_lse=lse is not None)
+        if lse is None:
+            _write_host(m, out, res)
+        else:
+            _write_host(m, out, res[0])
+            _write_host(m, lse, res[1])
         return None
     if Skv == 0:
-        _fill_zero(m, out, dev)
+        if out.size:
+            _fill_zero(m, out, dev)
+        if lse is not None and lse.size:
+            _fill_zero(m, lse, dev, -math.inf)
         return None
     hd = padded_head_dim(D)
     cands = configs(dtype, hd)
 
     def run(cfg: Dict[str, Any]) -> None:
-        run_config(m, cfg, q, k, v, out, sc, causal)
+        run_config(m, cfg, q, k, v, out, sc, causal, lse)
 
     if len(cands) > 1:
         key = [dtype.name_str, hd, causal, _bucket(Sq), _bucket(Skv), _bucket(B * Hh)]
@@ -304,8 +360,9 @@ def _check_out(out: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor) -> None:
 
 
 def run_config(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor, v: CudaTensor,
-               out: CudaTensor, scale: float, causal: bool) -> None:
-    """Launch one config over the whole problem."""
+               out: CudaTensor, scale: float, causal: bool,
+               lse: Optional[CudaTensor] = None) -> None:
+    """Launch one config over the whole problem (writing lse too when given)."""
     dtype = q.dtype
     dev = q.device_id
     B, Hh, Sq, D = q.shape
@@ -318,31 +375,35 @@ def run_config(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor, v: Cud
     epc = 16 // dtype.itemsize
     vec = int(D % epc == 0 and all(t.ptr % 16 == 0 for t in (q, k, v)))
     pair = int(D % 2 == 0 and out.ptr % 8 == 0)
-    m.backend.launch_kernel(kernel.name, (blocks, 1, 1), q, k, v, out, Sq, Skv, D,
+    m.backend.launch_kernel(kernel.name, (blocks, 1, 1), q, k, v, out,
+                            0 if lse is None else lse, Sq, Skv, D,
                             float(scale * LOG2E), int(causal), vec, pair,
                             block_size=(32 * cfg["nw"], 1, 1),
                             shared_mem=shared_bytes(cfg, dtype), device_id=dev)
 
 
-def _fill_zero(m: Any, out: CudaTensor, dev: int) -> None:
+def _fill_zero(m: Any, out: CudaTensor, dev: int, value: float = 0.0) -> None:
     kernel = _kernel(m, FILL_TEMPLATE, dev, {**dtype_params(out.dtype), "block_size": 256})
     sms = m.backend.get_device_info(dev).multiprocessor_count
     grid = common.grid_1d(out.size, 256, sms)
-    m.backend.launch_kernel(kernel.name, (grid, 1, 1), out, 0.0, out.size,
+    m.backend.launch_kernel(kernel.name, (grid, 1, 1), out, value, out.size,
                             block_size=(256, 1, 1), device_id=dev)
 
 
 # -- fallback (NumPy) ------------------------------------------------------------------------
 def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, causal: bool,
-              chunk: int = 1024) -> np.ndarray:
-    """float64 attention, computed in row chunks so memory stays O(chunk x seq_kv)."""
+              chunk: int = 1024, return_lse: bool = False) -> Any:
+    """float64 attention, computed in row chunks so memory stays O(chunk x seq_kv); with
+    return_lse, (out, lse): lse (batch, heads, seq_q) the log of each row's sum of
+    exp(scale q·k) over its keys (-inf with none)."""
     q = np.asarray(q, np.float64)
     k = np.asarray(k, np.float64)
     v = np.asarray(v, np.float64)
     Sq, Skv = q.shape[2], k.shape[2]
     out = np.zeros(q.shape, np.float64)
+    lse = np.full(q.shape[:3], -np.inf)
     if Skv == 0:
-        return out
+        return (out, lse) if return_lse else out
     for i0 in range(0, Sq, chunk):
         i1 = min(Sq, i0 + chunk)
         s = np.matmul(q[:, :, i0:i1], np.swapaxes(k, -1, -2)) * scale
@@ -350,11 +411,14 @@ def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, causal:
             rows = np.arange(i0, i1)[:, None]
             cols = np.arange(Skv)[None, :]
             s = np.where(cols > rows, -np.inf, s)
-        s -= s.max(axis=-1, keepdims=True)
+        mx = s.max(axis=-1, keepdims=True)
+        s -= mx
         p = np.exp(s)
-        p /= p.sum(axis=-1, keepdims=True)
+        total = p.sum(axis=-1, keepdims=True)
+        p /= total
         out[:, :, i0:i1] = np.matmul(p, v)
-    return out
+        lse[:, :, i0:i1] = (mx + np.log(total))[..., 0]
+    return (out, lse) if return_lse else out
 
 
 def _write_host(m: Any, out: CudaTensor, values: np.ndarray) -> None:

@@ -5,6 +5,9 @@ round(keep_prob * 2^32); kept values are scaled by 1 / keep_prob, dropped ones m
 0 (so NaN/inf inputs stay NaN, as PyTorch's x * mask * scale). The mask depends only on the
 seed and the element index, never on the launch geometry, and `philox4x32_10` below is the
 same generator in NumPy: the fallback (and the tests) reproduce the kernel bit for bit.
+`dropout_backward(grad_out, keep_prob, seed)` runs the same kernel on grad_out: the mask is
+regenerated from the seed rather than kept, and the result is bit for bit grad_out times the
+forward's mask times 1 / keep_prob.
 """
 from __future__ import annotations
 
@@ -162,6 +165,46 @@ def dropout(m: Any, x: CudaTensor, keep_prob: float = 0.5, seed: Optional[int] =
                     f"{name} has shape {t.shape} ({t.dtype.name_str}), expected {x.shape} "
                     f"({dt.name_str})")
             common.same_device(x, t)
+    key = None
+    if out is None and mask is None and type(keep_prob) is float and type(return_mask) is bool:
+        key = ("dropout", x.shape, x.dtype, x.device_id, keep_prob, return_mask)
+    return _apply(m, x, p, s, return_mask, out, mask, key)
+
+
+def dropout_backward(m: Any, grad_out: CudaTensor, keep_prob: float, seed: int) -> CudaTensor:
+    """grad_out times the mask `dropout(x, keep_prob, seed)` drew, over keep_prob: the
+    forward's kernel run on grad_out, which regenerates the same keep decisions (the same
+    Philox words for the same seed and element index) and scales by the same 1 / keep_prob,
+    so the result is grad_out * mask * scale as PyTorch's native_dropout_backward (a dropped
+    NaN or inf gradient stays NaN). The seed must be the int the forward used."""
+    if type(grad_out) is CudaTensor and type(keep_prob) is float and type(seed) is int:
+        # the per-call plan (ops/common.py remember_plan): the seed is an argument of it
+        fast = m.plans.get(("dropout_backward", grad_out.shape, grad_out.dtype,
+                            grad_out.device_id, keep_prob))
+        if fast is not None and m.backend.direct_launch(grad_out.device_id):
+            res = fast(grad_out, seed)
+            if res is not None:
+                return res
+    common.check_tensor(grad_out, "grad_out")
+    common.require_dtype(grad_out, DTYPES, "dropout_backward")
+    p = _keep_prob(keep_prob)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise InvalidArgumentError(
+            f"dropout_backward needs the seed the forward dropout drew its mask with (an "
+            f"int), got {seed!r}")
+    key = None
+    if type(keep_prob) is float:
+        key = ("dropout_backward", grad_out.shape, grad_out.dtype, grad_out.device_id,
+               keep_prob)
+    return _apply(m, grad_out, p, _seed(seed), False, None, None, key)
+
+
+def _apply(m: Any, x: CudaTensor, p: float, s: int, return_mask: bool,
+           out: Optional[CudaTensor], mask: Optional[CudaTensor],
+           key: Optional[tuple]) -> Union[CudaTensor, Tuple[CudaTensor, CudaTensor]]:
+    """Dropout of a checked x with keep probability p and 64-bit seed s (forward, or the
+    backward on grad_out); key: the m.plans key a GPU call makes its plan under (None:
+    none)."""
     dev = x.device_id
     if p == 1.0:
         y = out if out is not None else m.backend.empty(x.shape, x.dtype, dev)
@@ -198,11 +241,8 @@ def dropout(m: Any, x: CudaTensor, keep_prob: float = 0.5, seed: Optional[int] =
         m.backend.launch_kernel(kernel.name, grid, x, y, mk if mk is not None else 0, n, s,
                                 threshold_for(p), 1.0 / p, aligned,
                                 block_size=(BLOCK, 1, 1), device_id=dev)
-        if out is None and mask is None and type(keep_prob) is float and \
-                type(return_mask) is bool:
-            key = ("dropout", x.shape, x.dtype, dev, keep_prob, return_mask)
-            if key not in m.plans:
-                common.remember_plan(m, key, _fast_plan(m, x, p, return_mask, kernel))
+        if key is not None and key not in m.plans:
+            common.remember_plan(m, key, _fast_plan(m, x, p, return_mask, kernel))
     return (y, mk) if return_mask else y
 
 

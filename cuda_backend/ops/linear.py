@@ -1,5 +1,8 @@
-"""Linear layers: `fused_linear_gelu` (y = GELU(x Wᵀ + b)) and the seed's sketched low-rank
-layer `sketched_linear` (y = (1/T) Σᵢ (x Uᵢ) Vᵢ + b).
+"""Linear layers: `linear` (y = x Wᵀ + b), `fused_linear_gelu` (y = GELU(x Wᵀ + b)) and the
+seed's sketched low-rank layer `sketched_linear` (y = (1/T) Σᵢ (x Uᵢ) Vᵢ + b).
+
+linear is the same one-kernel launch as fused_linear_gelu with the bias epilogue alone
+(`matmul.linear(..., "bias")`); its gradients are ops/matmul_backward.py's.
 
 fused_linear_gelu is one kernel launch: the matmul kernels rendered to read the weight as
 (out, in) and to add the bias and apply GELU in their store stage (`matmul.linear`). With few
@@ -24,20 +27,38 @@ from . import common
 # The templates fused_linear_gelu's kernel is rendered from (by matmul.linear; sketched_linear
 # launches the matmul, reduction and elementwise ops' kernels).
 TEMPLATES = ("matmul_simt.cu.j2", "matmul_mma.cu.j2")
+# (dtype, precision) of every linear-layer family: float32's default (3xTF32 or CUDA cores,
+# which holds 'ieee''s CUDA-core list), float64, TF32 and the 16-bit types
+LINEAR_FAMILIES = ((CudaDataType.FLOAT32, None), (CudaDataType.FLOAT64, None),
+                   (CudaDataType.FLOAT32, "tf32"), (CudaDataType.FLOAT16, None),
+                   (CudaDataType.BFLOAT16, None))
 
 
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
-    """No templates of its own: the matmul module lists the linear-layer kernels."""
-    return {}
+    """The plain linear layer's kernels (the bias epilogue alone: `linear`, and
+    matmul_backward's a @ bᵀ, matmul.matmul_nt): every linear config of every family, both
+    alignments, and the skinny split-K reduce with the bias. The bias + GELU ones are the
+    matmul module's."""
+    from . import matmul as mm
+    out: Dict[str, List[Dict[str, Any]]] = {mm.SIMT_TEMPLATE: [], mm.MMA_TEMPLATE: []}
+    for dt, prec in LINEAR_FAMILIES:
+        family, _ = mm._linear_family(dt, prec)
+        for vec in (True, False):
+            for cfg in mm.linear_configs(dt, prec, vec):
+                template = mm.config_template(cfg, family)
+                out[template].append(mm.linear_params(template, dt, cfg, vec, "bias"))
+    out[mm.SIMT_TEMPLATE].append(mm.splitk_epilogue_params(CudaDataType.FLOAT32, "bias"))
+    return out
 
 
 def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
-    """Compile every linear-layer kernel (matmul's variants with B read as (N, K), and the
-    split-K reduce with the epilogue) in parallel threads; returns how many were compiled
-    (0 in fallback mode)."""
+    """Compile every linear-layer kernel (matmul's variants with B read as (N, K), the
+    split-K reduce with the epilogue, and the bias-only ones listed here) in parallel
+    threads; returns how many were compiled (0 in fallback mode)."""
     from . import matmul as mm
     jobs = [(t, p) for t, sets in mm.template_variants().items() for p in sets
             if p.get("b_trans") or p.get("kind") == "splitk_epilogue"]
+    jobs += [(t, p) for t, sets in template_variants().items() for p in sets]
     return common.compile_all(m, jobs, device_id, workers, mm._kernel)
 
 
@@ -48,10 +69,14 @@ def candidates(dtype: CudaDataType, precision: Optional[str], vec: bool) -> List
 
 
 def reference(op: str, x: Any, *weights: Any, bias: Any = None) -> np.ndarray:
-    """float64 NumPy of op "fused_linear_gelu" (x, weight): GELU (tanh form) of x Wᵀ + b, or
-    "sketched_linear" (x, U, V): the mean over terms of (x Uᵢ) Vᵢ, + b."""
+    """float64 NumPy of op "linear" (x, weight): x Wᵀ + b, "fused_linear_gelu" (x, weight):
+    GELU (tanh form) of x Wᵀ + b, or "sketched_linear" (x, U, V): the mean over terms of
+    (x Uᵢ) Vᵢ, + b."""
     f64 = [np.asarray(a, dtype=np.float64) for a in (x,) + weights]
     b = 0.0 if bias is None else np.asarray(bias, dtype=np.float64)
+    if op == "linear":
+        xh, w = f64
+        return xh @ w.T + b
     if op == "fused_linear_gelu":
         xh, w = f64
         z = xh @ w.T + b
@@ -60,10 +85,11 @@ def reference(op: str, x: Any, *weights: Any, bias: Any = None) -> np.ndarray:
         xh, U, V = f64
         return np.matmul(np.matmul(xh, U), V).mean(axis=0) + b
     raise InvalidArgumentError(
-        f"unknown linear op {op!r}: 'fused_linear_gelu' or 'sketched_linear'")
+        f"unknown linear op {op!r}: 'linear', 'fused_linear_gelu' or 'sketched_linear'")
 
 
-def _check_linear(x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor]) -> None:
+def _check_linear(x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor],
+                  name: str = "fused_linear_gelu") -> None:
     common.check_tensor(x, "x"), common.check_tensor(weight, "weight")
     if weight.ndim != 2:
         raise ShapeMismatchError(f"weight must be (out_features, in_features), got {weight.shape}")
@@ -78,7 +104,15 @@ def _check_linear(x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor])
                 f"bias must have shape ({weight.shape[0]},), got {bias.shape}")
     common.same_device(*(t for t in (x, weight, bias) if t is not None))
     common.same_dtype(*(t for t in (x, weight, bias) if t is not None))
-    common.require_dtype(x, common.FLOATS, "fused_linear_gelu")
+    common.require_dtype(x, common.FLOATS, name)
+
+
+def linear(m: Any, x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor] = None,
+           precision: Optional[str] = None) -> CudaTensor:
+    """x Wᵀ + b in one kernel launch (for few rows possibly a split-K kernel and its reduce);
+    x (..., in), weight (out, in) (PyTorch's layout, read as it is) -> (..., out). Precision
+    as fused_linear_gelu's."""
+    return _layer(m, x, weight, bias, precision, "linear", "bias")
 
 
 def fused_linear_gelu(m: Any, x: CudaTensor, weight: CudaTensor,
@@ -88,7 +122,14 @@ def fused_linear_gelu(m: Any, x: CudaTensor, weight: CudaTensor,
     split-K kernel and its reduce); x (..., in), weight (out, in) -> (..., out). float32 is
     float32-accurate: 3xTF32 on tensor cores or CUDA-core FMA, whichever the autotuner times
     faster; precision='ieee' keeps CUDA cores and precision='tf32' uses TF32."""
-    key = _linear_key(x, weight, bias, precision)
+    return _layer(m, x, weight, bias, precision, "fused_linear_gelu", "bias_gelu")
+
+
+def _layer(m: Any, x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor],
+           precision: Optional[str], name: str, epilogue: str) -> CudaTensor:
+    """epilogue(x Wᵀ + b) for x (..., in): the plan of `name` (its key: _linear_key), else
+    the checks, matmul.linear on x viewed as (rows, in), and the plan made."""
+    key = _linear_key(x, weight, bias, precision, name)
     if key is not None:
         plans = getattr(m, "plans", None)
         fast = None if plans is None else plans.get(key)
@@ -97,25 +138,27 @@ def fused_linear_gelu(m: Any, x: CudaTensor, weight: CudaTensor,
             if res is not None:
                 return res
     from . import matmul as mm
-    _check_linear(x, weight, bias)
+    _check_linear(x, weight, bias, name)
     lead = x.shape[:-1]
     rows = int(np.prod(lead)) if lead else 1
     x2 = _reshaped(x, (rows, x.shape[-1]))
-    y = mm.linear(m, x2, weight, bias, "bias_gelu", precision)
+    y = mm.linear(m, x2, weight, bias, epilogue, precision)
     if key is not None and y.size and m.gpu:
         # the plan (matmul.remember): y's allocation with the result's shape and the launch
         # of the config mm.linear memoized for this alignment class
         N = weight.shape[0]
         p = mm.Plan(1, rows, N, x.shape[-1], 0, 0, (rows, N))
         mm.remember(m, key, p, x.dtype, mm.normalize_precision(precision, x.dtype),
-                    x.device_id, mm.is_vec_ok(x2, weight, y, p), lead + (N,), "bias_gelu")
+                    x.device_id, mm.is_vec_ok(x2, weight, y, p), lead + (N,), epilogue)
     return _reshaped(y, lead + (weight.shape[0],))
 
 
-def _linear_key(x: Any, weight: Any, bias: Any, precision: Any) -> Optional[tuple]:
-    """fused_linear_gelu's plan key (ops/common.py remember_plan): every operand's shape,
-    dtype and device, and the precision as given; None where no plan applies (an operand
-    that is not a CudaTensor, a precision that is neither None nor a string)."""
+def _linear_key(x: Any, weight: Any, bias: Any, precision: Any,
+                name: str = "fused_linear_gelu") -> Optional[tuple]:
+    """The plan key of fused_linear_gelu or linear (`name`; ops/common.py remember_plan):
+    every operand's shape, dtype and device, and the precision as given; None where no plan
+    applies (an operand that is not a CudaTensor, a precision that is neither None nor a
+    string)."""
     if type(x) is not CudaTensor or type(weight) is not CudaTensor or \
             not (precision is None or type(precision) is str):
         return None
@@ -125,7 +168,7 @@ def _linear_key(x: Any, weight: Any, bias: Any, precision: Any) -> Optional[tupl
         b = (bias.shape, bias.dtype, bias.device_id)
     else:
         return None
-    return ("fused_linear_gelu", x.shape, weight.shape, x.dtype, weight.dtype, x.device_id,
+    return (name, x.shape, weight.shape, x.dtype, weight.dtype, x.device_id,
             weight.device_id, b, precision)
 
 

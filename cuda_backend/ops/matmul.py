@@ -24,7 +24,16 @@ ones (stride 0), and NumPy's 1-D rules (a 1-D operand gains and then loses a uni
 same kernels, rendered with b_trans (the (N, K) weight is read along K, no transpose) and a
 bias / bias+GELU epilogue in the store stage (these never split K: the epilogue needs whole
 sums); for M <= 64 the autotuner also times the skinny split-K configs, whose reduce kernel
-adds the bias and applies the epilogue after summing (two launches).
+adds the bias and applies the epilogue after summing (two launches). The epilogue
+"bias_gelu_grad" (with `grad`, the layer's output gradient G) writes G * GELU'(x Wᵀ + b)
+instead: the gradient at the pre-activation, z never stored (ops/matmul_backward.py).
+
+Operand layouts for the gradients (ops/matmul_backward.py), without a transposed copy:
+`matmul_nt(m, a, b)` = a @ bᵀ for b given as (..., N, K) (the linear kernels, b_trans, no
+bias), `matmul_tn(m, a, b)` = aᵀ @ b for a given as (..., K, M) (a_trans: the SIMT kernels
+and the 16-bit mma kernels load A's tiles along M; split-K as the GEMM's). TF32 has no
+a_trans kernel: a is first transposed into a pool block (ops/transpose.py), then the plain
+GEMM runs (its wgmma configs included).
 """
 from __future__ import annotations
 
@@ -299,6 +308,8 @@ LINEAR_F32 = {
     "small": [S_32x64x16],
 }
 EPILOGUES = ("bias", "bias_gelu")
+# the backward's epilogue: G * GELU'(x Wᵀ + b), G (M, N) given as `grad`
+GRAD_EPILOGUE = "bias_gelu_grad"
 
 
 # -- skinny M: split-K over many blocks (kind "skinny" of matmul_simt.cu.j2) ------------------
@@ -347,6 +358,13 @@ def _linear_family(dtype: CudaDataType, precision: Optional[str]) -> Tuple[str, 
             return template, LINEAR_MMA_TF32
         return template, LINEAR_SIMT_F32 if precision == "ieee" else LINEAR_F32
     return template, LINEAR_MMA_F16
+
+
+def family(dtype: CudaDataType, precision: Optional[str],
+           linear: bool = False) -> Tuple[str, Dict[str, list]]:
+    """(template, candidate lists by class) of the GEMM (linear=True: of the one-kernel
+    linear layer) for a dtype and normalized precision."""
+    return (_linear_family if linear else _family)(dtype, precision)
 
 
 def config_template(cfg: Dict[str, Any], family_template: str) -> str:
@@ -452,9 +470,56 @@ def linear_params(template: str, dtype: CudaDataType, cfg: Dict[str, Any], vec: 
                   epilogue: str) -> Dict[str, Any]:
     """Template parameters of the linear-layer kernel (B given as (N, K), an epilogue; SIMT:
     kc always given, 0 where the config has none)."""
-    params = {**dtype_params(dtype), **cfg, "vec": vec, "b_trans": True, "epilogue": epilogue}
+    params = {**dtype_params(dtype), **cfg, "vec": vec, "a_trans": False, "b_trans": True,
+              "epilogue": epilogue}
     if template == SIMT_TEMPLATE:
         return {"kind": "gemm", "kc": 0, **params}
+    return params
+
+
+def tn_params(template: str, dtype: CudaDataType, cfg: Dict[str, Any],
+              vec: bool) -> Dict[str, Any]:
+    """Template parameters of the A-transposed GEMM (A given as (K, M), B as (K, N), no
+    epilogue; a "split" key is not one: dropped)."""
+    params = {**dtype_params(dtype), **cfg, "vec": vec, "a_trans": True, "b_trans": False,
+              "epilogue": "none"}
+    params.pop("split", None)
+    if template == SIMT_TEMPLATE:
+        return {"kind": "gemm", "kc": 0, **params}
+    return params
+
+
+def has_tn_kernel(dtype: CudaDataType, precision: Optional[str]) -> bool:
+    """An a_trans kernel exists for the family: SIMT (float32 on CUDA cores, float64) and the
+    16-bit mma; TF32 transposes A first."""
+    return not (dtype is DT.FLOAT32 and precision == "tf32")
+
+
+def tn_configs(dtype: CudaDataType, precision: Optional[str],
+               vec: bool) -> List[Dict[str, Any]]:
+    """Every config the A-transposed GEMM may launch for a family and alignment: the GEMM's
+    own (no wgmma, no skinny); none where the family has no a_trans kernel."""
+    if not has_tn_kernel(dtype, precision):
+        return []
+    out: List[Dict[str, Any]] = []
+    for c in all_configs(dtype, precision):
+        if not c.get("wgmma") and (vec or c in SCALAR_OK) and c not in out:
+            out.append(c)
+    return out
+
+
+def kernel_params(template: str, dtype: CudaDataType, cfg: Dict[str, Any], vec: bool,
+                  epilogue: Optional[str] = None, a_trans: bool = False) -> Dict[str, Any]:
+    """Template parameters of a tiled config's kernel: the plain GEMM, the A-transposed one
+    or the linear layer's (epilogue)."""
+    if a_trans:
+        return tn_params(template, dtype, cfg, vec)
+    if epilogue is not None:
+        return linear_params(template, dtype, cfg, vec, epilogue)
+    if template == SIMT_TEMPLATE:
+        return simt_params(dtype, cfg, vec)
+    params = {**dtype_params(dtype), **cfg, "vec": vec}
+    params.pop("split", None)
     return params
 
 
@@ -704,24 +769,32 @@ def _check_out(out: Any, a: CudaTensor, b: CudaTensor, dtype: CudaDataType, dev:
 
 def linear(m: Any, x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor] = None,
            epilogue: str = "bias_gelu", precision: Optional[str] = None,
-           out: Optional[CudaTensor] = None) -> CudaTensor:
+           out: Optional[CudaTensor] = None, grad: Optional[CudaTensor] = None) -> CudaTensor:
     """epilogue(x @ weightᵀ + bias) in one kernel launch: x (M, K), weight (N, K) row-major
     (a PyTorch Linear weight, read as it is), bias (N,) or None; epilogue 'bias' or
-    'bias_gelu' (GELU, tanh form, applied in the accumulator type). float32 is
-    float32-accurate (3xTF32 or CUDA cores, LINEAR_F32); 'ieee': CUDA cores only; 'tf32':
-    TF32. Fallback: float64 NumPy, rounded to the dtype."""
+    'bias_gelu' (GELU, tanh form, applied in the accumulator type), or 'bias_gelu_grad'
+    with grad (M, N): grad * GELU'(x Wᵀ + b), the gradient of a bias + GELU layer at its
+    pre-activation. float32 is float32-accurate (3xTF32 or CUDA cores, LINEAR_F32); 'ieee':
+    CUDA cores only; 'tf32': TF32. Fallback: float64 NumPy, rounded to the dtype."""
     for t, name in ((x, "x"), (weight, "weight")):
         common.check_tensor(t, name)
     if bias is not None:
         common.check_tensor(bias, "bias")
-    operands = [t for t in (x, weight, bias) if t is not None]
+    if epilogue not in EPILOGUES and epilogue != GRAD_EPILOGUE:
+        raise InvalidArgumentError(
+            f"epilogue must be one of {', '.join(EPILOGUES + (GRAD_EPILOGUE,))}, got "
+            f"{epilogue!r}")
+    if (grad is not None) != (epilogue == GRAD_EPILOGUE):
+        raise InvalidArgumentError(
+            f"linear: grad is given with epilogue {GRAD_EPILOGUE!r} and only then (epilogue "
+            f"{epilogue!r}, grad {'given' if grad is not None else 'None'})")
+    if grad is not None:
+        common.check_tensor(grad, "grad")
+    operands = [t for t in (x, weight, bias, grad) if t is not None]
     dtype = common.same_dtype(*operands)
     common.require_dtype(x, common.FLOATS, "linear")
     prec = normalize_precision(precision, dtype)
     dev = common.same_device(*operands)
-    if epilogue not in EPILOGUES:
-        raise InvalidArgumentError(
-            f"epilogue must be one of {', '.join(EPILOGUES)}, got {epilogue!r}")
     if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
         raise ShapeMismatchError(
             f"linear: x must be (M, K) and weight (N, K) with the same K, got x {x.shape} "
@@ -729,6 +802,9 @@ def linear(m: Any, x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor]
     (M, K), N = x.shape, weight.shape[0]
     if bias is not None and bias.shape != (N,):
         raise ShapeMismatchError(f"linear: bias must have shape ({N},), got {bias.shape}")
+    if grad is not None and grad.shape != (M, N):
+        raise ShapeMismatchError(
+            f"linear: grad must have the output's shape ({M}, {N}), got {grad.shape}")
     p = Plan(1, M, N, K, 0, 0, (M, N))
     if out is None:
         out = m.backend.empty((M, N), dtype, dev)
@@ -739,7 +815,7 @@ def linear(m: Any, x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor]
                 f"out must be ({M}, {N}) {dtype.name_str}, got {out.shape} {out.dtype.name_str}")
         common.same_device(x, out)
         if out.nbytes:
-            for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+            for name, t in (("x", x), ("weight", weight), ("bias", bias), ("grad", grad)):
                 if t is not None and t.nbytes and t.ptr < out.ptr + out.nbytes \
                         and out.ptr < t.ptr + t.nbytes:
                     raise InvalidArgumentError(
@@ -747,9 +823,124 @@ def linear(m: Any, x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor]
     if out.size == 0:
         return out
     if not m.gpu:
-        _linear_fallback(m, x, weight, bias, out, epilogue, prec)
+        _linear_fallback(m, x, weight, bias, out, epilogue, prec, grad)
         return out
-    _launch(m, x, weight, out, p, dtype, prec, dev, epilogue=epilogue, bias=bias)
+    _launch(m, x, weight, out, p, dtype, prec, dev, epilogue=epilogue, bias=bias, grad=grad)
+    return out
+
+
+def _check_pair(a: CudaTensor, b: CudaTensor, precision: Any,
+                what: str) -> Tuple[CudaDataType, Optional[str], int]:
+    """(dtype, precision, device) of two live float operands of one dtype and device, each
+    with at least 2 dimensions."""
+    common.check_tensor(a, "a")
+    common.check_tensor(b, "b")
+    dtype = common.same_dtype(a, b)
+    common.require_dtype(a, common.FLOATS, what)
+    prec = normalize_precision(precision, dtype)
+    dev = common.same_device(a, b)
+    if a.ndim < 2 or b.ndim < 2:
+        raise ShapeMismatchError(
+            f"{what} needs operands with at least 2 dimensions, got shapes {a.shape} and "
+            f"{b.shape}")
+    return dtype, prec, dev
+
+
+def _swapped(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    return tuple(shape[:-2]) + (shape[-1], shape[-2])
+
+
+def matmul_tn(m: Any, a: CudaTensor, b: CudaTensor, precision: Optional[str] = None,
+              out: Optional[CudaTensor] = None) -> CudaTensor:
+    """aᵀ @ b for a given as (..., K, M) and b as (..., K, N) -> (..., M, N) (batches full or
+    broadcast, as matmul's), without a transposed copy of a: the a_trans kernels read its
+    tiles along M (split-K as the GEMM's, for a long K such as a batch of rows). Precision
+    as matmul's (float32: true FP32 on CUDA cores by default); TF32 transposes a into a pool
+    block first and runs the plain GEMM."""
+    if out is None and type(a) is CudaTensor and type(b) is CudaTensor and \
+            (precision is None or type(precision) is str):
+        plans = getattr(m, "plans", None)
+        fast = None if plans is None else plans.get(
+            ("matmul_tn", a.shape, b.shape, a.dtype, b.dtype, a.device_id, b.device_id,
+             precision))
+        if fast is not None and m.backend.direct_launch(a.device_id):
+            res = fast(a, b, None)
+            if res is not None:
+                return res
+    dtype, prec, dev = _check_pair(a, b, precision, "matmul_tn")
+    p = plan_shapes(_swapped(a.shape), b.shape)
+    if out is not None:
+        _check_out(out, a, b, dtype, dev, p)
+    else:
+        out = m.backend.empty(p.out_shape, dtype, dev)
+    if out.size == 0:
+        return out
+    if not m.gpu:
+        _fallback(m, a, b, out, p, prec, a_trans=True)
+        return out
+    if p.K == 0:
+        _fill_zero(m, out, dev)
+        return out
+    if not has_tn_kernel(dtype, prec):
+        from . import transpose as tr
+        at = tr.transpose(m, a)   # (..., M, K) in a pool block
+        try:
+            _launch(m, at, b, out, p, dtype, prec, dev)
+        finally:
+            at.free()   # back to the pool; later work on this stream is ordered after
+        return out
+    vec = _launch(m, a, b, out, p, dtype, prec, dev, a_trans=True)
+    if type(a) is CudaTensor and type(b) is CudaTensor and \
+            (precision is None or type(precision) is str):
+        remember(m, ("matmul_tn", a.shape, b.shape, dtype, dtype, dev, dev, precision), p,
+                 dtype, prec, dev, vec, p.out_shape, a_trans=True)
+    return out
+
+
+def nt_precision(prec: Optional[str], dtype: CudaDataType) -> Optional[str]:
+    """matmul_nt's linear-kernel precision: float32 defaults to true FP32 on CUDA cores
+    ('ieee', as matmul's default), 'tf32' stays TF32; other dtypes as given."""
+    if dtype is DT.FLOAT32 and prec in (None, "fp32"):
+        return "ieee"
+    return prec
+
+
+def matmul_nt(m: Any, a: CudaTensor, b: CudaTensor, precision: Optional[str] = None,
+              out: Optional[CudaTensor] = None) -> CudaTensor:
+    """a @ bᵀ for a given as (..., M, K) and b as (..., N, K) -> (..., M, N) (batches full or
+    broadcast, as matmul's), without a transposed copy of b: the linear-layer kernels
+    (b_trans, no bias; one K split; the skinny split-K ones for few rows). Precision as
+    matmul's: float32 is true FP32 on CUDA cores by default ('ieee'), 'tf32' TF32."""
+    if out is None and type(a) is CudaTensor and type(b) is CudaTensor and \
+            (precision is None or type(precision) is str):
+        plans = getattr(m, "plans", None)
+        fast = None if plans is None else plans.get(
+            ("matmul_nt", a.shape, b.shape, a.dtype, b.dtype, a.device_id, b.device_id,
+             precision))
+        if fast is not None and m.backend.direct_launch(a.device_id):
+            res = fast(a, b, None)
+            if res is not None:
+                return res
+    dtype, prec, dev = _check_pair(a, b, precision, "matmul_nt")
+    prec = nt_precision(prec, dtype)
+    p = plan_shapes(a.shape, _swapped(b.shape))
+    if out is not None:
+        _check_out(out, a, b, dtype, dev, p)
+    else:
+        out = m.backend.empty(p.out_shape, dtype, dev)
+    if out.size == 0:
+        return out
+    if not m.gpu:
+        _fallback(m, a, b, out, p, prec, b_trans=True)
+        return out
+    if p.K == 0:
+        _fill_zero(m, out, dev)
+        return out
+    vec = _launch(m, a, b, out, p, dtype, prec, dev, epilogue="bias")
+    if type(a) is CudaTensor and type(b) is CudaTensor and \
+            (precision is None or type(precision) is str):
+        remember(m, ("matmul_nt", a.shape, b.shape, dtype, dtype, dev, dev, precision), p,
+                 dtype, prec, dev, vec, p.out_shape, "bias")
     return out
 
 
@@ -763,10 +954,16 @@ def _round_tf32(x: np.ndarray) -> np.ndarray:
 
 
 def _fallback(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
-              prec: Optional[str]) -> None:
+              prec: Optional[str], a_trans: bool = False, b_trans: bool = False) -> None:
+    """out = a @ b in NumPy (a_trans / b_trans: that operand given transposed, its last two
+    axes swapped here)."""
     work = np.float64 if out.dtype is DT.FLOAT64 else np.float32
     ah = common.host_array(m, a).astype(work, copy=False)
     bh = common.host_array(m, b).astype(work, copy=False)
+    if a_trans:
+        ah = np.swapaxes(ah, -1, -2)
+    if b_trans:
+        bh = np.swapaxes(bh, -1, -2)
     if prec == "tf32":
         ah, bh = _round_tf32(ah), _round_tf32(bh)
     if p.K == 0:
@@ -793,8 +990,23 @@ def gelu_tanh(z: np.ndarray) -> np.ndarray:
         return z / (1.0 + np.exp(-1.5957691216057308 * (z + 0.044715 * z * z * z)))
 
 
+def gelu_tanh_grad(z: np.ndarray) -> np.ndarray:
+    """d gelu_tanh(z) / dz, written as the kernels compute it: s + z s (1 - s) u',
+    s = sigmoid(u), u = 2 sqrt(2/pi) (z + 0.044715 z^3), 1 - s as sigmoid(-u), the second
+    term 0 where s (1 - s) is."""
+    with np.errstate(all="ignore"):
+        z2 = z * z
+        u = 1.5957691216057308 * z * (1.0 + 0.044715 * z2)
+        s = 1.0 / (1.0 + np.exp(-u))
+        q = 1.0 / (1.0 + np.exp(u))
+        sq = s * q
+        du = 1.5957691216057308 * (1.0 + 0.134145 * z2)
+        return s + np.where(sq == 0, 0.0, z * sq * du)
+
+
 def _linear_fallback(m: Any, x: CudaTensor, w: CudaTensor, bias: Optional[CudaTensor],
-                     out: CudaTensor, epilogue: str, prec: Optional[str]) -> None:
+                     out: CudaTensor, epilogue: str, prec: Optional[str],
+                     grad: Optional[CudaTensor] = None) -> None:
     xh = common.host_array(m, x).astype(np.float32 if prec == "tf32" else np.float64)
     wh = common.host_array(m, w).astype(xh.dtype)
     if prec == "tf32":
@@ -805,6 +1017,9 @@ def _linear_fallback(m: Any, x: CudaTensor, w: CudaTensor, bias: Optional[CudaTe
             res = res + common.host_array(m, bias).astype(np.float64)
     if epilogue == "bias_gelu":
         res = gelu_tanh(res)
+    elif epilogue == GRAD_EPILOGUE:
+        with np.errstate(all="ignore"):
+            res = common.host_array(m, grad).astype(np.float64) * gelu_tanh_grad(res)
     if out.dtype is DT.BFLOAT16:
         host = to_bfloat16_bits(res.astype(np.float32)).reshape(out.shape)
     else:
@@ -822,10 +1037,12 @@ def _fill_zero(m: Any, out: CudaTensor, dev: int) -> None:
                             block_size=(256, 1, 1), device_id=dev)
 
 
-def is_vec_ok(a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan) -> bool:
-    """16-byte loads/stores are legal: K and N whole vectors, every pointer 16-byte aligned."""
+def is_vec_ok(a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
+              a_trans: bool = False) -> bool:
+    """16-byte loads/stores are legal: K (M where A is given as (K, M)) and N whole vectors,
+    every pointer 16-byte aligned."""
     vw = 16 // out.dtype.itemsize
-    return (p.K % vw == 0 and p.N % vw == 0
+    return ((p.M if a_trans else p.K) % vw == 0 and p.N % vw == 0
             and a.ptr % 16 == 0 and b.ptr % 16 == 0 and out.ptr % 16 == 0)
 
 
@@ -852,14 +1069,30 @@ def _kernel(m: Any, template: str, dev: int, params: Dict[str, Any]) -> Any:
     return k
 
 
+def compile_kernel(m: Any, template: str, dev: int, params: Dict[str, Any]) -> Any:
+    """The memoized kernel getter of this module (common.compile_all's `get`)."""
+    return _kernel(m, template, dev, params)
+
+
+def config_key(p: Plan, dtype: CudaDataType, prec: Optional[str], dev: int, vec: bool,
+               epilogue: Optional[str] = None, a_trans: bool = False) -> tuple:
+    """The per-CudaMath memo key of a call's chosen config (_launch, remember)."""
+    if a_trans:
+        return ("tn", p, dtype, prec, dev, vec)
+    if epilogue is None:
+        return (p, dtype, prec, dev, vec)
+    return ("linear", p, dtype, prec, dev, vec, epilogue)
+
+
 def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
             dtype: CudaDataType, prec: Optional[str], dev: int, epilogue: Optional[str] = None,
-            bias: Optional[CudaTensor] = None) -> bool:
-    """Launch the call's (autotuned) config; returns vec (the plan's alignment class)."""
-    vec = is_vec_ok(a, b, out, p)
+            bias: Optional[CudaTensor] = None, a_trans: bool = False,
+            grad: Optional[CudaTensor] = None) -> bool:
+    """Launch the call's (autotuned) config; returns vec (the plan's alignment class).
+    a_trans: A given as (K, M) (the GEMM's configs, split-K included; no wgmma, no skinny)."""
+    vec = is_vec_ok(a, b, out, p, a_trans)
     cache = _cache(m)
-    key = (p, dtype, prec, dev, vec) if epilogue is None else \
-        ("linear", p, dtype, prec, dev, vec, epilogue)
+    key = config_key(p, dtype, prec, dev, vec, epilogue, a_trans)
     hit = cache.get(key)
     if hit is None:
         sms = m.backend.get_device_info(dev).multiprocessor_count
@@ -867,7 +1100,7 @@ def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
         is_linear = epilogue is not None
         template, _ = _family(dtype, prec)
         cands = candidates(dtype, prec, cls, vec, linear=is_linear)
-        if not (has_wgmma(m.backend.get_device_info(dev)) and wgmma_ok(a, p)):
+        if a_trans or not (has_wgmma(m.backend.get_device_info(dev)) and wgmma_ok(a, p)):
             cands = [c for c in cands if not c.get("wgmma")] or \
                 [c for c in _family(dtype, prec)[1]["small"] if not c.get("wgmma")]
         if template == SIMT_TEMPLATE and not is_linear:
@@ -876,29 +1109,32 @@ def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
             max_z = info.max_grid_dims[2]
 
             def per_sm(c: Dict[str, Any]) -> int:
-                kern = _kernel(m, SIMT_TEMPLATE, dev, simt_params(dtype, c, vec))
+                kern = _kernel(m, SIMT_TEMPLATE, dev,
+                               kernel_params(SIMT_TEMPLATE, dtype, c, vec, a_trans=a_trans))
                 return blocks_per_sm(c, getattr(kern, "num_regs", 0), info, dtype.itemsize,
                                      getattr(kern, "static_shared_bytes", 0))
 
             cands = split_candidates(cands, p, cls, sms, max_z, per_sm)
-        if template == SIMT_TEMPLATE:
+        if template == SIMT_TEMPLATE and not a_trans:
             # small M: the skinny split-K configs too, each at its split counts (timed
             # against the family's own, never forced)
             cands = cands + skinny_candidates(dtype, prec, p, sms,
                                               m.backend.get_device_info(dev).max_grid_dims[1])
-        op = _op_name(template, dtype, prec, is_linear)
+        op = _op_name(template, dtype, prec, is_linear) + ("_at" if a_trans else "") + \
+            ("_gelugrad" if epilogue == GRAD_EPILOGUE else "")
         shape_key = tune_key(p, cls, vec, prec)
 
         def run(c: Dict[str, int]) -> None:
             run_config(m, config_template(c, template), c, a, b, out, p, dtype, vec, dev,
-                       epilogue=epilogue, bias=bias)
+                       epilogue=epilogue, bias=bias, a_trans=a_trans, grad=grad)
 
         # 10 timed runs each: with 3, clock and power swings on 8192^3 tensor-core runs
         # picked a config 20% slower than the best (seen on an H200).
         cfg = m.autotuner.pick(op, shape_key, cands, run, device_id=dev, repeats=10) \
             if len(cands) > 1 else cands[0]
         hit = cache[key] = (config_template(cfg, template), cfg)
-    run_config(m, hit[0], hit[1], a, b, out, p, dtype, vec, dev, epilogue=epilogue, bias=bias)
+    run_config(m, hit[0], hit[1], a, b, out, p, dtype, vec, dev, epilogue=epilogue, bias=bias,
+               a_trans=a_trans, grad=grad)
     return vec
 
 
@@ -1031,12 +1267,14 @@ def split_count(cfg: Dict[str, int], p: Plan, sm_count: int, max_z: int = 65535,
 def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: CudaTensor,
                out: CudaTensor, p: Plan, dtype: CudaDataType, vec: bool, dev: int,
                splits: Optional[int] = None, epilogue: Optional[str] = None,
-               bias: Optional[CudaTensor] = None) -> None:
+               bias: Optional[CudaTensor] = None, a_trans: bool = False,
+               grad: Optional[CudaTensor] = None) -> None:
     """Launch one config over the whole problem (split-K and batch chunking included).
-    epilogue ('bias' / 'bias_gelu'): the linear-layer kernel instead, b given as (N, K) and
-    bias (N,) or None, in one launch (no split-K); a skinny config (batch 1): its split-K
-    kernel and the reduce that sums the partials (and adds the bias, applies the epilogue),
-    splits (or the config's "split") the K slices."""
+    epilogue ('bias' / 'bias_gelu' / 'bias_gelu_grad' with grad): the linear-layer kernel
+    instead, b given as (N, K) and bias (N,) or None, in one launch (no split-K); a skinny
+    config (batch 1): its split-K kernel and the reduce that sums the partials (and adds the
+    bias, applies the epilogue), splits (or the config's "split") the K slices. a_trans: a
+    given as (K, M) (the SIMT and 16-bit mma kernels; no epilogue)."""
     backend = m.backend
     info = backend.get_device_info(dev)
     max_z = info.max_grid_dims[2]
@@ -1044,7 +1282,7 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
         cfg = dict(cfg)
         tuned = cfg.pop("split", None)
         _run_skinny(m, cfg, a, b, out, p, dtype, vec, dev, tuned if splits is None else splits,
-                    epilogue, bias)
+                    epilogue, bias, grad)
         return
     if "split" in cfg:   # the autotuner's (config, split) pair: not a template parameter
         cfg = dict(cfg)
@@ -1058,15 +1296,20 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
     if template == WGMMA_TEMPLATE:
         _run_wgmma(m, cfg, a, b, out, p, dev, max_z)
         return
-    extra: Tuple[Any, ...] = ()
-    if epilogue is None:
-        params = simt_params(dtype, cfg, vec) if template == SIMT_TEMPLATE else \
-            {**dtype_params(dtype), **cfg, "vec": vec}
-    else:
-        params = linear_params(template, dtype, cfg, vec, epilogue)
-        extra = (0 if bias is None else bias,)   # a null bias pointer adds nothing
+    params = kernel_params(template, dtype, cfg, vec, epilogue, a_trans)
+    if epilogue is not None:
         splits = 1
     esize = dtype.itemsize
+
+    def extra(b0: int) -> Tuple[Any, ...]:
+        """The epilogue's arguments for the batch chunk from b0: the bias (a null pointer
+        adds nothing), G at the chunk's first matrix."""
+        if epilogue is None:
+            return ()
+        if epilogue != GRAD_EPILOGUE:
+            return (0 if bias is None else bias,)
+        return (0 if bias is None else bias,
+                grad if b0 == 0 else grad.ptr + b0 * p.M * p.N * esize)
     if template == SIMT_TEMPLATE:
         kernel = _kernel(m, SIMT_TEMPLATE, dev, params)
         threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"])
@@ -1100,8 +1343,8 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
         for b0 in range(0, p.batch, max_z):
             nb = min(max_z, p.batch - b0)
             pa, pb, pc = _offsets(a, b, out, p, b0, esize)
-            backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, *extra, p.M, p.N,
-                                  p.K, p.stride_a, p.stride_b, nb, p.K,
+            backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, *extra(b0), p.M,
+                                  p.N, p.K, p.stride_a, p.stride_b, nb, p.K,
                                   block_size=(threads, 1, 1), shared_mem=smem_s,
                                   device_id=dev)
         return
@@ -1111,8 +1354,8 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
     for b0 in range(0, p.batch, max_z):
         nb = min(max_z, p.batch - b0)
         pa, pb, pc = _offsets(a, b, out, p, b0, esize)
-        backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, *extra, p.M, p.N, p.K,
-                              p.stride_a, p.stride_b, block_size=(threads, 1, 1),
+        backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, *extra(b0), p.M, p.N,
+                              p.K, p.stride_a, p.stride_b, block_size=(threads, 1, 1),
                               shared_mem=smem, device_id=dev)
 
 
@@ -1185,10 +1428,12 @@ def _skinny_setup(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, vec
 
 def _run_skinny(m: Any, cfg: Dict[str, Any], a: CudaTensor, b: CudaTensor, out: CudaTensor,
                 p: Plan, dtype: CudaDataType, vec: bool, dev: int, splits: Optional[int],
-                epilogue: Optional[str], bias: Optional[CudaTensor]) -> None:
+                epilogue: Optional[str], bias: Optional[CudaTensor],
+                grad: Optional[CudaTensor] = None) -> None:
     """A skinny config: the split-K kernel writes float32 partials work[split][M][N] (a pool
-    block), then splitk_reduce (matmul) or splitk_epilogue (linear: + bias, GELU) sums them
-    in split order into out; the block goes back to the pool after the launches."""
+    block), then splitk_reduce (matmul) or splitk_epilogue (linear: + bias, GELU, or
+    G * GELU' with grad) sums them in split order into out; the block goes back to the pool
+    after the launches."""
     backend = m.backend
     s = _skinny_setup(m, cfg, p, dtype, vec, dev, splits, epilogue)
     work = backend.empty((s["work_elems"],), DT.FLOAT32, dev)
@@ -1196,8 +1441,12 @@ def _run_skinny(m: Any, cfg: Dict[str, Any], a: CudaTensor, b: CudaTensor, out: 
         backend.launch_kernel(s["kernel"].name, s["grid"], a, b, work, p.M, p.N, p.K,
                               s["chunk"], block_size=(s["threads"], 1, 1),
                               shared_mem=s["smem"], device_id=dev)
-        tail = (s["n"], s["splits"]) if epilogue is None else \
-            (0 if bias is None else bias, s["n"], p.N, s["splits"])
+        if epilogue is None:
+            tail = (s["n"], s["splits"])
+        elif epilogue == GRAD_EPILOGUE:
+            tail = (0 if bias is None else bias, grad, s["n"], p.N, s["splits"])
+        else:
+            tail = (0 if bias is None else bias, s["n"], p.N, s["splits"])
         backend.launch_kernel(s["reduce"].name, (s["reduce_grid"], 1, 1), work, out, *tail,
                               block_size=(REDUCE_BLOCK, 1, 1), device_id=dev)
     finally:
@@ -1206,7 +1455,7 @@ def _run_skinny(m: Any, cfg: Dict[str, Any], a: CudaTensor, b: CudaTensor, out: 
 
 def _skinny_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, vec: bool,
                    dev: int, epilogue: Optional[str]) -> Any:
-    """_run_skinny's launches as PreparedLaunches: run(pa, pb, pc, pbias)."""
+    """_run_skinny's launches as PreparedLaunches: run(pa, pb, pc, pbias, pg=0)."""
     backend = m.backend
     prep, get = backend.prepare_launch, backend.get_kernel
     cfg = dict(cfg)
@@ -1219,13 +1468,16 @@ def _skinny_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, ve
     pool = backend.memory_pools[dev]
     alloc, release = pool.allocate_current, pool.release
     linear = epilogue is not None
+    with_grad = epilogue == GRAD_EPILOGUE
 
-    def run(pa: int, pb: int, pc: int, pbias: int) -> None:
+    def run(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
         block = alloc(wbytes)
         try:
             pw = int(block)
             gemm(pa, pb, pw, M, N, K, chunk)
-            if linear:
+            if with_grad:
+                reduce(pw, pc, pbias, pg, n, N, splits)
+            elif linear:
                 reduce(pw, pc, pbias, n, N, splits)
             else:
                 reduce(pw, pc, n, splits)
@@ -1243,7 +1495,8 @@ def _skinny_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, ve
 # (tensor.stream set) take the general path too, which records their use on this one.
 
 def remember(m: Any, key: tuple, p: Plan, dtype: CudaDataType, prec: Optional[str], dev: int,
-             vec: bool, shape: Tuple[int, ...], epilogue: Optional[str] = None) -> None:
+             vec: bool, shape: Tuple[int, ...], epilogue: Optional[str] = None,
+             a_trans: bool = False) -> None:
     """After a general-path call of key with alignment class vec: make sure key's plan has
     the runner for vec (the plan made on first use)."""
     plans = getattr(m, "plans", None)
@@ -1252,30 +1505,30 @@ def remember(m: Any, key: tuple, p: Plan, dtype: CudaDataType, prec: Optional[st
     plan = plans.get(key)
     runners = getattr(plan, "runners", None)
     if runners is None:
-        plan = common.remember_plan(m, key, _op_plan(m, p, dtype, dev, shape))
+        plan = common.remember_plan(m, key, _op_plan(m, p, dtype, dev, shape, a_trans))
         runners = plan.runners
     if vec not in runners:
-        ckey = (p, dtype, prec, dev, vec) if epilogue is None else \
-            ("linear", p, dtype, prec, dev, vec, epilogue)
-        hit = _cache(m).get(ckey)
+        hit = _cache(m).get(config_key(p, dtype, prec, dev, vec, epilogue, a_trans))
         if hit is not None:
-            runners[vec] = _runner(m, hit[0], hit[1], p, dtype, vec, dev, epilogue)
+            runners[vec] = _runner(m, hit[0], hit[1], p, dtype, vec, dev, epilogue, a_trans)
 
 
-def _op_plan(m: Any, p: Plan, dtype: CudaDataType, dev: int, shape: Tuple[int, ...]) -> Any:
-    """plan(a, b, bias): the result (of `shape`) from the pool and the runner of the call's
-    alignment class; None where the general path must run."""
+def _op_plan(m: Any, p: Plan, dtype: CudaDataType, dev: int, shape: Tuple[int, ...],
+             a_trans: bool = False) -> Any:
+    """plan(a, b, bias, grad=None): the result (of `shape`) from the pool and the runner of
+    the call's alignment class; None where the general path must run."""
     from ..tensor import pool_tensor
     pool = m.backend.memory_pools[dev]
     alloc = pool.allocate_current
     size = p.batch * p.M * p.N
     nbytes = size * dtype.itemsize
     vw = 16 // dtype.itemsize
-    shape_vec = p.K % vw == 0 and p.N % vw == 0
+    shape_vec = (p.M if a_trans else p.K) % vw == 0 and p.N % vw == 0
     runners: Dict[bool, Any] = {}
     get = runners.get
 
-    def plan(a: CudaTensor, b: CudaTensor, bias: Optional[CudaTensor]) -> Optional[CudaTensor]:
+    def plan(a: CudaTensor, b: CudaTensor, bias: Optional[CudaTensor],
+             grad: Optional[CudaTensor] = None) -> Optional[CudaTensor]:
         pa, pb = a._ptr, b._ptr
         if pa is None or pb is None or a.stream is not None or b.stream is not None:
             return None
@@ -1285,13 +1538,22 @@ def _op_plan(m: Any, p: Plan, dtype: CudaDataType, dev: int, shape: Tuple[int, .
             pbias = bias._ptr
             if pbias is None or bias.stream is not None:
                 return None
+        if grad is None:
+            pg = 0
+        else:
+            pg = grad._ptr
+            if pg is None or grad.stream is not None:
+                return None
         out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
         pc = out._ptr
         run = get(shape_vec and not (pa | pb | pc) & 15)
         if run is None:
             out.free()
             return None
-        run(pa, pb, pc, pbias)
+        if grad is None:
+            run(pa, pb, pc, pbias)
+        else:
+            run(pa, pb, pc, pbias, pg)
         return out
 
     plan.runners = runners
@@ -1299,10 +1561,11 @@ def _op_plan(m: Any, p: Plan, dtype: CudaDataType, dev: int, shape: Tuple[int, .
 
 
 def _runner(m: Any, template: str, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType,
-            vec: bool, dev: int, epilogue: Optional[str] = None) -> Any:
-    """run(pa, pb, pc, pbias): run_config's launches of one config (pointers as ints; pbias 0
-    for no bias), as PreparedLaunches: the same kernels, grids and arguments, the split-K
-    workspace and the wgmma B copy taken from the pool and given back after the launches."""
+            vec: bool, dev: int, epilogue: Optional[str] = None, a_trans: bool = False) -> Any:
+    """run(pa, pb, pc, pbias, pg=0): run_config's launches of one config (pointers as ints;
+    pbias 0 for no bias; pg: G of the bias_gelu_grad epilogue), as PreparedLaunches: the
+    same kernels, grids and arguments, the split-K workspace and the wgmma B copy taken from
+    the pool and given back after the launches."""
     if cfg.get("skinny"):
         return _skinny_runner(m, cfg, p, dtype, vec, dev, epilogue)
     backend = m.backend
@@ -1318,11 +1581,8 @@ def _runner(m: Any, template: str, cfg: Dict[str, Any], p: Plan, dtype: CudaData
     esize = dtype.itemsize
     M, N, K, sa, sb, batch = p.M, p.N, p.K, p.stride_a, p.stride_b, p.batch
     tiles = -(-M // cfg["bm"]) * -(-N // cfg["bn"])
-    if epilogue is None:
-        params = simt_params(dtype, cfg, vec) if template == SIMT_TEMPLATE else \
-            {**dtype_params(dtype), **cfg, "vec": vec}
-    else:
-        params = linear_params(template, dtype, cfg, vec, epilogue)
+    params = kernel_params(template, dtype, cfg, vec, epilogue, a_trans)
+    if epilogue is not None:
         splits = 1
     if template == SIMT_TEMPLATE:
         kernel = _kernel(m, SIMT_TEMPLATE, dev, params)
@@ -1349,7 +1609,7 @@ def _runner(m: Any, template: str, cfg: Dict[str, Any], p: Plan, dtype: CudaData
             pool = backend.memory_pools[dev]
             alloc, release = pool.allocate_current, pool.release
 
-            def run_split(pa: int, pb: int, pc: int, pbias: int) -> None:
+            def run_split(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
                 block = alloc(wbytes)
                 try:
                     pw = int(block)
@@ -1372,18 +1632,24 @@ def _runner(m: Any, template: str, cfg: Dict[str, Any], p: Plan, dtype: CudaData
     if len(chunks) == 1:
         go, _, _, _, tail = chunks[0]
         if epilogue is None:
-            def run(pa: int, pb: int, pc: int, pbias: int) -> None:
+            def run(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
                 go(pa, pb, pc, *tail)
+        elif epilogue == GRAD_EPILOGUE:
+            def run(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
+                go(pa, pb, pc, pbias, pg, *tail)
         else:
-            def run(pa: int, pb: int, pc: int, pbias: int) -> None:
+            def run(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
                 go(pa, pb, pc, pbias, *tail)
         return run
-    bias_args = () if epilogue is None else None
 
-    def run_chunks(pa: int, pb: int, pc: int, pbias: int) -> None:
-        extra = (pbias,) if bias_args is None else bias_args
+    def run_chunks(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
         for go, oa, ob, oc, tail in chunks:
-            go(pa + oa, pb + ob, pc + oc, *extra, *tail)
+            if epilogue is None:
+                go(pa + oa, pb + ob, pc + oc, *tail)
+            elif epilogue == GRAD_EPILOGUE:
+                go(pa + oa, pb + ob, pc + oc, pbias, pg + oc, *tail)
+            else:
+                go(pa + oa, pb + ob, pc + oc, pbias, *tail)
     return run_chunks
 
 

@@ -195,8 +195,9 @@ def build_opdef(opdef: OpDef, size: int, dtype: str) -> Callable[[Context], Prep
         prep.check = opdef.check
         prep.cpu_fn = opdef.cpu
         prep.cupy_fn = opdef.cpu if opdef.cupy else None
+        torch_fn = opdef.torch
         prep.torch_factory = opdef.torch_factory or (
-            (lambda T, *a: (lambda: opdef.torch(T, *a))) if opdef.torch else None)
+            (lambda T, *a: (lambda: torch_fn(T, *a))) if torch_fn is not None else None)
         prep.in_bytes = sum(int(t.nbytes) for t in ts)
         prep.bytes_fn = opdef.bytes_fn
         if opdef.flops is not None:

@@ -6,7 +6,7 @@ reductions, divisors away from zero), so an error above the threshold means a wr
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Optional
 
 import numpy as np
 
@@ -15,7 +15,7 @@ from .cases import OpDef
 # CudaMath methods that are tensor plumbing, not operations to benchmark (to_device moves a
 # tensor between GPUs: perf/bench_multigpu.py measures that).
 NON_OPS = ("create_tensor", "from_numpy", "to_numpy", "free_tensor", "from_cuda_array",
-           "kernel", "benchmark_operations", "to_device")
+           "kernel", "benchmark_operations", "to_device", "from_dlpack")
 EXTRA_DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
@@ -50,9 +50,9 @@ def power_pair(rng: np.random.Generator, n: int) -> List[np.ndarray]:
     return [between(rng, 0.5, 2.0, n), between(rng, -2.0, 2.0, n)]
 
 
-def square(k: int = 1, lo: float = None, hi: float = None):
+def square(k: int = 1, lo: Optional[float] = None, hi: Optional[float] = None):
     def make(rng: np.random.Generator, n: int) -> List[np.ndarray]:
-        if lo is None:
+        if lo is None or hi is None:
             return [rng.standard_normal((n, n), dtype=F32) for _ in range(k)]
         return [between(rng, lo, hi, (n, n)) for _ in range(k)]
     return make

@@ -95,6 +95,8 @@ def measure_copy_bandwidth(backend: Any, timer: Any, device_id: int, quick: bool
                                    iterations=iterations)
         method = "host memcpy (np.copyto), host clock: fallback mode has no device"
     st = stats(samples)
+    if st is None:
+        raise ValueError("the copy bandwidth could not be measured: no copy was timed")
     gbps = 2 * nbytes / (st["median"] * 1e-3) / 1e9 if st["median"] > 0 else None
     return {"gbps": gbps, "bytes": nbytes, "time_ms": st,
             "method": method + "; counts bytes read + bytes written"}

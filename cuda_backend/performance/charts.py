@@ -1,8 +1,11 @@
 """PNG charts of a report (matplotlib, Agg backend, no display needed).
 
-speedup.png    speed-up over CPU NumPy per operation (largest size measured)
-bandwidth.png  achieved GB/s against size for the vector family, with the measured ceiling
-roofline.png   arithmetic intensity against achieved GFLOP/s, with memory and compute roofs
+speedup.png    speed-up over CPU NumPy per operation (largest size measured), coloured by
+               family (legend), each bar labelled with its input shapes and dtype
+bandwidth.png  achieved GB/s against size for the vector family, one panel per kind of op
+               (two inputs, one input, reductions, fills and copies), with the measured ceiling
+roofline.png   arithmetic intensity against achieved GFLOP/s, with memory and compute roofs;
+               the LABELLED fastest operations named on the chart, the others in its legend
 peers.png      our speed relative to each GPU peer per operation (peer time / our time)
 transfers.png  host<->device and device copy GB/s against size
 In fallback mode each chart's title starts with the fallback warning.
@@ -13,9 +16,21 @@ import importlib
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
+from .render import FAMILY_TITLES, case_size
+
 FAMILY_COLORS = {"vector": "#1f77b4", "matrix": "#ff7f0e", "ml": "#2ca02c",
                  "transfers": "#9467bd"}
+FAILED_COLOR = "#d62728"
 CHARTS = ("speedup.png", "bandwidth.png", "roofline.png", "peers.png", "transfers.png")
+LABELLED = 6          # roofline: operations named on the chart (the highest GFLOP/s)
+MARKERS = "os^vDP*Xph<>"
+# bandwidth.png panels: (title, test on a case)
+BANDWIDTH_PANELS = (
+    ("two inputs (a op b)", lambda c: len(c["shapes"]) >= 2),
+    ("reductions", lambda c: c["op"].startswith(("reduce", "arg"))),
+    ("fills and copies", lambda c: c["op"] in ("fill", "zeros", "ones", "copy")),
+    ("one input", lambda c: True),
+)
 
 
 def _figure(width: float, height: float) -> Any:
@@ -61,6 +76,19 @@ def headline(cases: List[Dict[str, Any]], key: str) -> List[Dict[str, Any]]:
     return sorted(best.values(), key=lambda c: (order.index(c["family"]), c["op"], c["variant"]))
 
 
+def _case_label(c: Dict[str, Any]) -> str:
+    """'add [row broadcast]  64x64, 64  float32': what ran, with its real input shapes."""
+    return f"{_label(c)}  {case_size(c)}  {c['dtype']}"
+
+
+def _family_legend(ax: Any, families: List[str], failed: bool) -> None:
+    from matplotlib.patches import Patch
+    handles = [Patch(color=FAMILY_COLORS[f], label=FAMILY_TITLES.get(f, f)) for f in families]
+    if failed:
+        handles.append(Patch(color=FAILED_COLOR, label="failed its accuracy check"))
+    ax.legend(handles=handles, fontsize=7, loc="lower right")
+
+
 def _bar_labels(ax: Any, ys: List[float], vals: List[float]) -> None:
     for y, v in zip(ys, vals):
         if v:
@@ -81,16 +109,17 @@ def speedup_chart(doc: Dict[str, Any], path: str) -> str:
         y = range(len(rows))
         vals = [c["speedup_vs_cpu"] for c in rows]
         ax.barh(list(y), vals,
-                color=[FAMILY_COLORS[c["family"]] if c["status"] == "passed" else "#d62728"
+                color=[FAMILY_COLORS[c["family"]] if c["status"] == "passed" else FAILED_COLOR
                        for c in rows])
         _bar_labels(ax, list(y), vals)
         ax.set_yticks(list(y))
-        ax.set_yticklabels([f"{_label(c)} ({c['size']}, {c['dtype']})" for c in rows],
-                           fontsize=7)
+        ax.set_yticklabels([_case_label(c) for c in rows], fontsize=7)
         ax.invert_yaxis()
         ax.set_xscale("log")
         ax.axvline(1.0, color="black", lw=0.8)
-        ax.set_xlabel("speed-up over CPU NumPy (x, log scale; red = failed accuracy)")
+        ax.set_xlabel("speed-up over CPU NumPy (x, log scale; > 1: faster than NumPy)")
+        _family_legend(ax, [f for f in FAMILY_COLORS if any(c["family"] == f for c in rows)],
+                       any(c["status"] != "passed" for c in rows))
     else:
         _empty(ax, "no case was measured against the CPU")
     ax.set_title(_title(doc, "Speed-up over CPU NumPy, largest size per operation"),
@@ -98,37 +127,58 @@ def speedup_chart(doc: Dict[str, Any], path: str) -> str:
     return _save(fig, path)
 
 
-def bandwidth_chart(doc: Dict[str, Any], path: str) -> str:
-    fig = _figure(10, 5.5)
-    ax = fig.add_subplot(111)
-    series: Dict[str, List[Tuple[int, float]]] = {}
+def _bandwidth_panels(doc: Dict[str, Any]) -> List[Tuple[str, Dict[str, list]]]:
+    """The vector family's float32 GB/s series, split into BANDWIDTH_PANELS (each series in
+    the first panel whose test it passes); empty panels left out."""
+    panels: List[Tuple[str, Dict[str, list]]] = [(t, {}) for t, _ in BANDWIDTH_PANELS]
     for c in doc["cases"]:
         if c["family"] == "vector" and c["dtype"] == "float32" and c.get("gbps"):
-            series.setdefault(_label(c), []).append((c["size"], c["gbps"]))
+            for (title, test), (_, series) in zip(BANDWIDTH_PANELS, panels):
+                if test(c):
+                    series.setdefault(_label(c), []).append((c["size"], c["gbps"]))
+                    break
+    return [(t, s) for t, s in panels if s]
+
+
+def bandwidth_chart(doc: Dict[str, Any], path: str) -> str:
+    panels = _bandwidth_panels(doc)
     ceiling = doc["ceilings"].get("memory_bandwidth_gbps")
-    if series:
-        import matplotlib
-        cmap = matplotlib.colormaps["tab20"]
+    if not panels:
+        fig = _figure(10, 5.5)
+        ax = fig.add_subplot(111)
+        _empty(ax, "no vector-family case was measured")
+        ax.set_title(_title(doc, "Vector family: achieved bandwidth against size"), fontsize=9)
+        return _save(fig, path)
+    import matplotlib
+    cmap = matplotlib.colormaps["tab10"]
+    cols = 2 if len(panels) > 1 else 1
+    rows = -(-len(panels) // cols)
+    fig = _figure(6.5 * cols, 4.2 * rows + 0.6)
+    first = None
+    for k, (title, series) in enumerate(panels):
+        ax = fig.add_subplot(rows, cols, k + 1, sharey=first)
+        first = first or ax
         for i, (label, pts) in enumerate(sorted(series.items())):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, lw=1,
-                    color=cmap(i % 20), ls="-" if i < 20 else "--", label=label)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2, ms=4,
+                    marker=MARKERS[i % len(MARKERS)], color=cmap(i % 10),
+                    ls="-" if i < 10 else "--", label=label)
         if ceiling:
-            ax.axhline(ceiling, color="black", ls="--", lw=1.2,
-                       label=f"measured copy bandwidth {ceiling:.0f} GB/s")
+            ax.axhline(ceiling, color="black", ls="--", lw=1,
+                       label=f"copy bandwidth {ceiling:.0f} GB/s")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("elements (float32)")
-        ax.set_ylabel("achieved GB/s (bytes read + written / median time)")
-        ax.legend(fontsize=6, ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    else:
-        _empty(ax, "no vector-family case was measured")
-    ax.set_title(_title(doc, "Vector family: achieved bandwidth against size"), fontsize=9)
+        ax.set_title(f"{title} ({len(series)})", fontsize=9)
+        ax.set_xlabel("elements (float32)", fontsize=8)
+        ax.set_ylabel("GB/s (bytes read + written / median)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6, ncol=2 if len(series) > 6 else 1, loc="upper left")
+    fig.suptitle(_title(doc, "Vector family: achieved bandwidth against size"), fontsize=9)
     return _save(fig, path)
 
 
 def roofline_chart(doc: Dict[str, Any], path: str) -> str:
     import numpy as np
-    fig = _figure(9, 6)
+    fig = _figure(12, 6.5)
     ax = fig.add_subplot(111)
     pts = [c for c in doc["cases"] if c.get("arithmetic_intensity") and c.get("gflops")]
     bw = doc["ceilings"].get("memory_bandwidth_gbps")
@@ -148,20 +198,44 @@ def roofline_chart(doc: Dict[str, Any], path: str) -> str:
             roof = np.minimum(bw * x, p) if bw else np.full_like(x, p)
             ax.plot(x, roof, color="gray", ls=style, lw=1,
                     label=f"{u} peak {p / 1e3:.1f} TFLOP/s")
+        # every measured size as a faint dot of its family's colour
         for fam, color in FAMILY_COLORS.items():
             fp = [c for c in pts if c["family"] == fam]
             if fp:
                 ax.scatter([c["arithmetic_intensity"] for c in fp], [c["gflops"] for c in fp],
-                           s=14, color=color, label=fam, zorder=3)
-        for c in headline(pts, "gflops"):
-            ax.annotate(_label(c), (c["arithmetic_intensity"], c["gflops"]), fontsize=6,
-                        xytext=(3, 3), textcoords="offset points")
+                           s=8, color=color, alpha=0.3, zorder=2, label=f"{fam} (every size)")
+        # one point per operation (its best GFLOP/s): the LABELLED fastest named on the
+        # chart, the others with a marker of their own in the legend
+        best: Dict[Tuple[str, str], Dict[str, Any]] = {}
+        for c in pts:
+            k = (c["op"], c["variant"])
+            if k not in best or c["gflops"] > best[k]["gflops"]:
+                best[k] = c
+        ranked = sorted(best.values(), key=lambda c: -c["gflops"])
+        # their names stacked in the empty lower right (high intensity, low GFLOP/s), each
+        # with a line to its point, so they cannot overlap one another or the roofs
+        named = sorted(ranked[:LABELLED], key=lambda c: -c["arithmetic_intensity"])
+        for n, c in enumerate(named):
+            ax.scatter([c["arithmetic_intensity"]], [c["gflops"]], s=36, marker="o",
+                       color=FAMILY_COLORS[c["family"]], edgecolor="black", zorder=4)
+            ax.annotate(f"{_label(c)} {c['dtype']}: {c['gflops'] / 1e3:.3g} TFLOP/s",
+                        (c["arithmetic_intensity"], c["gflops"]), fontsize=7,
+                        xytext=(0.97, 0.36 - 0.055 * n), textcoords="axes fraction",
+                        ha="right", va="center", zorder=5,
+                        arrowprops=dict(arrowstyle="-", lw=0.6, color="0.4",
+                                        shrinkA=2, shrinkB=3),
+                        bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="0.7", lw=0.5))
+        for i, c in enumerate(sorted(ranked[LABELLED:], key=lambda c: (c["family"], _label(c)))):
+            ax.scatter([c["arithmetic_intensity"]], [c["gflops"]], s=22, zorder=3,
+                       marker=MARKERS[i % len(MARKERS)], color=FAMILY_COLORS[c["family"]],
+                       edgecolor="black", linewidth=0.4, label=_label(c))
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("arithmetic intensity (FLOP / byte)")
         ax.set_ylabel("achieved GFLOP/s")
-        ax.legend(fontsize=7, loc="lower right")
-    ax.set_title(_title(doc, "Roofline"), fontsize=9)
+        ax.legend(fontsize=6, ncol=2, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.set_title(_title(doc, "Roofline (colour: family; the fastest operations named, the "
+                             "rest in the legend)"), fontsize=9)
     return _save(fig, path)
 
 
@@ -181,8 +255,7 @@ def peers_chart(doc: Dict[str, Any], path: str) -> str:
             ax.barh(y + i * h, vals, height=h, label=f"vs {n}")
             _bar_labels(ax, list(y + i * h), vals)
         ax.set_yticks(y + h * (len(live) - 1) / 2)
-        ax.set_yticklabels([f"{_label(c)} ({c['size']}, {c['dtype']})" for c in rows],
-                           fontsize=7)
+        ax.set_yticklabels([_case_label(c) for c in rows], fontsize=7)
         ax.invert_yaxis()
         ax.set_xscale("log")
         ax.axvline(1.0, color="black", lw=0.8)

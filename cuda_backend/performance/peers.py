@@ -13,8 +13,10 @@ import contextlib
 import os
 from typing import Any, Dict, Iterator, Optional, Sequence
 
+import ml_dtypes
 import numpy as np
 
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 GPU_PEERS = ("cupy", "torch")
 KNOWN_PEERS = ("numpy",) + GPU_PEERS
 
@@ -56,10 +58,11 @@ class Peer:
             cpu = "float32" if dtype in ("bfloat16", "float16") else dtype
             return np.ascontiguousarray(host, dtype=_np_dtype(host, cpu))
         if self.name == "cupy":
-            if dtype == "bfloat16":
-                raise PeerUnsupported("CuPy has no bfloat16")
+            values = np.ascontiguousarray(host, _np_dtype(host, dtype))
             with self.module.cuda.Device(self.device_id):
-                return self.module.asarray(np.ascontiguousarray(host, _np_dtype(host, dtype)))
+                if dtype == "bfloat16" and host.dtype.kind == "f":
+                    return _cupy_bfloat16(self.module, values)
+                return self.module.asarray(values)
         torch = self.module
         t = torch.from_numpy(np.ascontiguousarray(host))
         tdt = getattr(torch, dtype) if host.dtype.kind == "f" else t.dtype
@@ -103,8 +106,27 @@ class Peer:
 
 
 def _np_dtype(host: np.ndarray, dtype: str) -> Any:
-    """Floating inputs take the case dtype; integer inputs (indices) keep theirs."""
-    return host.dtype if host.dtype.kind != "f" else np.dtype(dtype)
+    """Floating inputs take the case dtype (bfloat16: ml_dtypes'); integer inputs (indices)
+    keep theirs."""
+    if host.dtype.kind != "f":
+        return host.dtype
+    return BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def _cupy_bfloat16(cupy: Any, values: np.ndarray) -> Any:
+    """A CuPy bfloat16 array of ml_dtypes.bfloat16 values, where this CuPy has bfloat16
+    (it takes the ml_dtypes dtype); PeerUnsupported where it has not."""
+    try:
+        out = cupy.asarray(values)
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        raise PeerUnsupported(
+            f"CuPy {getattr(cupy, '__version__', '?')} has no bfloat16 arrays "
+            f"({type(exc).__name__}: {exc})") from None
+    if out.dtype != BFLOAT16:
+        raise PeerUnsupported(
+            f"CuPy {getattr(cupy, '__version__', '?')} made a {out.dtype} array of bfloat16 "
+            f"values: it has no bfloat16")
+    return out
 
 
 def load_peers(names: Sequence[str], gpu: bool, device_id: int = 0) -> Dict[str, Peer]:

@@ -21,7 +21,7 @@ FATAL_ERRORS = ("illegal memory access", "no longer usable", "unspecified launch
 
 def context_dead(error: Optional[str]) -> bool:
     """Whether a case's error means every later GPU call in this process will fail."""
-    return bool(error) and any(m in error for m in FATAL_ERRORS)
+    return error is not None and any(m in error for m in FATAL_ERRORS)
 
 
 def _error(exc: BaseException) -> str:
@@ -116,6 +116,9 @@ class CaseRunner:
             ref_name = "the source data (exact copy expected)"
             out_bytes = 0
         elif prep.reference is not None:
+            if prep.result is None:
+                raise TypeError("the case has a reference but no way to read its result "
+                                "(Prepared.result is None)")
             out = prep.call()
             try:
                 host = prep.result(out)
@@ -209,6 +212,8 @@ class CaseRunner:
                 samples = timer.time(fn, cfg.warmup, cfg.iterations,
                                      flush=prep.mode == "kernel" and cfg.flush_l2)
         st = stats(samples)
+        if st is None:
+            raise PeerUnsupported("the peer's timer returned no samples")
         ratio = st["median"] / ours if ours > 0 else None
         return {"time_ms": st, "ratio": ratio, "settings": settings}
 
@@ -221,8 +226,11 @@ class CaseRunner:
         bw = self.ceilings.get("memory_bandwidth_gbps")
         if rec["bytes"]:
             rec["gbps"] = rec["bytes"] / sec / 1e9
-            # host<->device copies are bound by the link, not by device memory
-            if bw and (rec["family"] != "transfers" or rec["op"] == "copy_device_to_device"):
+            # host<->device copies are bound by the link, not by device memory; in fallback
+            # mode the "device" is host memory behind CPU caches: no meaningful fraction
+            on_gpu = getattr(self.ctx.backend, "is_available", True)
+            if bw and on_gpu and (rec["family"] != "transfers"
+                                  or rec["op"] == "copy_device_to_device"):
                 rec["fraction_of_bandwidth"] = rec["gbps"] / bw
         if rec["flops"]:
             rec["gflops"] = rec["flops"] / sec / 1e9

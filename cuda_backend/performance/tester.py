@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import subprocess
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -28,8 +29,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from ..backend import get_cuda_backend
+from ..profiling import nvtx_range
 from . import cases_math, cases_ml, render, schema
-from .cases import Case, Context, discover, known_names, opdef_cases, select
+from .cases import Case, Context, Prepared, discover, known_names, opdef_cases, select
 from .cases_system import system_cases
 from .ceilings import compute_peaks, measure
 from .config import FAMILIES, TestConfiguration
@@ -88,7 +90,8 @@ class CudaPerformanceTester:
                     if dead is not None:
                         records.append(_not_run(case, dead))
                         continue
-                    rec = runner.run(case)
+                    with nvtx_range(case.id, enabled=cfg.profile):  # Nsight Systems' view
+                        rec = runner.run(case)
                     records.append(rec)
                     if context_dead(rec.get("error")):
                         dead = rec["id"]
@@ -115,8 +118,12 @@ class CudaPerformanceTester:
         print(render.to_text(summary))
         outputs = summary.get("outputs") or {}
         if outputs.get("directory"):
-            print(f"report written to {outputs['directory']}/ "
-                  f"({', '.join(outputs.get('files', []))})")
+            print(f"report written to {outputs['directory']}/")
+            for line in textwrap.wrap(", ".join(outputs.get("files", [])),
+                                      render.TERMINAL_WIDTH - 2):
+                print("  " + line)
+            if "trace.json" in outputs.get("files", []):
+                print("  trace.json: open it in https://ui.perfetto.dev or chrome://tracing")
 
     # -- planning -----------------------------------------------------------------------
     def _load_apis(self) -> Dict[str, Any]:
@@ -272,6 +279,13 @@ class CudaPerformanceTester:
             self.backend.export_chrome_trace(str(out / "trace.json"))
             files += ["profile_stats.json", "trace.json"]
             self.backend.enable_profiling = False
+            profiler = getattr(self.backend, "profiler", None)
+            if profiler is not None and not profiler.trace_events():
+                doc["warnings"].append(
+                    "--profile wrote an empty trace (trace.json has no events): "
+                    + ("fallback mode runs no kernels or device copies, so there was nothing "
+                       "to trace" if doc["fallback_mode"] else
+                       "no launch or copy was recorded"))
         if cfg.save_results:
             files += ["results.json", "results.schema.json", "summary.md", "index.html"]
         doc["outputs"] = {"directory": str(out), "files": files, "charts": charts}
@@ -284,6 +298,8 @@ class CudaPerformanceTester:
             _write_text(out / "results.schema.json", json.dumps(schema.SCHEMA, indent=1))
             _write_text(out / "summary.md", render.to_markdown(doc, charts))
             _write_text(out / "index.html", render.to_html(doc, charts))
+            from .reports_readme import write_readme  # here: the module also runs as a script
+            write_readme(out.parent)
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -304,8 +320,13 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _never_built(ctx: Context) -> Prepared:
+    """The build of a placeholder Case that records a failure; it is never run."""
+    raise RuntimeError("a placeholder case is never built")
+
+
 def _load_failure(api: str, family: str, error: str) -> Dict[str, Any]:
-    case = Case(family, f"{api} (import)", api, "", "", 0, build=lambda ctx: None)
+    case = Case(family, f"{api} (import)", api, "", "", 0, build=_never_built)
     rec = new_record(case)
     rec.update(status="failed", phase="prepare",
                error=f"{api} could not be loaded, so none of its operations ran: {error}")

@@ -84,7 +84,10 @@ class HostTimer:
         """The median of time(fn, warmup, iterations, **kw), in ms per call."""
         if iterations < 1:
             raise ValueError(f"iterations must be >= 1, got {iterations}")
-        return stats(self.time(fn, warmup, iterations, **kw))["median"]
+        st = stats(self.time(fn, warmup, iterations, **kw))
+        if st is None:
+            raise ValueError("no call was timed: the timer returned no samples")
+        return st["median"]
 
     def time_batched(self, fn: Callable[[], Any], calls: int, iterations: int,
                      sync: Callable[[], None] = lambda: None) -> List[float]:

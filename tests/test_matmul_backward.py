@@ -1,0 +1,920 @@
+"""GEMM gradients (ops/matmul_backward.py): matmul_backward, linear_backward,
+fused_linear_gelu_backward, and the plain linear layer; the matmul kernels' modes they run on
+(ops/matmul.py: matmul_tn, A given as (K, M); matmul_nt, B given as (N, K); the linear
+kernels' bias_gelu_grad epilogue).
+
+References are float64 NumPy of the stored (rounded) inputs; finite differences of the
+forward functions check the references' formulas, and PyTorch's autograd, where torch is
+importable, checks the ops. Bounds are derived, elementwise, from the arithmetic: a sum of
+n terms in a type of unit roundoff u, in any order, errs by at most gamma(n) = n u / (1 - n u)
+times the sum of the terms' magnitudes, so a GEMM over K by (gamma(K) + u_prod + u_out)
+(|A| |B|) (u_prod: the operands' rounding before the product, 0 on CUDA cores and for the
+16-bit types, whose products are exact in float32; TF32 rounds B to nearest and A at worst
+by truncation, 3xTF32 drops terms of 3 2^-22; u_out: the one rounding on store; tensor-core
+float32 accumulation may truncate, so u = 2^-23 there). fused_linear_gelu_backward's
+dZ = G GELU'(z) adds |G| (L dz + (16 |s| + 24) u T) (L = max |GELU''| for the error dz of
+the recomputed z, the second term GELU''s own evaluation: exp of an argument |s| with
+relative error 8 u, T the magnitudes of its two terms), and the later GEMMs carry that error
+through |W| and |x|. Column and batch sums add gamma(rows) of their terms' magnitudes.
+
+Tests marked `gpu` run every candidate config of the new kernel modes (a_trans with split-K,
+aligned and not, batched and broadcast; the bias_gelu_grad epilogue of every linear config
+and the skinny split-K reduce) and the per-call plans; the rest run in whatever mode the
+backend is in (NumPy fallback without a GPU).
+"""
+from __future__ import annotations
+
+import re
+import struct
+import types
+import zlib
+
+import numpy as np
+import pytest
+from helpers import call_through_plan
+
+import cuda_backend as cb
+from cuda_backend import CudaDataType as DT
+from cuda_backend.compiler import arg_format, declared_kernels, kernel_signature
+from cuda_backend.cuda_math import CudaMath
+from cuda_backend.cuda_ml import CudaML
+from cuda_backend.kernels import KernelGenerator
+from cuda_backend.launch import normalize_dims
+from cuda_backend.ops import linear as lin
+from cuda_backend.ops import matmul as mm
+from cuda_backend.ops import matmul_backward as mb
+from cuda_backend.tensor import CudaTensor
+
+gpu = pytest.mark.gpu
+GEN = KernelGenerator(backend=object())
+FLOATS = [DT.FLOAT32, DT.FLOAT64, DT.FLOAT16, DT.BFLOAT16]
+# (dtype, precision) families
+FAMILIES = {"fp32": (DT.FLOAT32, None), "tf32": (DT.FLOAT32, "tf32"),
+            "fp64": (DT.FLOAT64, None), "fp16": (DT.FLOAT16, None),
+            "bf16": (DT.BFLOAT16, None)}
+U_OUT = {DT.FLOAT32: 2.0**-24, DT.FLOAT64: 2.0**-53, DT.FLOAT16: 2.0**-11, DT.BFLOAT16: 2.0**-8}
+# half of float16's smallest subnormal spacing: where tiny outputs round; else negligible
+ATOL = {DT.FLOAT32: 1e-37, DT.FLOAT64: 1e-300, DT.FLOAT16: 2.0**-25, DT.BFLOAT16: 1e-37}
+
+
+def arith(dtype, prec, recompute=False):
+    """(u_acc, u_prod) of a GEMM of the family: the matmul / a_trans / b_trans GEMMs (float32:
+    CUDA cores, rounding FMA), or with recompute=True the linear layer's recompute (float32:
+    3xTF32 or CUDA cores)."""
+    if dtype is DT.FLOAT64:
+        return 2.0**-53, 0.0
+    if dtype is DT.FLOAT32 and prec == "tf32":
+        return 2.0**-23, 2.0**-10 + 2.0**-11 + 2.0**-21
+    if dtype is DT.FLOAT32:
+        return (2.0**-23, 3 * 2.0**-22) if recompute else (2.0**-24, 0.0)
+    return 2.0**-23, 0.0
+
+
+def gamma(n, u):
+    return n * u / (1 - n * u)
+
+
+def depth(k):
+    """Additions in sequence behind one GEMM output, any config: k terms, plus the split-K
+    partials summed after (at most 16 splits, the skinny configs' at most k / 32)."""
+    return k + k // 32 + 16
+
+
+def gemm_bound(abs_a, abs_b, k, dtype, prec, recompute=False):
+    """Elementwise bound of a stored GEMM result over k terms, |A| |B| given (any batch)."""
+    u_acc, u_prod = arith(dtype, prec, recompute)
+    return (gamma(depth(k), u_acc) + u_prod + U_OUT[dtype]) * np.matmul(abs_a, abs_b) \
+        + ATOL[dtype]
+
+
+def seed(*what):
+    """A stable seed for a test's parameters (Python's str hash is salted per process)."""
+    return zlib.crc32(repr(what).encode())
+
+
+def sum_bound(terms_abs, n, axis, dtype):
+    """Elementwise bound of a stored sum over `axis` of n terms (magnitudes given), computed
+    in float32 (float64 for float64)."""
+    u = 2.0**-53 if dtype is DT.FLOAT64 else 2.0**-24
+    return (gamma(n, u) + U_OUT[dtype]) * terms_abs.sum(axis=axis) + ATOL[dtype]
+
+
+def check(out, ref, bound, what=""):
+    """|out - ref| <= bound elementwise."""
+    out = np.asarray(out, np.float64)
+    assert out.shape == ref.shape, (what, out.shape, ref.shape)
+    assert np.isfinite(out).all(), (what, "non-finite output")
+    err = np.abs(out - ref)
+    bad = ~(err <= bound)
+    assert not bad.any(), (what, int(bad.sum()), float(np.max(err[bad] / bound[bad])),
+                           out[bad][:4], ref[bad][:4])
+
+
+@pytest.fixture(scope="module")
+def apis(backend, tmp_path_factory):
+    """A CudaMath whose autotuner writes to a temporary file, and its CudaML."""
+    from cuda_backend.autotune import Autotuner
+    m = CudaMath(backend)
+    m._autotuner = Autotuner(backend, path=str(tmp_path_factory.mktemp("tune") / "t.json"))
+    return m, CudaML(m)
+
+
+def host_dtype(dtype):
+    return np.float32 if dtype is DT.BFLOAT16 else dtype.numpy_dtype
+
+
+def make(m, values, dtype):
+    """(tensor, its stored values in float64)."""
+    t = m.from_numpy(np.asarray(values, np.float64).astype(host_dtype(dtype)), dtype=dtype)
+    return t, m.to_numpy(t).astype(np.float64)
+
+
+def stored(m, t):
+    return m.to_numpy(t).astype(np.float64)
+
+
+# -- the GELU derivative: its reference and the constants of its bound -----------------------
+C2 = 1.5957691216057308
+
+
+def gelu_tanh(z):
+    return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
+
+
+def gelu_grad_parts(z):
+    """(GELU'(z), |s| + |z s (1 - s) u'|, |u|) of the tanh form, u = C2 (z + 0.044715 z^3)."""
+    with np.errstate(all="ignore"):
+        u = C2 * z * (1 + 0.044715 * z * z)
+        s, q = 1 / (1 + np.exp(-u)), 1 / (1 + np.exp(u))
+        t2 = np.where(s * q == 0, 0.0, z * s * q * C2 * (1 + 0.134145 * z * z))
+        return s + t2, np.abs(s) + np.abs(t2), np.abs(u)
+
+
+_ZS = np.linspace(-12, 12, 240001)
+# max |GELU''| (at 0; the grid is 1e-4 apart and GELU''' is bounded by 3 there, so the grid's
+# maximum is within 3e-4 of the true one)
+L_GELU2 = float(np.max(np.abs(np.gradient(gelu_grad_parts(_ZS)[0], _ZS)))) + 3e-4
+
+
+def test_gelu_grad_formula():
+    """The kernels' GELU' (mm.gelu_tanh_grad, the same expression) against a central
+    difference of gelu_tanh in float64, and the constant of the bound."""
+    z = np.linspace(-9, 9, 1801)
+    h = 1e-5
+    fd = (gelu_tanh(z + h) - gelu_tanh(z - h)) / (2 * h)
+    np.testing.assert_allclose(mm.gelu_tanh_grad(z), fd, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(mm.gelu_tanh_grad(z), gelu_grad_parts(z)[0], rtol=1e-13,
+                               atol=0)   # (the same formula, other association orders)
+    far = mm.gelu_tanh_grad(np.array([-1e4, 1e4]))   # no NaN where exp overflows
+    assert far[0] == 0.0 and far[1] == 1.0
+    assert 0.79 < L_GELU2 < 0.81
+
+
+# -- inputs and references ---------------------------------------------------------------------
+def layer_inputs(m, rng, dtype, x_shape, out_f, bias=True):
+    """Device grad_out, x, W (out, in), bias (or None) and their stored float64 values; W and
+    b scaled like a layer's (z ~ N(0, 2))."""
+    in_f = x_shape[-1]
+    vals = [rng.standard_normal(x_shape[:-1] + (out_f,)), rng.standard_normal(x_shape),
+            rng.standard_normal((out_f, in_f)) / np.sqrt(max(in_f, 1)),
+            rng.standard_normal(out_f)]
+    pairs = [make(m, v, dtype) for v in vals]
+    if not bias:
+        pairs[3] = (None, np.zeros(out_f))
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def layer_bounds(g, x, w, b, dtype, prec, fused):
+    """(reference grads, elementwise bounds) of (grad_x, grad_W, grad_b) for the layer's
+    stored inputs; fused: through dZ = G GELU'(x Wᵀ + b) and its bound."""
+    rows = int(np.prod(x.shape[:-1]))
+    in_f, out_f = w.shape[1], w.shape[0]
+    g2, x2 = g.reshape(rows, out_f), x.reshape(rows, in_f)
+    ag, ax, aw = np.abs(g2), np.abs(x2), np.abs(w)
+    if fused:
+        z = x2 @ w.T + b
+        d1, terms, au = gelu_grad_parts(z)
+        dz = g2 * d1
+        u_acc, u_prod = arith(dtype, prec, recompute=True)
+        # z's error: the GEMM's, then the bias added in the accumulator type
+        dz_err = (gamma(depth(in_f), u_acc) + u_prod) * (ax @ aw.T + np.abs(b)) + \
+            u_acc * np.abs(z)
+        u_eval = 2.0**-53 if dtype is DT.FLOAT64 else 2.0**-24
+        ddz = ag * (L_GELU2 * dz_err + (16 * au + 24) * u_eval * terms) + \
+            U_OUT[dtype] * np.abs(dz) + ATOL[dtype]
+    else:
+        dz, ddz = g2, np.zeros_like(g2)
+    adz = np.abs(dz) + ddz
+    refs = (dz @ w, dz.T @ x2, dz.sum(axis=0))
+    bounds = (gemm_bound(adz, aw, out_f, dtype, prec) + ddz @ aw,
+              gemm_bound(adz.T, ax, rows, dtype, prec) + ddz.T @ ax,
+              sum_bound(adz, rows, 0, dtype) + ddz.sum(axis=0))
+    shape_x = x.shape
+    return (refs[0].reshape(shape_x), refs[1], refs[2]), \
+        (bounds[0].reshape(shape_x), bounds[1], bounds[2])
+
+
+def matmul_inputs(m, rng, dtype, a_shape, b_shape):
+    p = mm.plan_shapes(a_shape, b_shape)
+    vals = [rng.standard_normal(p.out_shape), rng.standard_normal(a_shape),
+            rng.standard_normal(b_shape)]
+    pairs = [make(m, v, dtype) for v in vals]
+    return [q[0] for q in pairs], [q[1] for q in pairs]
+
+
+def matmul_bounds(g, a, b, dtype, prec):
+    """(grad_a, grad_b) references (mb.reference) and bounds: each product over its
+    reduction (N for grad_a, M for grad_b) and, for an operand broadcast over the batch, the
+    batch sum (a's: the batched products stored, then summed; b's: one GEMM over the batch's
+    M rows)."""
+    ga, gb = mb.reference("matmul_backward", g, a, b)
+    p = mm.plan_shapes(a.shape, b.shape)
+    B, M, N, K = p.batch, p.M, p.N, p.K
+    G = np.abs(g).reshape(B, M, N)
+    A = np.abs(a).reshape(-1, M, K)          # (B or 1, M, K)
+    Bt = np.swapaxes(np.abs(b).reshape(-1, K, N), -1, -2)
+    bound_a = gemm_bound(G, Bt, N, dtype, prec)
+    if B > 1 and p.stride_a == 0:
+        bound_a = bound_a.sum(axis=0) + sum_bound(np.matmul(G, Bt) + bound_a, B, 0, dtype)
+    if B > 1 and p.stride_b == 0:
+        bound_b = gemm_bound(A.reshape(B * M, K).T, G.reshape(B * M, N), B * M, dtype, prec)
+    else:
+        bound_b = gemm_bound(np.swapaxes(A, -1, -2), G, M, dtype, prec)
+    return (ga, gb), (bound_a.reshape(a.shape), bound_b.reshape(b.shape))
+
+
+# -- the references against finite differences (float64) -------------------------------------
+def fd_grad(f, v, h):
+    """Central differences of the scalar f at v, element by element."""
+    out = np.zeros_like(v)
+    for i in np.ndindex(v.shape):
+        old = v[i]
+        v[i] = old + h
+        hi = f()
+        v[i] = old - h
+        lo = f()
+        v[i] = old
+        out[i] = (hi - lo) / (2 * h)
+    return out
+
+
+# Linear / bilinear scalars: the central difference is exact up to rounding, which is at most
+# ~ n 2^-52 |terms| / h (n the terms summed): with |terms| < 50, n < 100, h = 1e-3 below 1e-8.
+# The GELU layer adds the truncation h^2 / 6 max|GELU'''| |G| |w|^3 summed: < 1e-6 * 2e-3.
+FD_TOL = 1e-7
+
+
+@pytest.mark.parametrize("case", ["linear", "fused", "fused_nobias"])
+def test_layer_reference_matches_finite_differences(case):
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((2, 3, 4))
+    w = rng.standard_normal((5, 4)) / 2
+    b = rng.standard_normal(5) if case != "fused_nobias" else None
+    g = rng.standard_normal((2, 3, 5))
+    fused = case != "linear"
+
+    def f():
+        z = x @ w.T + (0.0 if b is None else b)
+        return float(np.sum(g * (gelu_tanh(z) if fused else z)))
+    op = "fused_linear_gelu_backward" if fused else "linear_backward"
+    gx, gw, gb = mb.reference(op, g, x, w, bias=b, has_bias=True)
+    h = 1e-3 if not fused else 1e-4
+    np.testing.assert_allclose(gx, fd_grad(f, x, h), rtol=0, atol=FD_TOL)
+    np.testing.assert_allclose(gw, fd_grad(f, w, h), rtol=0, atol=FD_TOL)
+    if b is not None:
+        np.testing.assert_allclose(gb, fd_grad(f, b, h), rtol=0, atol=FD_TOL)
+    else:
+        assert gb is None
+
+
+@pytest.mark.parametrize("a_shape, b_shape", [((3, 4), (4, 5)), ((2, 3, 4), (4, 5)),
+                                              ((3, 4), (2, 4, 5)), ((1, 3, 4), (2, 4, 5)),
+                                              ((2, 3, 4), (2, 4, 5)), ((4,), (4, 5)),
+                                              ((3, 4), (4,)), ((4,), (4,)),
+                                              ((2, 1, 3, 4), (1, 4, 2))])
+def test_matmul_reference_matches_finite_differences(a_shape, b_shape):
+    rng = np.random.default_rng(32)
+    a, b = rng.standard_normal(a_shape), rng.standard_normal(b_shape)
+    g = rng.standard_normal(np.matmul(a, b).shape)
+
+    def f():
+        return float(np.sum(g * np.matmul(a, b)))
+    ga, gb = mb.reference("matmul_backward", g, a, b)
+    assert ga.shape == a.shape and gb.shape == b.shape
+    np.testing.assert_allclose(ga, fd_grad(f, a, 1e-3), rtol=0, atol=FD_TOL)
+    np.testing.assert_allclose(gb, fd_grad(f, b, 1e-3), rtol=0, atol=FD_TOL)
+
+
+@pytest.mark.parametrize("op", ["linear", "fused", "matmul"])
+def test_ops_match_finite_differences_in_float64(apis, op):
+    """The ops themselves (this mode's: kernels on a GPU, NumPy in fallback) in float64 on
+    tiny odd shapes, against central differences of the forward."""
+    m, ml = apis
+    rng = np.random.default_rng(33)
+    if op == "matmul":
+        a, b = rng.standard_normal((2, 3, 5)), rng.standard_normal((5, 4))
+        g = rng.standard_normal((2, 3, 4))
+        ga, gb = ml.matmul_backward(*(m.from_numpy(v) for v in (g, a, b)))
+
+        def f():
+            return float(np.sum(g * np.matmul(a, b)))
+        np.testing.assert_allclose(stored(m, ga), fd_grad(f, a, 1e-3), rtol=0, atol=FD_TOL)
+        np.testing.assert_allclose(stored(m, gb), fd_grad(f, b, 1e-3), rtol=0, atol=FD_TOL)
+        return
+    x = rng.standard_normal((3, 5))
+    w = rng.standard_normal((7, 5)) / 2
+    b = rng.standard_normal(7)
+    g = rng.standard_normal((3, 7))
+    fused = op == "fused"
+    if fused:
+        gx, gw, gb = ml.fused_linear_gelu_backward(*(m.from_numpy(v) for v in (g, x, w, b)))
+    else:
+        gx, gw, gb = ml.linear_backward(*(m.from_numpy(v) for v in (g, x, w)))
+
+    def f():
+        z = x @ w.T + b
+        return float(np.sum(g * (gelu_tanh(z) if fused else z)))
+    h = 1e-4 if fused else 1e-3
+    for got, v in ((gx, x), (gw, w), (gb, b)):
+        np.testing.assert_allclose(stored(m, got), fd_grad(f, v, h), rtol=0, atol=FD_TOL)
+
+
+# -- the public ops against float64 (this mode: kernels on a GPU, NumPy in fallback) ----------
+LAYER_SHAPES = [((1, 1), 1), ((3, 17), 5), ((17, 3), 129), ((129, 257), 17), ((2, 5, 33), 65),
+                ((33,), 17), ((1000, 17), 3)]
+
+
+@pytest.mark.parametrize("fam", list(FAMILIES))
+@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("op", ["linear", "fused", "fused_nobias"])
+def test_layer_gradients(apis, op, shape, fam):
+    m, ml = apis
+    dtype, prec = FAMILIES[fam]
+    x_shape, out_f = shape
+    rng = np.random.default_rng(seed(op, shape, fam))
+    fused = op != "linear"
+    (tg, tx, tw, tb), (g, x, w, b) = layer_inputs(m, rng, dtype, x_shape, out_f,
+                                                   bias=op == "fused")
+    if fused:
+        res = ml.fused_linear_gelu_backward(tg, tx, tw, tb, precision=prec)
+    else:
+        res = ml.linear_backward(tg, tx, tw, precision=prec)
+    refs, bounds = layer_bounds(g, x, w, b, dtype, prec, fused)
+    assert res[0].shape == x.shape and res[1].shape == w.shape
+    assert all(r.dtype is dtype for r in res if r is not None)
+    for got, ref, bound, what in zip(res, refs, bounds, ("grad_x", "grad_W", "grad_b")):
+        if op == "fused_nobias" and what == "grad_b":
+            assert got is None
+            continue
+        check(stored(m, got), ref, bound, f"{op} {what} {fam} {shape}")
+
+
+def test_linear_backward_without_bias(apis):
+    m, ml = apis
+    rng = np.random.default_rng(5)
+    (tg, tx, tw, _), (g, x, w, _) = layer_inputs(m, rng, DT.FLOAT32, (9, 6), 4)
+    gx, gw, gb = ml.linear_backward(tg, tx, tw, has_bias=False)
+    assert gb is None
+    refs, bounds = layer_bounds(g, x, w, np.zeros(4), DT.FLOAT32, None, False)
+    check(stored(m, gx), refs[0], bounds[0])
+    check(stored(m, gw), refs[1], bounds[1])
+
+
+MATMUL_SHAPES = [((1, 1), (1, 1)), ((3, 17), (17, 5)), ((129, 3), (3, 257)),
+                 ((17, 257), (257, 129)), ((3, 67, 45), (3, 45, 29)), ((3, 67, 45), (45, 29)),
+                 ((1, 67, 45), (3, 45, 29)), ((67, 45), (3, 45, 29)),
+                 ((2, 3, 33, 17), (17, 40)), ((45,), (45, 29)), ((67, 45), (45,)),
+                 ((45,), (45,)), ((5, 1, 9), (5, 9, 1)), ((1000, 17), (17, 3))]
+
+
+@pytest.mark.parametrize("fam", list(FAMILIES))
+@pytest.mark.parametrize("a_shape, b_shape", MATMUL_SHAPES,
+                         ids=lambda s: "x".join(map(str, s)))
+def test_matmul_gradients(apis, a_shape, b_shape, fam):
+    m, ml = apis
+    dtype, prec = FAMILIES[fam]
+    rng = np.random.default_rng(seed(a_shape, b_shape, fam))
+    (tg, ta, tb), (g, a, b) = matmul_inputs(m, rng, dtype, a_shape, b_shape)
+    ga, gb = ml.matmul_backward(tg, ta, tb, precision=prec)
+    assert ga.shape == a.shape and gb.shape == b.shape and ga.dtype is dtype
+    (ra, rb), (ba, bb) = matmul_bounds(g, a, b, dtype, prec)
+    check(stored(m, ga), ra, ba, f"grad_a {fam}")
+    check(stored(m, gb), rb, bb, f"grad_b {fam}")
+
+
+@pytest.mark.parametrize("a_shape, b_shape", [((0, 5), (5, 3)), ((4, 0), (0, 3)),
+                                              ((4, 5), (5, 0)), ((0, 4, 5), (5, 3)),
+                                              ((0, 4, 5), (0, 5, 3))])
+def test_matmul_gradients_of_empty_products(apis, a_shape, b_shape):
+    """Zero-size dimensions: gradients of the operands' shapes, zeros where a sum is empty."""
+    m, ml = apis
+    rng = np.random.default_rng(3)
+    (tg, ta, tb), (g, a, b) = matmul_inputs(m, rng, DT.FLOAT32, a_shape, b_shape)
+    ga, gb = ml.matmul_backward(tg, ta, tb)
+    ra, rb = mb.reference("matmul_backward", g, a, b)
+    assert ga.shape == a_shape and gb.shape == b_shape
+    np.testing.assert_array_equal(stored(m, ga), ra)
+    np.testing.assert_array_equal(stored(m, gb), rb)
+
+
+def test_linear_forward(apis):
+    """CudaML.linear: x Wᵀ + b in every family, x with leading dimensions and 1-D."""
+    m, ml = apis
+    rng = np.random.default_rng(8)
+    for fam, (dtype, prec) in FAMILIES.items():
+        for x_shape, n in (((7, 13), 5), ((2, 3, 33), 17), ((33,), 9)):
+            (_, tx, tw, tb), (_, x, w, b) = layer_inputs(m, rng, dtype, x_shape, n)
+            y = ml.linear(tx, tw, tb, precision=prec)
+            assert y.shape == x_shape[:-1] + (n,) and y.dtype is dtype
+            ref = lin.reference("linear", x, w, bias=b)
+            k = x_shape[-1]
+            u_acc, u_prod = arith(dtype, prec, recompute=True)
+            # the GEMM's error, the bias added in the accumulator type, the store
+            bound = (gamma(depth(k), u_acc) + u_prod + u_acc + U_OUT[dtype]) * \
+                (np.abs(x) @ np.abs(w).T + np.abs(b)) + ATOL[dtype]
+            check(stored(m, y), ref, bound, f"linear {fam} {x_shape}")
+            y2 = ml.linear(tx, tw)
+            check(stored(m, y2), x @ w.T, gemm_bound(np.abs(x), np.abs(w).T, k, dtype, None,
+                                                     recompute=True))
+
+
+def test_pytorch_autograd_agrees(apis):
+    """Our gradients (float32, this mode) against PyTorch's autograd in float64 of F.linear,
+    GELU(F.linear) and torch.matmul, within the float32 bounds."""
+    torch = pytest.importorskip("torch")
+    m, ml = apis
+    rng = np.random.default_rng(11)
+    (tg, tx, tw, tb), (g, x, w, b) = layer_inputs(m, rng, DT.FLOAT32, (37, 19), 23)
+    T = [torch.tensor(v, requires_grad=True) for v in (x, w, b)]
+    for fused in (False, True):
+        y = torch.nn.functional.linear(*T)
+        if fused:
+            y = torch.nn.functional.gelu(y, approximate="tanh")
+        want = torch.autograd.grad(y, T, torch.tensor(g))
+        res = ml.fused_linear_gelu_backward(tg, tx, tw, tb) if fused else \
+            ml.linear_backward(tg, tx, tw)
+        _, bounds = layer_bounds(g, x, w, b, DT.FLOAT32, None, fused)
+        for got, ref, bound in zip(res, want, bounds):
+            check(stored(m, got), ref.numpy(), bound + 1e-12 * np.abs(ref.numpy()))
+    (tg, ta, tb2), (g, a, bb) = matmul_inputs(m, rng, DT.FLOAT32, (3, 29, 31), (31, 17))
+    A, B = torch.tensor(a, requires_grad=True), torch.tensor(bb, requires_grad=True)
+    want = torch.autograd.grad(torch.matmul(A, B), (A, B), torch.tensor(g))
+    got = ml.matmul_backward(tg, ta, tb2)
+    _, bounds = matmul_bounds(g, a, bb, DT.FLOAT32, None)
+    for o, ref, bound in zip(got, want, bounds):
+        check(stored(m, o), ref.numpy(), bound + 1e-12 * np.abs(ref.numpy()))
+
+
+def test_reference_agrees_with_the_ops(apis):
+    """The family's float64 reference is what the ops compute (float64, this mode)."""
+    m, ml = apis
+    rng = np.random.default_rng(12)
+    g, x, w, b = (rng.standard_normal(s) for s in ((4, 6), (4, 5), (6, 5), (6,)))
+    for op, res in (("linear_backward", ml.linear_backward(*map(m.from_numpy, (g, x, w)))),
+                    ("fused_linear_gelu_backward", ml.fused_linear_gelu_backward(
+                        *map(m.from_numpy, (g, x, w, b))))):
+        for got, ref in zip(res, mb.reference(op, g, x, w, bias=b)):
+            np.testing.assert_allclose(stored(m, got), ref, rtol=1e-12, atol=1e-12)
+    a, bm_, gm = rng.standard_normal((3, 4, 5)), rng.standard_normal((5, 6)), \
+        rng.standard_normal((3, 4, 6))
+    for got, ref in zip(ml.matmul_backward(*map(m.from_numpy, (gm, a, bm_))),
+                        mb.reference("matmul_backward", gm, a, bm_)):
+        np.testing.assert_allclose(stored(m, got), ref, rtol=1e-12, atol=1e-12)
+
+
+# -- bad input: typed errors, the pool still usable after ---------------------------------------
+def test_bad_input_raises_typed_errors(apis):
+    m, ml = apis
+    rng = np.random.default_rng(2)
+    f32 = [m.from_numpy(rng.standard_normal(s).astype(np.float32))
+           for s in ((4, 6), (4, 5), (6, 5), (6,))]
+    g, x, w, b = f32
+    x64 = m.from_numpy(rng.standard_normal((4, 5)))
+    cases = [
+        (cb.ShapeMismatchError, "grad_out has shape", lambda: ml.linear_backward(
+            m.from_numpy(np.ones((4, 7), np.float32)), x, w)),
+        (cb.ShapeMismatchError, "grad_out has shape", lambda: ml.fused_linear_gelu_backward(
+            m.from_numpy(np.ones((3, 6), np.float32)), x, w, b)),
+        (cb.ShapeMismatchError, "in_features", lambda: ml.linear_backward(
+            g, m.from_numpy(np.ones((4, 4), np.float32)), w)),
+        (cb.ShapeMismatchError, "weight must be", lambda: ml.linear_backward(
+            g, x, m.from_numpy(np.ones((6, 5, 1), np.float32)))),
+        (cb.ShapeMismatchError, "bias must have shape", lambda: ml.fused_linear_gelu_backward(
+            g, x, w, m.from_numpy(np.ones(5, np.float32)))),
+        (cb.DTypeMismatchError, "mixed dtypes", lambda: ml.linear_backward(g, x64, w)),
+        (cb.DTypeMismatchError, "mixed dtypes", lambda: ml.matmul_backward(g, x64, w)),
+        (cb.DTypeMismatchError, "does not support", lambda: ml.linear_backward(
+            *(m.from_numpy(np.ones(s, np.int32)) for s in ((4, 6), (4, 5), (6, 5))))),
+        (cb.InvalidArgumentError, "has_bias", lambda: ml.linear_backward(g, x, w, has_bias=1)),
+        (cb.InvalidArgumentError, "precision must be", lambda: ml.linear_backward(
+            g, x, w, precision="fp16")),
+        (cb.InvalidArgumentError, "float32 operands only", lambda: ml.matmul_backward(
+            *(m.from_numpy(rng.standard_normal(s)) for s in ((4, 6), (4, 5), (5, 6))),
+            precision="tf32")),
+        (cb.InvalidArgumentError, "CudaTensor", lambda: ml.matmul_backward(
+            np.ones((4, 6), np.float32), x, m.from_numpy(np.ones((5, 6), np.float32)))),
+        (cb.ShapeMismatchError, "grad_out has shape", lambda: ml.matmul_backward(
+            g, x, m.from_numpy(np.ones((5, 7), np.float32)))),
+        (cb.ShapeMismatchError, "inner dimensions", lambda: ml.matmul_backward(
+            g, x, m.from_numpy(np.ones((6, 6), np.float32)))),
+    ]
+    for exc, match, call in cases:
+        with pytest.raises(exc, match=match):
+            call()
+    dead = m.from_numpy(np.ones((4, 5), np.float32))
+    dead.free()
+    for call in (lambda: ml.linear_backward(g, dead, w),
+                 lambda: ml.fused_linear_gelu_backward(g, dead, w, b),
+                 lambda: ml.matmul_backward(g, dead, m.from_numpy(np.ones((5, 6), np.float32)))):
+        with pytest.raises(cb.TensorFreedError):
+            call()
+    # the pool and the ops still work after the errors
+    (tg, tx, tw, _), (gv, xv, wv, _) = layer_inputs(m, rng, DT.FLOAT32, (4, 5), 6)
+    gx, gw, gb = ml.linear_backward(tg, tx, tw)
+    refs, bounds = layer_bounds(gv, xv, wv, np.zeros(6), DT.FLOAT32, None, False)
+    for got, ref, bound in zip((gx, gw, gb), refs, bounds):
+        check(stored(m, got), ref, bound)
+
+
+def test_matmul_nt_and_tn_argument_errors(apis):
+    m, _ = apis
+    a = m.from_numpy(np.ones((4, 5), np.float32))
+    with pytest.raises(cb.ShapeMismatchError, match="at least 2 dimensions"):
+        mm.matmul_tn(m, m.from_numpy(np.ones(5, np.float32)), a)
+    with pytest.raises(cb.ShapeMismatchError, match="inner dimensions"):
+        mm.matmul_tn(m, a, m.from_numpy(np.ones((5, 3), np.float32)))
+    with pytest.raises(cb.ShapeMismatchError, match="inner dimensions"):
+        mm.matmul_nt(m, a, m.from_numpy(np.ones((3, 4), np.float32)))
+    with pytest.raises(cb.ShapeMismatchError, match="out has shape"):
+        mm.matmul_tn(m, a, a, out=m.create_tensor((4, 4)))
+    with pytest.raises(cb.InvalidArgumentError, match="grad"):
+        mm.linear(m, a, a, epilogue=mm.GRAD_EPILOGUE)
+    with pytest.raises(cb.InvalidArgumentError, match="grad"):
+        mm.linear(m, a, a, epilogue="bias", grad=m.create_tensor((4, 4)))
+    with pytest.raises(cb.ShapeMismatchError, match="grad must have"):
+        mm.linear(m, a, a, epilogue=mm.GRAD_EPILOGUE, grad=m.create_tensor((4, 5)))
+
+
+def test_matmul_tn_and_nt_against_numpy(apis):
+    """aᵀ b and a bᵀ with full and broadcast batches, every family."""
+    m, _ = apis
+    rng = np.random.default_rng(4)
+    for fam, (dtype, prec) in FAMILIES.items():
+        for a_shape, b_shape in (((13, 7), (13, 5)), ((3, 13, 7), (13, 5)),
+                                 ((13, 7), (3, 13, 5)), ((2, 40, 33), (2, 40, 17))):
+            ta, a = make(m, rng.standard_normal(a_shape), dtype)
+            tb, b = make(m, rng.standard_normal(b_shape), dtype)
+            out = mm.matmul_tn(m, ta, tb, prec)
+            at = np.swapaxes(a, -1, -2)
+            check(stored(m, out), np.matmul(at, b),
+                  gemm_bound(np.abs(at), np.abs(b), a_shape[-2], dtype, prec), f"tn {fam}")
+            tb2, b2 = make(m, rng.standard_normal(b_shape[:-2] + (b_shape[-1], a_shape[-1])),
+                           dtype)
+            out = mm.matmul_nt(m, ta, tb2, prec)
+            bt = np.swapaxes(b2, -1, -2)
+            check(stored(m, out), np.matmul(a, bt),
+                  gemm_bound(np.abs(a), np.abs(bt), a_shape[-1], dtype, prec), f"nt {fam}")
+
+
+# -- kernels: parameter sets, rendering (anywhere) --------------------------------------------
+def test_template_variants_are_the_configs_launched():
+    """The family lists the a_trans GEMM of every tn config (both alignments; none for TF32),
+    the bias_gelu_grad kernel of every linear config and the skinny reduce with it; all
+    render to one kernel without #error, with names unique across the package's variants."""
+    v = mb.template_variants()
+    want = set()
+    for dt, prec in mb.TN_FAMILIES:
+        family, _ = mm.family(dt, prec)
+        for vec in (True, False):
+            for c in mm.tn_configs(dt, prec, vec):
+                want.add((family, tuple(sorted(mm.tn_params(family, dt, c, vec).items()))))
+    for dt, prec in mb.LINEAR_FAMILIES:
+        family, _ = mm.family(dt, prec, linear=True)
+        for vec in (True, False):
+            for c in mm.linear_configs(dt, prec, vec):
+                t = mm.config_template(c, family)
+                want.add((t, tuple(sorted(mm.linear_params(t, dt, c, vec,
+                                                           mm.GRAD_EPILOGUE).items()))))
+    want.add((mm.SIMT_TEMPLATE, tuple(sorted(mm.splitk_epilogue_params(
+        DT.FLOAT32, mm.GRAD_EPILOGUE).items()))))
+    got = {(t, tuple(sorted(p.items()))) for t, sets in v.items() for p in sets}
+    assert got == want and len(got) == sum(len(s) for s in v.values())
+    assert not mm.tn_configs(DT.FLOAT32, "tf32", True) and mm.has_tn_kernel(DT.FLOAT16, None)
+    names = set()
+    for t, sets in v.items():
+        for p in sets:
+            name, src = GEN.render_kernel(t, **dict(p))
+            assert declared_kernels(src) == [name] and "#error" not in src
+            if p.get("a_trans"):
+                assert "a_trans" in p and p["b_trans"] is False and p["epilogue"] == "none"
+                assert "ldsm_x4_t(sa + a_off[i]" in src if t == mm.MMA_TEMPLATE else \
+                    "a_col_ok" in src
+            names.add(name)
+    from cuda_backend.kernels import template_variants
+    others = {GEN.render_kernel(t, **dict(p))[0] for t, sets in template_variants().items()
+              for p in sets if t in v}
+    assert len(names) == len(got) and names <= others
+
+
+def test_a_trans_excludes_b_trans_and_tf32():
+    cfg = mm.S_64x64x8_q2
+    bad = {**mm.tn_params(mm.SIMT_TEMPLATE, DT.FLOAT32, cfg, True), "b_trans": True}
+    assert "#error" in GEN.render_kernel(mm.SIMT_TEMPLATE, **bad)[1]
+    bad = {**mm.tn_params(mm.MMA_TEMPLATE, DT.FLOAT32, mm.T_64x64x16, True)}
+    assert "#error" in GEN.render_kernel(mm.MMA_TEMPLATE, **bad)[1]
+    plain = mm.simt_params(DT.FLOAT32, cfg, True)
+    assert "a_trans" not in plain and "a_trans" not in mm.kernel_params(
+        mm.SIMT_TEMPLATE, DT.FLOAT32, cfg, True)
+    assert mm.linear_params(mm.SIMT_TEMPLATE, DT.FLOAT32, cfg, True, "bias")["a_trans"] is False
+
+
+def test_gelu_grad_kernels_take_g_after_bias():
+    for t, p in ((mm.SIMT_TEMPLATE, mm.linear_params(mm.SIMT_TEMPLATE, DT.FLOAT64,
+                                                     mm.D_64x64x8, False, mm.GRAD_EPILOGUE)),
+                 (mm.MMA_TEMPLATE, mm.linear_params(mm.MMA_TEMPLATE, DT.FLOAT16,
+                                                    mm.H_64x64x32, True, mm.GRAD_EPILOGUE)),
+                 (mm.SIMT_TEMPLATE, mm.splitk_epilogue_params(DT.FLOAT32, mm.GRAD_EPILOGUE))):
+        name, src = GEN.render_kernel(t, **p)
+        sig = kernel_signature(src, name)
+        names = [re.split(r"[\s*]+", s.strip())[-1] for s in sig]
+        assert names[names.index("bias") + 1] == "G", names
+        assert "gelu_grad(" in src
+
+
+# -- launches on a recording backend (anywhere) ---------------------------------------------
+class RecordingBackend:
+    """Records launches instead of running them: each must pack with its kernel's parameter
+    format and use the template's thread count."""
+
+    is_available = True
+    current_device = 0
+
+    def __init__(self):
+        self.next_ptr = 1 << 20
+        self.kernels = {}
+        self.launches = []
+
+    def empty(self, shape, dtype, device_id=0):
+        t = CudaTensor(tuple(shape), DT.from_any(dtype), 0, self.next_ptr)
+        self.next_ptr += (t.nbytes // 256 + 2) * 256
+        return t
+
+    def get_device_info(self, device_id):
+        return types.SimpleNamespace(multiprocessor_count=132,
+                                     max_grid_dims=(2**31 - 1, 65535, 65535))
+
+    def launch_kernel(self, name, grid, *args, block_size=(256, 1, 1), shared_mem=0,
+                      device_id=0):
+        k = self.kernels[name]
+        values = [a.ptr if isinstance(a, CudaTensor) else a for a in args]
+        assert len(values) == len(k.fmt), (k.params, len(values), k.fmt)
+        struct.pack("".join("Q" if c == "P" else c for c in k.fmt), *values)
+        g, b = normalize_dims(grid, "grid"), normalize_dims(block_size, "block")
+        assert b == (k.threads, 1, 1), (k.params, b)
+        self.launches.append((k, g, shared_mem, values))
+
+
+class RecordingMath:
+    gpu = True
+
+    def __init__(self):
+        self.backend = RecordingBackend()
+        self.autotuner = types.SimpleNamespace(pick=self._pick)
+        self.picked = None
+
+    def _pick(self, op, key, cands, run, device_id=0, repeats=3):
+        self.picked = (op, cands)
+        for c in cands:
+            run(c)
+        return dict(cands[0])
+
+    def kernel(self, template, device_id, **params):
+        name, src = GEN.render_kernel(template, **dict(params))
+        threads = re.search(r"#define THREADS (\d+)", src)
+        k = types.SimpleNamespace(
+            name=name, template=template, params=params,
+            fmt=arg_format(src, name, kernel_signature(src, name)),
+            threads=int(threads.group(1)) if threads else params["block_size"])
+        self.backend.kernels[name] = k
+        return k
+
+
+@pytest.mark.parametrize("fam", ["fp32", "fp64", "fp16", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 3, 1), (130, 3000, 136), (4096, 32, 1024),
+                                   (3, 131, 7, 5)])
+def test_matmul_tn_launches_the_a_trans_kernel(fam, shape):
+    """aᵀ b launches a_trans kernels of the GEMM's configs with a, b, out, M, N, K, the
+    batch strides (a's K M, b's 0 when broadcast) and, for SIMT, split-K when chosen; the
+    alignment class reads M, not K."""
+    dtype, prec = FAMILIES[fam]
+    m = RecordingMath()
+    batch, (K, M, N) = (shape[0], shape[1:]) if len(shape) == 4 else (1, shape)
+    a = m.backend.empty(((batch,) if batch > 1 else ()) + (K, M), dtype)
+    b = m.backend.empty((K, N), dtype)
+    out = mm.matmul_tn(m, a, b, prec)
+    assert out.shape == a.shape[:-2] + (M, N)
+    if m.picked is not None:   # (one candidate: no autotuning)
+        op, cands = m.picked
+        assert op.endswith("_at") and not any(c.get("wgmma") or c.get("skinny") for c in cands)
+    m.backend.launches.clear()
+    mm.matmul_tn(m, a, b, prec, out=out)
+    gemm = [(k, g, v) for k, g, _, v in m.backend.launches
+            if k.params.get("kind") != "splitk_reduce"]
+    assert len(gemm) == 1
+    k, grid, values = gemm[0]
+    vw = 16 // dtype.itemsize
+    assert k.params["a_trans"] is True and k.params["vec"] is (M % vw == 0 and N % vw == 0)
+    assert values[0] == a.ptr and values[1] == b.ptr and values[3:6] == [M, N, K]
+    assert values[6:8] == [K * M if batch > 1 else 0, 0]
+    if k.template == mm.SIMT_TEMPLATE:
+        assert grid[2] % batch == 0 and values[8] == batch
+        assert values[2] == out.ptr or grid[2] > batch   # split-K: a workspace, then reduce
+
+
+def test_matmul_nt_launches_the_linear_kernel_without_bias():
+    m = RecordingMath()
+    for dtype in (DT.FLOAT32, DT.FLOAT16):
+        a = m.backend.empty((3, 70, 33), dtype)
+        b = m.backend.empty((40, 33), dtype)
+        out = mm.matmul_nt(m, a, b)
+        assert out.shape == (3, 70, 40)
+        m.backend.launches.clear()
+        mm.matmul_nt(m, a, b, out=out)
+        (k, grid, _, values), = m.backend.launches
+        assert k.params["b_trans"] is True and k.params["epilogue"] == "bias"
+        assert values[:7] == [a.ptr, b.ptr, out.ptr, 0, 70, 40, 33]
+        assert values[7:9] == [70 * 33, 0] and grid[2] == 3
+        if dtype is DT.FLOAT32:   # true FP32 by default: CUDA cores ('ieee')
+            assert k.template == mm.SIMT_TEMPLATE
+
+
+@pytest.mark.parametrize("shape", [(7, 13, 5), (129, 127, 131), (32, 1024, 4096)])
+def test_gelu_grad_recompute_passes_g(shape):
+    """mm.linear with the bias_gelu_grad epilogue: x, W, out, bias, G, M, N, K (or, for the
+    skinny configs, G to the reduce after the bias)."""
+    m = RecordingMath()
+    M, K, N = shape
+    x, w = m.backend.empty((M, K), DT.FLOAT32), m.backend.empty((N, K), DT.FLOAT32)
+    b, g = m.backend.empty((N,), DT.FLOAT32), m.backend.empty((M, N), DT.FLOAT32)
+    dz = mm.linear(m, x, w, b, mm.GRAD_EPILOGUE, grad=g)
+    assert m.picked is None or m.picked[0].endswith("_gelugrad")
+    m.backend.launches.clear()
+    mm.linear(m, x, w, b, mm.GRAD_EPILOGUE, out=dz, grad=g)
+    k, _, _, values = m.backend.launches[-1]
+    assert k.params["epilogue"] == mm.GRAD_EPILOGUE
+    if k.params.get("kind") == "splitk_epilogue":
+        assert values[1:4] == [dz.ptr, b.ptr, g.ptr]
+    else:
+        assert values[:8] == [x.ptr, w.ptr, dz.ptr, b.ptr, g.ptr, M, N, K]
+
+
+# -- GPU: every candidate config of the new modes -------------------------------------------
+def _poisoned(m, shape, dtype):
+    out = m.create_tensor(shape, dtype)
+    if out.size:
+        host = np.full(shape, 0x7FC0, np.uint16) if dtype is DT.BFLOAT16 else \
+            np.full(shape, np.nan, dtype.numpy_dtype)
+        m.backend.copy_to_device(host, out)
+    return out
+
+
+def _shifted(m, values, dtype):
+    """A tensor of values one element past a 16-byte aligned pointer: (view, base)."""
+    values = np.asarray(values, np.float64)
+    base, _ = make(m, np.concatenate([[0.0], values.ravel()]), dtype)
+    return CudaTensor(values.shape, dtype, base.device_id, base.ptr + dtype.itemsize,
+                      owner=base), base
+
+
+@gpu
+@pytest.mark.parametrize("fam", ["fp32", "fp64", "fp16", "bf16"])
+def test_gpu_every_tn_config_is_correct(apis, fam):
+    """Every a_trans config, aligned (vec) and not (odd M, N, K, and misaligned pointers),
+    split-K forced for SIMT, with a full batch, a broadcast b and a broadcast a."""
+    m, _ = apis
+    dtype, prec = FAMILIES[fam]
+    template, _ = mm.family(dtype, prec)
+    dev = m.backend.current_device
+    rng = np.random.default_rng(21)
+    m_vec = 130 if dtype is DT.FLOAT64 else 136
+    for vec, (K, M, N), layout in ((True, (131, m_vec, m_vec), "batch"),
+                                   (True, (264, 64 + 8, 16), "broadcast_a"),
+                                   (False, (197, 133, 131), "batch"),
+                                   (False, (70, 33, 129), "broadcast_b"),
+                                   (False, (131, 136, 136), "misaligned")):
+        a_shape = (K, M) if layout == "broadcast_a" else (3, K, M)
+        b_shape = (K, N) if layout in ("broadcast_b", "misaligned") else (3, K, N)
+        if layout == "misaligned":
+            ta, base = _shifted(m, rng.standard_normal(a_shape), dtype)
+            a = stored(m, ta)
+        else:
+            ta, a = make(m, rng.standard_normal(a_shape), dtype)
+        tb, b = make(m, rng.standard_normal(b_shape), dtype)
+        at = np.swapaxes(a, -1, -2)
+        ref = np.matmul(at, b)
+        bound = gemm_bound(np.abs(at), np.abs(b), K, dtype, prec)
+        p = mm.plan_shapes(ta.shape[:-2] + (M, K), tb.shape)
+        for cfg in mm.tn_configs(dtype, prec, vec):
+            for splits in ((1, 3) if template == mm.SIMT_TEMPLATE else (None,)):
+                out = _poisoned(m, ref.shape, dtype)
+                assert mm.is_vec_ok(ta, tb, out, p, a_trans=True) is vec
+                mm.run_config(m, template, cfg, ta, tb, out, p, dtype, vec, dev,
+                              splits=splits, a_trans=True)
+                check(stored(m, out), ref, bound, f"{cfg} {vec} {splits} {layout}")
+                out.free()
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMILIES) + ["ieee"])
+def test_gpu_every_gelu_grad_config_is_correct(apis, fam):
+    """The bias_gelu_grad epilogue of every linear config (and the skinny split-K configs
+    with their reduce), aligned and not, with and without a bias, against float64."""
+    m, _ = apis
+    dtype, prec = FAMILIES.get(fam, (DT.FLOAT32, "ieee"))
+    family, _ = mm.family(dtype, mm.normalize_precision(prec, dtype), linear=True)
+    dev = m.backend.current_device
+    rng = np.random.default_rng(22)
+    n_vec = 130 if dtype is DT.FLOAT64 else 136
+    for vec, (M, K, N) in ((True, (131, 264, n_vec)), (False, (131, 197, 133)),
+                           (True, (32, 1024, 264))):
+        for with_bias in (True, False):
+            (tg, tx, tw, tb), (g, x, w, b) = layer_inputs(m, rng, dtype, (M, K), N, with_bias)
+            z = x @ w.T + b
+            d1, terms, au = gelu_grad_parts(z)
+            ref = g * d1
+            u_acc, u_prod = arith(dtype, mm.normalize_precision(prec, dtype), recompute=True)
+            dz_err = (gamma(depth(K), u_acc) + u_prod) * (np.abs(x) @ np.abs(w).T + np.abs(b)) \
+                + u_acc * np.abs(z)
+            u_eval = 2.0**-53 if dtype is DT.FLOAT64 else 2.0**-24
+            bound = np.abs(g) * (L_GELU2 * dz_err + (16 * au + 24) * u_eval * terms) + \
+                U_OUT[dtype] * np.abs(ref) + ATOL[dtype]
+            p = mm.Plan(1, M, N, K, 0, 0, (M, N))
+            pn = mm.normalize_precision(prec, dtype)
+            # the linear configs, and the skinny split-K ones (M <= 64) at their split counts
+            cands = mm.linear_configs(dtype, pn, vec) + mm.skinny_candidates(dtype, pn, p, 132)
+            for cfg in cands:
+                out = _poisoned(m, (M, N), dtype)
+                assert mm.is_vec_ok(tx, tw, out, p) is vec
+                mm.run_config(m, mm.config_template(cfg, family), cfg, tx, tw, out, p, dtype,
+                              vec, dev, epilogue=mm.GRAD_EPILOGUE, bias=tb, grad=tg)
+                check(stored(m, out), ref, bound, f"{cfg} {vec} bias={with_bias}")
+                out.free()
+
+
+@gpu
+@pytest.mark.large
+@pytest.mark.parametrize("fam", list(FAMILIES))
+def test_gpu_large_layer_and_batch_32(apis, fam):
+    """The report's shapes, smaller in K: a 1024-row layer and the batch-32 MLP layer
+    (1024 -> 4096), every op, against float64 on sampled rows."""
+    m, ml = apis
+    dtype, prec = FAMILIES[fam]
+    rng = np.random.default_rng(23)
+    for rows in (1024, 32):
+        (tg, tx, tw, tb), (g, x, w, b) = layer_inputs(m, rng, dtype, (rows, 1024), 4096)
+        for fused in (False, True):
+            res = ml.fused_linear_gelu_backward(tg, tx, tw, tb, precision=prec) if fused \
+                else ml.linear_backward(tg, tx, tw, precision=prec)
+            refs, bounds = layer_bounds(g, x, w, b, dtype, prec, fused)
+            for got, ref, bound in zip(res, refs, bounds):
+                check(stored(m, got), ref, bound, f"{fused} {rows}")
+                got.free()
+
+
+@gpu
+def test_gpu_plans_take_the_repeated_call(apis):
+    """After a first call, each op's plan (m.plans) takes the same call and gives the same
+    result; a freed operand makes it step aside (the general path raises)."""
+    m, ml = apis
+    rng = np.random.default_rng(24)
+    (tg, tx, tw, tb), _ = layer_inputs(m, rng, DT.FLOAT32, (70, 33), 40)
+    (mg, ma, mb_), _ = matmul_inputs(m, rng, DT.FLOAT32, (3, 70, 33), (33, 40))
+    calls = [
+        (mb.layer_plan_key("linear_backward", tg, tx, tw, True, None),
+         lambda: ml.linear_backward(tg, tx, tw)),
+        (mb.layer_plan_key("fused_linear_gelu_backward", tg, tx, tw, tb, None),
+         lambda: ml.fused_linear_gelu_backward(tg, tx, tw, tb)),
+        (mb.matmul_plan_key(mg, ma, mb_, None), lambda: ml.matmul_backward(mg, ma, mb_)),
+    ]
+    for key, call in calls:
+        first = [stored(m, r) for r in call() if r is not None]
+        assert key in m.plans, key[0]
+        again = call_through_plan(m, key, call)
+        for r0, r1 in zip(first, [r for r in again if r is not None]):
+            np.testing.assert_array_equal(r0, stored(m, r1))
+    dead = m.from_numpy(np.ones((70, 33), np.float32))
+    dead.free()
+    with pytest.raises(cb.TensorFreedError):
+        ml.linear_backward(tg, dead, tw)
+
+
+@gpu
+def test_gpu_tf32_transposes_a_first(apis):
+    """TF32 has no a_trans kernel: matmul_tn runs the plain GEMM on a transposed copy."""
+    m, _ = apis
+    assert not mm.has_tn_kernel(DT.FLOAT32, "tf32")
+    rng = np.random.default_rng(25)
+    ta, a = make(m, rng.standard_normal((300, 257)), DT.FLOAT32)
+    tb, b = make(m, rng.standard_normal((300, 129)), DT.FLOAT32)
+    out = mm.matmul_tn(m, ta, tb, "tf32")
+    check(stored(m, out), a.T @ b, gemm_bound(np.abs(a.T), np.abs(b), 300, DT.FLOAT32, "tf32"))
