@@ -9,7 +9,9 @@ it is given, elementwise, within bounds derived from the arithmetic (`grad_bound
 = 2^-24 the float32 unit roundoff, u_r the rounding of P and dS before their products (2^-8
 bfloat16, 2^-11 float16 on tensor cores; 0 on the CUDA-core path, which keeps them float32),
 u_o the output's rounding, c = 2 where sums run in tensor-core accumulators (they truncate)
-and 1 for round-to-nearest FMA chains:
+and 1 for round-to-nearest FMA chains, u_p the relative error of one product (3xTF32 for
+float32 on tensor cores: the operands' split drops ~3 * 2^-22, taken as 2^-20 as the forward's
+lse bound does; 0 elsewhere), added to c n u_a in every sum of n products:
   exponent x = scale log2(e) q.k - lse log2(e): |dx| <= log2(e) (|scale| (c D u_a |q||k| +
     u_a |q.k|) + 2 u_a |lse|) + u_a |x|, so P's relative error e_P <= ln2 |dx| + U_EX2
     (ex2.approx.ftz.f32, 2^-22.5 documented, taken as 2^-21), then (e_P + u_r)(1 + u_r);
@@ -56,6 +58,7 @@ U_EX2 = 2.0**-21               # ex2.approx.ftz.f32 (PTX: 2^-22.5 relative), wit
 U16 = {DT.FLOAT16: 2.0**-11, DT.BFLOAT16: 2.0**-8}
 EPS64 = 2.0**-53
 SECOND_ORDER = 1.05
+U_TF32 = 2.0**-20              # one 3xTF32 product (float32 on tensor cores)
 
 # (batch, heads, seq_q, seq_kv, head_dim): odd lengths, seq_q != seq_kv, head dims off the grid
 SHAPES = [
@@ -87,8 +90,10 @@ def attention64(q, k, v, scale, causal):
 
 
 def path_of(dtype, d):
-    """The kernel path a call takes: tensor cores for 16-bit types up to head_dim 128."""
-    return "simt" if dtype is DT.FLOAT32 or ab.padded_head_dim(d) > 128 else "mma"
+    """The kernel path a call takes: tensor cores up to head_dim 128 (3xTF32 for float32)."""
+    if ab.padded_head_dim(d) > 128:
+        return "simt"
+    return "tf32" if dtype is DT.FLOAT32 else "mma"
 
 
 def arith(dtype, path):
@@ -96,10 +101,11 @@ def arith(dtype, path):
     u_r = U16[dtype] if path == "mma" else 0.0
     u_o = U16.get(dtype, U_A)
     tiny = (2.0**-25 if dtype is DT.FLOAT16 else 0.0) + 2.0**-126
-    return u_r, u_o, tiny, (2.0 if path == "mma" else 1.0)
+    return u_r, u_o, tiny, (1.0 if path == "simt" else 2.0)
 
 
-def grad_bounds(g, q, k, v, out, lse, scale, causal, u_r, u_o, tiny, c, u_a=U_A, u_ex=U_EX2):
+def grad_bounds(g, q, k, v, out, lse, scale, causal, u_r, u_o, tiny, c, u_a=U_A, u_ex=U_EX2,
+                u_p=0.0):
     """Elementwise bounds on |ours - reference(given out, lse)| for (dq, dk, dv): the error
     terms of the module docstring, from float64 magnitudes of the same operands."""
     g, q, k, v, out, lse = (np.asarray(a, np.float64) for a in (g, q, k, v, out, lse))
@@ -115,7 +121,7 @@ def grad_bounds(g, q, k, v, out, lse, scale, causal, u_r, u_o, tiny, c, u_a=U_A,
     with np.errstate(over="ignore", invalid="ignore"):
         p = np.where(mask, 0.0, np.exp(scale * s - L))
     x_abs = np.abs(scale * s) * LOG2E + np.abs(L) * LOG2E
-    dx = LOG2E * (abs(scale) * (c * D * u_a * qk + u_a * np.abs(s)) + 2 * u_a * np.abs(L)) \
+    dx = LOG2E * (abs(scale) * ((c * D * u_a + u_p) * qk + u_a * np.abs(s)) + 2 * u_a * np.abs(L)) \
         + u_a * x_abs
     e_p = LN2 * dx + u_ex
     ep = np.where(mask, 0.0, p * (e_p + u_r) * (1 + u_r) * (1 + e_p) + tiny)
@@ -125,20 +131,22 @@ def grad_bounds(g, q, k, v, out, lse, scale, causal, u_r, u_o, tiny, c, u_a=U_A,
     delta = np.sum(g * out, axis=-1, keepdims=True)
     e_delta = D * u_a * np.sum(np.abs(g * out), axis=-1, keepdims=True)
     t = dp - delta
-    e_t = c * D * u_a * gv + e_delta + u_a * (np.abs(dp) + np.abs(delta))
+    e_t = (c * D * u_a + u_p) * gv + e_delta + u_a * (np.abs(dp) + np.abs(delta))
     ds = p * t
     e_ds = ep * np.abs(t) + p * e_t * (1 + u_a) + u_a * p * np.abs(t)
     e_ds = np.where(mask, 0.0, e_ds * (1 + u_r) + u_r * np.abs(ds) + tiny)
     pt, ept, dst, edst = (np.swapaxes(a, -1, -2) for a in (p, ep, ds, e_ds))
     a = abs(scale)
     dv = np.matmul(pt, g)
-    bv = np.matmul(ept, np.abs(g)) + c * Sq * u_a * np.matmul(pt, np.abs(g)) \
+    bv = np.matmul(ept, np.abs(g)) + (c * Sq * u_a + u_p) * np.matmul(pt, np.abs(g)) \
         + u_o * np.abs(dv) + tiny
     dk = scale * np.matmul(dst, q)
-    bk = a * (np.matmul(edst, np.abs(q)) + c * Sq * u_a * np.matmul(np.abs(dst), np.abs(q))) \
+    bk = a * (np.matmul(edst, np.abs(q))
+              + (c * Sq * u_a + u_p) * np.matmul(np.abs(dst), np.abs(q))) \
         + (u_a + u_o) * np.abs(dk) + tiny
     dq = scale * np.matmul(ds, k)
-    bq = a * (np.matmul(e_ds, np.abs(k)) + c * Skv * u_a * np.matmul(np.abs(ds), np.abs(k))) \
+    bq = a * (np.matmul(e_ds, np.abs(k))
+              + (c * Skv * u_a + u_p) * np.matmul(np.abs(ds), np.abs(k))) \
         + (u_a + u_o) * np.abs(dq) + tiny
     return tuple(SECOND_ORDER * b for b in (bq, bk, bv))
 
@@ -208,8 +216,9 @@ def check_grads(grads, host, shape, dtype, causal, scale, what, path=None):
     gh, qh, kh, vh, oh, lh = host
     sc = 1.0 / math.sqrt(shape[4]) if scale is None else scale
     ref = ab.reference(gh, qh, kh, vh, sc, causal, oh, lh)
-    bounds = grad_bounds(gh, qh, kh, vh, oh, lh, sc, causal,
-                         *arith(dtype, path or path_of(dtype, shape[4])))
+    path = path or path_of(dtype, shape[4])
+    bounds = grad_bounds(gh, qh, kh, vh, oh, lh, sc, causal, *arith(dtype, path),
+                         u_p=U_TF32 if path == "tf32" else 0.0)
     for name, got, r, b in zip(("dq", "dk", "dv"), grads, ref, bounds):
         check(got, r, b, f"{what} {name}")
 
@@ -451,12 +460,12 @@ def test_configs_and_variants():
         for hd in (64, 128, 256):
             cfgs = ab.configs(dt, hd)
             assert cfgs and all(c["hd"] == hd for c in cfgs)
-            assert all(c["path"] == ("mma" if dt is not DT.FLOAT32 and hd <= 128 else "simt")
-                       for c in cfgs)
+            assert all(c["path"] == ("simt" if hd > 128 else
+                                     "tf32" if dt is DT.FLOAT32 else "mma") for c in cfgs)
             for c in cfgs:
                 assert {**dtype_params(dt), **c} in main
                 assert ab.shared_bytes(c) <= 227 * 1024
-                if c["path"] == "mma":   # blocks per SM of the hint fit the SM's shared memory
+                if c["path"] != "simt":   # blocks per SM of the hint fit the SM's shared memory
                     assert c["min_blocks"] * (ab.shared_bytes(c) + 1024) <= 228 * 1024
                     assert c["bm"] % 32 == 0 and ab.SQ_PAD % c["bm"] == 0
                 else:
@@ -676,6 +685,96 @@ def test_issue_shape_bfloat16(ml, causal):
     y = torch.nn.functional.scaled_dot_product_attention(*ts, is_causal=causal)
     tms = median_ms(lambda: torch.autograd.grad(y, ts, tg, retain_graph=True))
     print(f"{line}; torch {tms:.3f} ms: ours / torch time {ms / tms:.2f} (goal <= 2.0)")
+
+
+def _tf32_configs():
+    return [c for hd in (64, 128) for c in ab.configs(DT.FLOAT32, hd)]
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("cfg", _tf32_configs(),
+                         ids=["-".join(str(v) for v in c.values()) for c in _tf32_configs()])
+def test_tf32_configs_odd_lengths(m, ml, cfg, causal):
+    """float32 on tensor cores (3xTF32): every tf32 config forced through run_config into
+    NaN-poisoned gradients at sequence lengths 1, 17, 100, 129, 300 (and seq_q != seq_kv), on
+    the head dims it serves of 32 / 64 / 80 / 128, against the bound with u_p = 2^-20."""
+    rng = np.random.default_rng(21)
+    dims = [d for d in (32, 64, 80, 128) if ab.padded_head_dim(d) == cfg["hd"]]
+    for d in dims:
+        for sq, skv in ((1, 1), (17, 17), (100, 100), (129, 129), (300, 300), (17, 129),
+                        (300, 100)):
+            shape = (2, 3, sq, skv, d)
+            tensors, host = problem(m, ml, rng, shape, DT.FLOAT32, causal)
+            grads = [m.backend.empty(t.shape, DT.FLOAT32, t.device_id)
+                     for t in (tensors[1], tensors[2], tensors[3])]
+            for t in grads:
+                poison(m, t)
+            ab.run_config(m, cfg, *tensors, grads, 1 / math.sqrt(d), causal)
+            check_grads([m.to_numpy(t) for t in grads], host, shape, DT.FLOAT32, causal, None,
+                        f"{cfg} {shape} causal={causal}", "tf32")
+            for t in grads:
+                t.free()
+
+
+@gpu
+@pytest.mark.large
+@pytest.mark.parametrize("shape, causal", [((8, 12, 1024, 64), True),
+                                           ((4, 16, 4096, 128), False),
+                                           ((4, 16, 4096, 128), True)],
+                         ids=["gpt2-causal", "4k-full", "4k-causal"])
+def test_issue_shape_float32(ml, shape, causal):
+    """float32 at the GPT-2-small training shape and (4, 16, 4096, 128): two heads checked
+    against the bound (3xTF32); the time (median of 10, after the autotuner's first call)
+    printed with PyTorch's float32 efficient-attention backward
+    (aten._scaled_dot_product_efficient_attention_backward, fmha_cutlassB_f32) when torch
+    imports; goal ours / torch <= 1.0."""
+    import time
+    m = ml.math
+    B, H, S, D = shape
+    tensors, host = problem(m, ml, np.random.default_rng(9), (B, H, S, S, D), DT.FLOAT32, causal)
+    dev = tensors[1].device_id
+
+    def median_ms(call, reps=10):
+        times = []
+        for _ in range(reps):
+            m.backend.synchronize(dev)
+            t0 = time.perf_counter()
+            res = call()
+            m.backend.synchronize(dev)
+            times.append((time.perf_counter() - t0) * 1e3)
+            for r in res if isinstance(res, tuple) else ():
+                if isinstance(r, CudaTensor):
+                    r.free()
+        return float(np.median(times))
+
+    grads = ml.flash_attention_backward(*tensors, causal=causal)
+    for b, h in ((0, 0), (B - 1, H - 1)):
+        one = tuple(a[b:b + 1, h:h + 1] for a in host)
+        check_grads([m.to_numpy(t)[b:b + 1, h:h + 1] for t in grads], one,
+                    (1, 1, S, S, D), DT.FLOAT32, causal, None, f"head {b},{h}")
+    for t in grads:
+        t.free()
+    ms = median_ms(lambda: ml.flash_attention_backward(*tensors, causal=causal))
+    flops = (5.0 if causal else 10.0) * B * H * S * S * D
+    line = f"float32 backward {shape} causal={causal}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s"
+    try:
+        import torch
+    except ImportError:
+        print(line)
+        return
+    q, k, v = (torch.tensor(a, device="cuda", dtype=torch.float32) for a in host[1:4])
+    go = torch.tensor(host[0], device="cuda", dtype=torch.float32)
+    out, lse, seed, off = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, is_causal=causal)[:4]
+
+    def theirs():
+        return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            go, q, k, v, None, out, lse, seed, off, 0.0, [True, True, True, False],
+            is_causal=causal)
+    theirs()
+    tms = median_ms(theirs)
+    print(f"{line}; torch {tms:.3f} ms: ours / torch time {ms / tms:.2f} (goal <= 1.0)")
 
 # -- the GPU code paths on stubs (any machine) ------------------------------------------------
 STUB_SCRIPT = script(STUBS, r'''

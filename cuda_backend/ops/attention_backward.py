@@ -17,7 +17,18 @@ run differences of a few float32 ulps before the final rounding); dK and dV are
 deterministic.
 float16 / bfloat16 with head_dim up to 128 run on tensor cores (mma.sync m16n8k16, float32
 accumulation; P and dS rounded to the 16-bit type before the products, as the forward rounds
-P); float32, and 16-bit types with head_dim over 128, run the CUDA-core path (float32 math).
+P); float32 with head_dim up to 128 too (path "tf32": the five GEMMs as m16n8k8 TF32 MMAs in
+the forward's 3xTF32 split, ~2^-21 per product; P and dS float32; each tile's sums in fresh
+accumulators, so the truncating MMA sums do not grow with the sequence); head_dim over 128
+runs the CUDA-core path (float32 math).
+float32 floor and prediction (H100 SXM; 3xTF32 = 3 TF32 MMAs per product, dense TF32 peak
+~495 TFLOP/s, mma.sync ~60 % of it): (8, 12, 1024, 64) causal is 3.2e10 FLOP, 9.7e10 TF32
+FLOP: floor 0.2 ms; predicted 1.0-1.3 ms (the forward's float32 reaches ~97 TF32-TFLOP/s;
+the backward ~75-95 with its splits and dQ atomics) against 1.13 ms of PyTorch's
+fmha_cutlassB_f32 (2.4 ms on the CUDA-core path). (4, 16, 4096, 128) full is 1.4e12 FLOP,
+4.1e12 TF32 FLOP: floor 8.3 ms; predicted 55-70 ms (one block of 8 warps per SM, dK and dV
+in 128 registers per thread, 60 bytes of spills), causal half; PyTorch at the ~28 TFLOP/s
+it reaches above: ~48 ms full, ~24 ms causal: that shape may stay behind.
 Causal (top-left aligned, j > i masked): query tiles wholly before a block's keys are not
 visited. Memory: the outputs, the dQ accumulator (4 * batch*heads*seq_q*hd bytes) and 8
 bytes per padded query row. Fallback mode computes `reference` in float64.
@@ -49,8 +60,8 @@ SQ_PAD = 128                     # lse2 / delta rows padded to this (every bm di
 
 
 def _cfg(path: str, hd: int, bm: int, nw: int, min_blocks: int) -> Dict[str, Any]:
-    """A main-kernel config: path "mma" (16 * nw keys per block) or "simt" (32 keys), bm
-    query rows per tile, nw warps, a __launch_bounds__ blocks hint."""
+    """A main-kernel config: path "mma" / "tf32" (16 * nw keys per block) or "simt" (32
+    keys), bm query rows per tile, nw warps, a __launch_bounds__ blocks hint."""
     return {"path": path, "hd": hd, "bm": bm, "nw": nw, "min_blocks": min_blocks}
 
 
@@ -62,7 +73,14 @@ MMA_CONFIGS = {
     64: [_cfg("mma", 64, 64, 4, 2), _cfg("mma", 64, 128, 4, 2), _cfg("mma", 64, 64, 8, 1)],
     128: [_cfg("mma", 128, 64, 8, 1), _cfg("mma", 128, 64, 4, 2)],
 }
-# CUDA-core configs (float32; 16-bit types with head_dim over 128), 32 keys per block.
+# float32 tensor-core configs (3xTF32) by padded head_dim. Shared memory (float tiles):
+# hd 64 at bm 64, nw 4 is 113 KiB, two blocks fill the SM's 228 KiB exactly; bm 32 (73 KiB)
+# fits three. hd 128 keeps dK and dV (128 floats per thread) in registers: bm 32, one block.
+TF32_CONFIGS = {
+    64: [_cfg("tf32", 64, 64, 4, 2), _cfg("tf32", 64, 32, 4, 2), _cfg("tf32", 64, 64, 8, 1)],
+    128: [_cfg("tf32", 128, 32, 8, 1), _cfg("tf32", 128, 32, 4, 1)],
+}
+# CUDA-core configs (16-bit types and float32 with head_dim over 128), 32 keys per block.
 SIMT_CONFIGS = {
     64: [_cfg("simt", 64, 32, 8, 2)],
     128: [_cfg("simt", 128, 32, 8, 2)],
@@ -72,9 +90,8 @@ SIMT_CONFIGS = {
 
 def configs(dtype: CudaDataType, hd: int) -> List[Dict[str, Any]]:
     """The candidate configs for a dtype and padded head_dim (64, 128 or 256)."""
-    if dtype is DT.FLOAT32 or hd not in MMA_CONFIGS:
-        return [dict(c) for c in SIMT_CONFIGS[hd]]
-    return [dict(c) for c in MMA_CONFIGS[hd]]
+    table = TF32_CONFIGS if dtype is DT.FLOAT32 else MMA_CONFIGS
+    return [dict(c) for c in table.get(hd, SIMT_CONFIGS[hd])]
 
 
 candidates = configs   # the registry's contract name: the configs the autotuner times
@@ -87,7 +104,7 @@ def padded_head_dim(d: int) -> int:
 
 def block_keys(cfg: Dict[str, Any]) -> int:
     """Keys per block: 16 per warp on tensor cores, one per lane on CUDA cores."""
-    return 16 * cfg["nw"] if cfg["path"] == "mma" else 32
+    return 32 if cfg["path"] == "simt" else 16 * cfg["nw"]
 
 
 def shared_bytes(cfg: Dict[str, Any]) -> int:
@@ -96,6 +113,9 @@ def shared_bytes(cfg: Dict[str, Any]) -> int:
     if cfg["path"] == "mma":
         bn = block_keys(cfg)
         return (2 * bn + 4 * bm) * hd * 2 + bn * bm * 2 + 16 * bm
+    if cfg["path"] == "tf32":
+        bn = block_keys(cfg)
+        return (2 * bn + 4 * bm) * hd * 4 + bn * bm * 4 + 16 * bm
     return ((64 + 2 * bm) * (hd + 1) + 2 * bm * 33 + 2 * bm) * 4
 
 
@@ -334,8 +354,9 @@ def run_config(m: Any, cfg: Dict[str, Any], g: CudaTensor, q: CudaTensor, k: Cud
         m.backend.launch_kernel(prep.name, (geo["prep_grid"], 1, 1), g, out, lse, lse2, delta,
                                 acc, geo["prep_rows"], Sq, sq_pad, D, hd, 1,
                                 block_size=threads, device_id=dev)
-        vec = int(D % 8 == 0 and all(t.ptr % 16 == 0 for t in (q, k, v, g)))
-        pair = int(D % 2 == 0 and dk.ptr % 4 == 0 and dv.ptr % 4 == 0)
+        isz = dtype.itemsize   # vec: whole 16-byte chunks per row; pair: 2-element stores
+        vec = int(D * isz % 16 == 0 and all(t.ptr % 16 == 0 for t in (q, k, v, g)))
+        pair = int(D % 2 == 0 and dk.ptr % (2 * isz) == 0 and dv.ptr % (2 * isz) == 0)
         m.backend.launch_kernel(main.name, (geo["main_grid"], 1, 1), q, k, v, g, lse2, delta,
                                 acc, dk, dv, Sq, Skv, D, sq_pad, float(scale * LOG2E),
                                 float(scale), int(causal), vec, pair,
@@ -386,7 +407,8 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
     delta_off = 4 * bh * sq_pad
     prep_rows, post_rows = geo["prep_rows"], bh * Sq
     f32 = DT.FLOAT32
-    d_vec, d_pair = D % 8 == 0, D % 2 == 0
+    d_vec, d_pair = D * dtype.itemsize % 16 == 0, D % 2 == 0
+    pair_mask = 2 * dtype.itemsize - 1
     default = attention.resolve_scale(None, D)
     flag = int(causal)
     isfinite = math.isfinite
@@ -428,7 +450,7 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
             prep(pg, po, pl, pw, pw + delta_off, pa, prep_rows, Sq, sq_pad, D, hd, 1)
             main(pq, pk, pv, pg, pw, pw + delta_off, pa, pdk, pdv, Sq, Skv, D, sq_pad,
                  sc * LOG2E, sc, flag, int(d_vec and not (pq | pk | pv | pg) & 15),
-                 int(d_pair and not (pdk | pdv) & 3))
+                 int(d_pair and not (pdk | pdv) & pair_mask))
             post(pa, dq._ptr, post_rows, D, hd, sc)
         except BaseException:
             for t in (dq, dk, dv):
