@@ -18,7 +18,7 @@ import pytest
 
 import cuda_backend.test_cuda_performance as tcp
 from cuda_backend.driver import load_driver
-from cuda_backend.performance import cases_math, cases_ml, charts, render, schema
+from cuda_backend.performance import cases_math, cases_ml, cases_training, charts, render, schema
 from cuda_backend.performance.ceilings import compute_peaks
 from cuda_backend.performance.config import TestConfiguration as Config
 from cuda_backend.performance.progress import Progress
@@ -180,6 +180,84 @@ def test_transfers_pool_and_launch_cases(quick_report):
         assert launch["status"] == "skipped" and "GPU" in launch["reason"]
     else:
         assert launch["status"] == "passed"
+
+
+# -- training steps (cases_training.py) --------------------------------------------------
+# Bounds: each float32 loss is within S u (relative) of the exact one, u = 2^-24 and S the
+# forward's summation lengths added up layer by layer (Model.sum_length: n u bounds a sum of
+# n terms; the layers are normalised, so no layer amplifies what it receives), two of them
+# within 2 S u; each step's update adds another such difference to the weights, so step k's
+# losses are within 2 k S u of each other.
+@fallback_only
+def test_training_rows_run_and_pass_in_fallback_mode(tmp_path):
+    from cuda_backend.cuda_math import get_cuda_math
+    pool = get_cuda_math().backend.memory_pools[0]
+    active = pool.get_stats()["active_memory"]
+    summary = tiny_tester(tmp_path, operations=["training"]).run_comprehensive_benchmark()
+    rows = {c["op"]: c for c in summary["cases"]}
+    assert set(rows) == {"train_mlp", "train_cnn", "train_gpt"}
+    for op, c in rows.items():
+        assert c["family"] == "training" and c["api"] == "nn" and c["status"] == "passed", c
+        acc = c["accuracy"]
+        assert acc["passed"] and acc["message"] is None
+        assert acc["reference"] == cases_training.REFERENCE
+        assert acc["max_rel_error"] <= acc["threshold"] == 1e-4
+        assert c["time_ms"]["median"] > 0 and c["flops"] > 0 and c["gflops"] > 0
+        assert c["size"] == c["shapes"][0][0]                    # the batch
+        assert "fallback mode" in c["peers"]["torch"]["skipped"]
+        assert summary["coverage"][f"nn.{op}"] == [c["id"]]
+    assert rows["train_gpt"]["variant"] == "2x32 seq32"           # the examples' small sizes
+    assert schema.validate(json.loads((report_dir(tmp_path) / "results.json").read_text())) \
+        == []
+    assert "## Training steps (nn, autograd, optim)" in \
+        (report_dir(tmp_path) / "summary.md").read_text()
+    assert pool.get_stats()["active_memory"] == active          # the rows freed everything
+
+
+@fallback_only
+def test_training_check_catches_a_wrong_gradient_and_a_wrong_update(monkeypatch):
+    from cuda_backend.autograd import apis
+    ml = apis()[1]
+    spec = cases_training.mlp(False)
+    real_backward, real_sgd = ml.linear_backward, ml.sgd_update
+
+    def skewed_backward(*a, **k):     # the second layer's bias gradient 1 % too large
+        dx, dw, db = real_backward(*a, **k)
+        return dx, dw, ml.math.multiply(db, 1.01)
+    monkeypatch.setattr(ml, "linear_backward", skewed_backward)
+    row = cases_training.TrainingStep(spec)
+    row.step()
+    _, rel, msg = row.verify()
+    row.free()
+    assert msg is None and rel > 1e-4                       # caught by the gradient check
+    monkeypatch.setattr(ml, "linear_backward", real_backward)
+
+    def fast_sgd(p, g, buf, state):    # a learning rate 0.1 % too large
+        state.learning_rate *= 1.001
+        real_sgd(p, g, buf, state)
+    monkeypatch.setattr(ml, "sgd_update", fast_sgd)
+    row = cases_training.TrainingStep(spec)
+    row.step()
+    _, rel, msg = row.verify()
+    row.free()
+    assert rel <= 1e-4 and "sgd step is off" in msg
+    row = cases_training.TrainingStep(spec)                # verify() checks the first step only
+    row.step()
+    row.step()
+    assert "first step" in row.verify()[2]
+    row.free()
+
+
+@fallback_only
+@pytest.mark.parametrize("make", cases_training.MODELS, ids=lambda f: f.__name__)
+def test_training_rows_match_pytorch_loss(make):
+    torch = pytest.importorskip("torch")
+    spec = make(False)
+    curves = cases_training.loss_curves(spec, torch, "cpu", steps=3)
+    for k, (ours, theirs) in enumerate(curves, 1):
+        bound = 2 * k * spec.sum_length * cases_training.U32 * abs(theirs)
+        assert abs(ours - theirs) <= bound, (k, ours, theirs, bound)
+    assert curves[-1][0] < curves[0][0]                      # the steps train
 
 
 # -- failures are reported, never hidden ---------------------------------------------
@@ -482,3 +560,24 @@ def test_gpu_quick_report(tmp_path):
     assert any(e["cat"] == "kernel" for e in trace["traceEvents"])
     for name in charts.CHARTS:
         assert (folder / name).stat().st_size > 0
+    training = [c for c in doc["cases"] if c["family"] == "training"]
+    assert {c["op"] for c in training} == {"train_mlp", "train_cnn", "train_gpt"}
+    assert all(c["status"] == "passed" and c["timer"] == "cuda_events" for c in training)
+
+
+@pytest.mark.gpu
+def test_gpu_training_rows_match_pytorch_loss(tmp_path):
+    """The GPU-sized training rows (subprocess: a fault cannot poison this process) against
+    PyTorch on the same GPU, TF32 off, 3 steps; bounds as in the fallback test above."""
+    pytest.importorskip("torch")
+    code = ("import json, torch; from cuda_backend.performance import cases_training as ct; "
+            "print(json.dumps({m(True).op: [m(True).sum_length, ct.loss_curves(m(True), "
+            "torch, 'cuda', 3)] for m in ct.MODELS}))")
+    r = run_cli(["-c", code], tmp_path, fallback=False, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(result) == {"train_mlp", "train_cnn", "train_gpt"}
+    for op, (sum_length, curves) in result.items():
+        for k, (ours, theirs) in enumerate(curves, 1):
+            bound = 2 * k * sum_length * cases_training.U32 * abs(theirs)
+            assert abs(ours - theirs) <= bound, (op, k, ours, theirs, bound)

@@ -2,7 +2,8 @@
 
 An `OpDef` describes one API operation generically (how to make inputs for a size, how to
 call ours, the NumPy/CuPy and PyTorch equivalents, bytes and FLOPs); `cases_math.py` and
-`cases_ml.py` hold the tables, `cases_system.py` the copies, pool and launch cases. Adding an
+`cases_ml.py` hold the tables, `cases_system.py` the copies, pool and launch cases,
+`cases_training.py` the training steps of the examples' models. Adding an
 operation to the report is adding one OpDef to a table. `plan()` turns the tables into the
 list of `Case`s for a configuration, and `discover()` lists the API's operations so that one
 without a case shows up in the report instead of being silently left out.
@@ -47,6 +48,7 @@ class Prepared:
     check: Optional[Callable[[np.ndarray, np.ndarray, List[np.ndarray]],
                              Tuple[float, float, Optional[str]]]] = None
     verify: Optional[Callable[[], Tuple[float, float, Optional[str]]]] = None
+    verify_reference: Optional[str] = None                 # what verify compares with
     cpu_fn: Optional[Callable[..., Any]] = None           # (np, *arrays)
     cupy_fn: Optional[Callable[..., Any]] = None          # (cupy, *arrays)
     torch_factory: Optional[Callable[..., Callable[[], Any]]] = None  # (torch, *tensors)
@@ -55,6 +57,7 @@ class Prepared:
     bytes_fn: Optional[Callable[[int, int], int]] = None  # (in_bytes, out_bytes) -> bytes
     flops: Optional[float] = None
     mode: str = "kernel"        # kernel | copy (events, no flush) | overhead (host, batched)
+    #                             | step (a training step: events, no flush, as in a loop)
     batch_calls: int = 1
     cleanup: List[Callable[[], None]] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .render import FAMILY_TITLES, case_size
 
 FAMILY_COLORS = {"vector": "#1f77b4", "matrix": "#ff7f0e", "ml": "#2ca02c",
-                 "transfers": "#9467bd"}
+                 "transfers": "#9467bd", "training": "#8c564b"}
 FAILED_COLOR = "#d62728"
 CHARTS = ("speedup.png", "bandwidth.png", "roofline.png", "peers.png", "transfers.png")
 LABELLED = 6          # roofline: operations named on the chart (the highest GFLOP/s)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 FAMILY_TITLES = {"vector": "Vector operations", "matrix": "Matrix operations",
-                 "ml": "ML operations (CudaML)", "transfers": "Copies, pool and launch"}
+                 "ml": "ML operations (CudaML)", "transfers": "Copies, pool and launch",
+                 "training": "Training steps (nn, autograd, optim)"}
 GPU_PEER_COLUMNS = ("torch", "cupy")
 TERMINAL_WIDTH = 100
 

@@ -113,7 +113,7 @@ class CaseRunner:
         if prep.verify is not None:
             prep.call()
             abs_err, rel, msg = prep.verify()
-            ref_name = "the source data (exact copy expected)"
+            ref_name = prep.verify_reference or "the source data (exact copy expected)"
             out_bytes = 0
         elif prep.reference is not None:
             if prep.result is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-SCHEMA_VERSION = "1.0.0"
+SCHEMA_VERSION = "1.1.0"
 NUM = ["number", "null"]
 STR = ["string", "null"]
 INT = ["integer", "null"]
@@ -53,13 +53,15 @@ CASE = _d("One measured operation at one size and dtype.", "object", required=[
     "time_ms", "cpu_time_ms", "speedup_vs_cpu", "bytes", "flops", "gbps", "gflops",
     "fraction_of_bandwidth", "fraction_of_compute", "accuracy", "peers"], properties={
     "id": _d("family/op[variant]/size/dtype, unique within a run", "string"),
-    "family": _d("case family", "string", enum=["vector", "matrix", "ml", "transfers"]),
-    "op": _d("the API method measured", "string"),
-    "api": _d("where the method lives", "string", enum=["CudaMath", "CudaML", "backend"]),
+    "family": _d("case family", "string",
+                 enum=["vector", "matrix", "ml", "transfers", "training"]),
+    "op": _d("the API method measured (training: the example model trained)", "string"),
+    "api": _d("where the method lives (nn: a training step of nn, autograd and optim)",
+              "string", enum=["CudaMath", "CudaML", "backend", "nn"]),
     "variant": _d("what distinguishes cases of one op (axis, precision, memory kind)", "string"),
     "dtype": _d("element type", "string"),
     "size": _d("family size: elements (vector), n (matrix, n x n), scale (ml), bytes "
-               "(transfers)", "integer", minimum=0),
+               "(transfers), batch (training)", "integer", minimum=0),
     "shapes": _d("input shapes", "array", items={"type": "array", "items": {"type": "integer"}}),
     "precision": _d("requested math precision, e.g. tf32", STR),
     "status": _d("passed, failed (raised or inaccurate) or skipped (not applicable)", "string",

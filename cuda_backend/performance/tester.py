@@ -33,6 +33,7 @@ from ..profiling import nvtx_range
 from . import cases_math, cases_ml, render, schema
 from .cases import Case, Context, Prepared, discover, known_names, opdef_cases, select
 from .cases_system import system_cases
+from .cases_training import training_cases
 from .ceilings import compute_peaks, measure
 from .config import FAMILIES, TestConfiguration
 from .peers import load_peers
@@ -153,6 +154,7 @@ class CudaPerformanceTester:
         cfg, gpu = self.config, self.backend.is_available
         all_names = set(FAMILIES) | {d.op for d in cases_math.MATH_OPS + cases_ml.ML_OPS}
         all_names |= set(known_names(system_cases([4], gpu, True)))
+        all_names |= set(known_names(training_cases(gpu)))
         wanted = cfg.operations
         if wanted:
             unknown = sorted(set(wanted) - all_names - self._discovered_names(apis))
@@ -202,6 +204,13 @@ class CudaPerformanceTester:
         cases = system + cases  # the runtime paths first: an op that faults cannot hide them
         for c in system:
             coverage.setdefault(f"backend.{c.op}", []).append(c.id)
+        # training steps last: the whole nn stack (examples' models) after every op alone
+        no_nn = apis["ml_missing"] or apis["ml_error"] or apis["math_error"]
+        training = select(training_cases(gpu, no_nn and f"needs cuda_backend.cuda_ml: {no_nn}"),
+                          wanted)
+        cases += training
+        for c in training:
+            coverage.setdefault(f"nn.{c.op}", []).append(c.id)
         return cases, coverage, failed
 
     @staticmethod
