@@ -25,18 +25,6 @@ pytest.register_assert_rewrite("helpers")
 # attention...) carry `@pytest.mark.large` so the sanitizer runs can leave them out:
 # racecheck and synccheck check hazards inside a block, and every kernel config these run is
 # also run by a small, odd-sized test in the same file (the "every config" tests).
-# The one test still marked by name, below: test_matmul.py was left out when the marks moved
-# onto the tests (it was being edited); once its mark is on the test, drop LARGE and _mark_large.
-LARGE = {
-    "test_matmul.py": {"test_gpu_fp32_4096_is_true_fp32"},
-}
-
-
-def _mark_large(items):
-    for item in items:
-        names = LARGE.get(os.path.basename(str(item.fspath)), ())
-        if getattr(item, "originalname", item.name) in names:
-            item.add_marker(pytest.mark.large)
 
 
 SLOW_LEFT_OUT = pytest.StashKey[int]()
@@ -80,7 +68,6 @@ def _leave_out_slow(config, items):
 
 def pytest_collection_modifyitems(config, items):
     _leave_out_slow(config, items)
-    _mark_large(items)
     needs_gpu = [it for it in items
                  if it.get_closest_marker("gpu") or it.get_closest_marker("multigpu")]
     if not needs_gpu:

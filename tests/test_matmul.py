@@ -434,6 +434,7 @@ def test_gpu_1000_cubed(m, fam):
 
 
 @gpu
+@pytest.mark.large
 def test_gpu_fp32_4096_is_true_fp32(m):
     """4096^3 float32 default path, checked on sampled rows: error far below TF32's."""
     rng = np.random.default_rng()
