@@ -24,7 +24,7 @@ float32.
 from __future__ import annotations
 
 import threading
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -166,7 +166,7 @@ class Tensor:
             return
         root, self._ctx = self._ctx, None
         order = _topo(root)
-        pending = {root: [None] * root.n_out}
+        pending: Dict[Function, List[Optional[CudaTensor]]] = {root: [None] * root.n_out}
         pending[root][self._index] = grad
         try:
             for fn in reversed(order):
@@ -347,7 +347,8 @@ class Function:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
-    def backward(self, *grads: CudaTensor) -> Any:
+    def backward(self, *grads: Any, **kwargs: Any) -> Any:
+        # (typed *Any, **Any so that each subclass names its own grad parameters)
         raise NotImplementedError
 
     @classmethod
@@ -437,7 +438,7 @@ class Sub(Function):
     def backward(self, g: CudaTensor) -> tuple:
         m = apis()[0]
         sa, sb = self.saved
-        out = [] if sa is None else [unbroadcast(m, g, sa)]
+        out: List[Optional[CudaTensor]] = [] if sa is None else [unbroadcast(m, g, sa)]
         if sb is not None:
             out.append(unbroadcast(m, m.negative(g), sb) if self.needs[-1] else None)
         return tuple(out)

@@ -89,18 +89,20 @@ class CudaBackend:
         self._transfers = TransferEngine(drv, self._contexts, self._pinned)
         self._compiler = KernelCompiler(drv, self._contexts, self.devices)
         self._launcher = Launcher(drv, self._compiler, self._contexts, self.devices)
-        self.direct_launch = self._launcher.direct     # the per-call check, one call deep
+        # the per-call check, one call deep (an instance attribute over the fallback method)
+        self.direct_launch = self._launcher.direct     # type: ignore[method-assign]
 
     def _init_fallback(self) -> None:
         self.devices = [host_device_info()]
-        self._contexts = None
+        # fallback mode: no GPU part; the methods that use them run only when is_available
+        self._contexts = None   # type: ignore[assignment]
         self.memory_pools = {0: MemoryPool(0, HostBinnedPool(),
                                            device_total=self.devices[0].memory_total)}
         self.memory_pools[0].owner = self
-        self._pinned = None
-        self._transfers = None
-        self._compiler = None
-        self._launcher = None
+        self._pinned = None     # type: ignore[assignment]
+        self._transfers = None  # type: ignore[assignment]
+        self._compiler = None   # type: ignore[assignment]
+        self._launcher = None   # type: ignore[assignment]
         self._host_device = 0
 
     # -- devices and contexts -------------------------------------------------------

@@ -178,7 +178,8 @@ class CudaKernel:
     static_shared_bytes: int = 0
     local_bytes: int = 0
     max_dynamic_shared_bytes: int = 48 * 1024
-    validated: Dict[tuple, bool] = field(default_factory=dict, repr=False)
+    validated: Dict[tuple, Tuple[Tuple[int, int, int], Tuple[int, int, int]]] = field(
+        default_factory=dict, repr=False)
 
     @property
     def nargs(self) -> int:

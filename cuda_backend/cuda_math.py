@@ -38,7 +38,7 @@ class CudaMath:
     def __init__(self, backend: Optional[CudaBackend] = None) -> None:
         self.backend = backend or get_cuda_backend()
         self.generator = KernelGenerator(self.backend)
-        self._autotuner = None
+        self._autotuner: Any = None         # an autotune.Autotuner, made on first use
         self._ew_binary_plans: dict = {}   # elementwise per-call plans (ops/elementwise.py)
         self._ew_unary_plans: dict = {}
         self._ew_scalar_plans: dict = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple, Union
+from typing import Any, ClassVar, Optional, Tuple, Union
 
 import numpy as np
 
@@ -74,6 +74,30 @@ class OptimizerState:
 
 class CudaML:
     """Neural-network operations over CudaMath tensors."""
+
+    # the ops, bound once on first use by the methods below (absent until then)
+    _op_conv2d: ClassVar[Any]
+    _op_conv2d_backward: ClassVar[Any]
+    _op_unary: ClassVar[Any]
+    _op_act_backward: ClassVar[Any]
+    _op_pool2d: ClassVar[Any]
+    _op_pool2d_backward: ClassVar[Any]
+    _op_batch_norm: ClassVar[Any]
+    _op_layer_norm: ClassVar[Any]
+    _op_layer_norm_backward: ClassVar[Any]
+    _op_batch_norm_backward: ClassVar[Any]
+    _op_cross_entropy: ClassVar[Any]
+    _op_cross_entropy_backward: ClassVar[Any]
+    _op_dropout: ClassVar[Any]
+    _op_dropout_backward: ClassVar[Any]
+    _op_sgd_update: ClassVar[Any]
+    _op_adam_update: ClassVar[Any]
+    _op_linear: ClassVar[Any]
+    _op_linear_backward: ClassVar[Any]
+    _op_fused_linear_gelu_backward: ClassVar[Any]
+    _op_matmul_backward: ClassVar[Any]
+    _op_flash_attention: ClassVar[Any]
+    _op_flash_attention_backward: ClassVar[Any]
 
     def __init__(self, math: Optional[CudaMath] = None) -> None:
         self.math = math or get_cuda_math()
@@ -450,6 +474,7 @@ class CudaML:
                 (precision is None or type(precision) is str):
             # the plan of ops/linear.py fused_linear_gelu (its key: _linear_key), looked up
             # here too so that a repeated call skips the import and a call
+            b: Union[None, bool, Tuple[Tuple[int, ...], Any, int]]
             if bias is None:
                 b = None
             elif type(bias) is CudaTensor:

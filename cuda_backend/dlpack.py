@@ -134,7 +134,7 @@ class _Export:
 
     def _release(self) -> None:
         chain, self.tensors = self.tensors, []
-        done = []
+        done: List[CudaTensor] = []
         with _lock:
             for c in chain:
                 c._exports -= 1
@@ -166,7 +166,7 @@ def export(t: CudaTensor, stream: Any = None, max_version: Any = None, dl_device
                 "and copy=False forbids one")
         _check_stream(stream, on_host=True)
         host = _backend(t).to_host(t)   # the storage dtype: bfloat16 as its bits
-        holder = _Host(host)
+        holder: object = _Host(host)
         return _capsule(holder, host.ctypes.data, (KDL_CPU, 0), t.dtype, max_version,
                         versioned, FLAG_IS_COPIED)
     _check_stream(stream, t.on_host)
@@ -292,7 +292,7 @@ def _order_consumer(t: CudaTensor, consumer: int) -> None:
     """Make stream handle `consumer` wait for the work queued on the streams that last used
     t and the tensors it is a view of (events recorded on them now)."""
     from .driver import stream_wait_stream
-    producers = []
+    producers: List[int] = []
     obj: Any = t
     while isinstance(obj, CudaTensor) and len(producers) < 64:
         s = obj.stream
@@ -327,9 +327,10 @@ class DLPackImport:
     when release() is called or this object goes. Keeps the producer object alive too."""
 
     __slots__ = ("_managed", "_deleter", "producer", "__array_interface__", "__weakref__")
+    __array_interface__: dict   # set only when NumPy is to read host memory through it
 
     def __init__(self, managed: int, deleter: Optional[int], producer: Any) -> None:
-        self._managed = managed
+        self._managed: Optional[int] = managed
         self._deleter = deleter
         self.producer = producer
 
@@ -351,6 +352,13 @@ class _Layout:
     """A DLTensor's fields, read and checked."""
 
     __slots__ = ("data", "device", "dtype", "shape", "strides", "read_only", "size")
+    data: int
+    device: Tuple[int, int]
+    dtype: CudaDataType
+    shape: Tuple[int, ...]
+    strides: Optional[Tuple[int, ...]]
+    read_only: bool
+    size: int
 
 
 def from_dlpack(obj: Any, *, copy: Optional[bool] = None, backend: Any = None) -> CudaTensor:

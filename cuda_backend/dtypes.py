@@ -94,7 +94,7 @@ class CudaDataType(enum.Enum):
     @classmethod
     def from_any(cls, value: Union["CudaDataType", str, np.dtype, type]) -> "CudaDataType":
         """Accept a CudaDataType, a name ('float32', 'bf16'), a NumPy dtype or type."""
-        if isinstance(value, cls):
+        if isinstance(value, CudaDataType):     # (cls: an enum with members has no subclass)
             return value
         if value is None:
             raise DTypeMismatchError("dtype must be given, got None")

@@ -128,7 +128,7 @@ class CudaGraph:
         """Run the recorded work on its stream (or `stream`), asynchronously."""
         if not self._exec:
             raise CudaBackendError("the graph was freed, or its capture did not finish")
-        target = getattr(self.stream if stream is None else stream, "pycuda_stream", stream)
+        target: Any = getattr(self.stream if stream is None else stream, "pycuda_stream", stream)
         handle = target.handle
         self._replayed_on.add(target)
         with self.backend.activate(self.device_id):

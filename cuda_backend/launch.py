@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
@@ -11,6 +11,9 @@ from .memory import record_stream
 from . import streams as _streams
 from .tensor import CudaTensor
 from .errors import LaunchConfigurationError, driver_failure
+
+if TYPE_CHECKING:
+    from .profiling import Profiler
 
 _FLOAT_CODES = frozenset("fd")
 _INT_CODES = frozenset("iIqQhHbB?")
@@ -106,12 +109,12 @@ class Launcher:
         self._kernels = compiler._by_name  # (device_id, name) -> CudaKernel, shared
         self._contexts = contexts
         self._devices = devices
-        self.profiler = None  # set by the backend when profiling is on
+        self.profiler: Optional[Profiler] = None  # set by the backend when profiling is on
         self._packers: dict = {}
         self._ctx_local = contexts.local_state
 
     @property
-    def driver_error(self) -> type:
+    def driver_error(self) -> Type[Exception]:
         return self._drv.Error
 
     def direct(self, device_id: int) -> bool:
@@ -235,6 +238,7 @@ class Launcher:
                 raise driver_failure(f"launch of kernel '{kernel.name}'", exc,
                                      device_id) from None
             ms = end.time_since(start)
+        assert self.profiler is not None    # (launch() times only while profiling)
         self.profiler.record_kernel(kernel.name, ms, device_id, t0, dims[0], dims[1], shared_mem)
         return ms
 

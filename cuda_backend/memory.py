@@ -52,7 +52,7 @@ class _HostBlock:
 
     def __init__(self, pool: "HostBinnedPool", buf: Any, ptr: int, size: int) -> None:
         self._pool, self._buf, self.ptr, self.size, self._live = pool, buf, ptr, size, True
-        self._ref = None
+        self._ref: Optional["weakref.ReferenceType[_HostBlock]"] = None
 
     def __int__(self) -> int:
         return self.ptr

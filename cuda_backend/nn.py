@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple, cast, overload
 
 import numpy as np
 
@@ -52,6 +52,14 @@ def parameter(values: np.ndarray) -> Parameter:
 
 def _uniform(bound: float, shape: Tuple[int, ...]) -> Parameter:
     return parameter(_rng.uniform(-bound, bound, shape))
+
+
+@overload
+def _cast(x: Tensor, dtype: Optional[CudaDataType]) -> Tensor: ...
+
+
+@overload
+def _cast(x: Optional[Tensor], dtype: Optional[CudaDataType]) -> Optional[Tensor]: ...
 
 
 def _cast(x: Optional[Tensor], dtype: Optional[CudaDataType]) -> Optional[Tensor]:
@@ -163,7 +171,8 @@ class Module:
 
     def save(self, path: str) -> None:
         """state_dict() to an .npz file."""
-        np.savez(path, **self.state_dict())
+        state: Dict[str, Any] = self.state_dict()   # (Any: savez's stubs type its options)
+        np.savez(path, **state)
 
     def load(self, path: str, strict: bool = True) -> None:
         with np.load(path) as f:
@@ -214,7 +223,7 @@ class Conv2d(Module):
                  precision: Optional[str] = None) -> None:
         from .cuda_ml import ConvolutionConfig
         self.config = ConvolutionConfig(kernel_size, stride, padding, dilation, groups)
-        kh, kw = self.config.kernel_size
+        kh, kw = cast(Tuple[int, int], self.config.kernel_size)   # (a pair once made)
         fan_in = in_channels // groups * kh * kw
         bound = 1.0 / math.sqrt(fan_in) if fan_in else 0.0
         self.weight = _uniform(bound, (out_channels, in_channels // groups, kh, kw))

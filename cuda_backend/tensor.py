@@ -123,7 +123,8 @@ class CudaTensor:
         the memory goes back when that consumer releases the export instead."""
         if self._ptr is None:
             return
-        self._ptr = None
+        # None marks a freed tensor (typed int: the readers run check_alive() or test for None)
+        self._ptr = None    # type: ignore[assignment]
         if self._exports:
             self._host = None
             return
@@ -568,6 +569,7 @@ def math_for(backend: Any) -> Any:
             importlib.import_module(__package__ + ".cuda_math")
         m = _MATHS.get(backend)
         if m is None:
+            assert _math_factory is not None    # (importing cuda_math registered it)
             _math_factory(backend)   # CudaMath.__init__ registers it (or a racing one won)
             m = _MATHS[backend]
     return m

@@ -15,11 +15,14 @@ pageable memory use the driver's own path, which measured faster than staging (p
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import numpy as np
 
 from .errors import TransferError, driver_failure
+
+if TYPE_CHECKING:
+    from .profiling import Profiler
 
 STAGING_THRESHOLD = 32 << 20  # bytes; below this the driver's own pageable path is used
 STAGING_CHUNK = 16 << 20
@@ -28,7 +31,7 @@ STAGING_CHUNK = 16 << 20
 def is_pinned(array: np.ndarray) -> bool:
     """True if the array's memory is page-locked by PyCUDA (pagelocked_empty, the pools,
     register_host_memory)."""
-    obj = array
+    obj: Any = array
     for _ in range(8):
         obj = getattr(obj, "base", None)
         if obj is None:
@@ -92,7 +95,7 @@ class TransferEngine:
         self._drv = drv
         self._contexts = contexts
         self._pinned = pinned_pool
-        self.profiler = None
+        self.profiler: Optional[Profiler] = None
         self.staging_threshold = STAGING_THRESHOLD
         self.staging_chunk = STAGING_CHUNK
 
@@ -202,7 +205,7 @@ class TransferEngine:
         chunk = self.staging_chunk
         own_stream = stream or drv.Stream()
         bufs = [self._pinned.empty((chunk,), np.uint8) for _ in range(2)]
-        done = [None, None]
+        done: List[Any] = [None, None]      # (driver events)
         for i, off in enumerate(range(0, src.size, chunk)):
             n = min(chunk, src.size - off)
             slot = i & 1

@@ -172,7 +172,7 @@ def flash_attention(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor,
             f"flash_attention: sequence too long for 32-bit indexing ({q.shape}, {k.shape})")
     dev = q.device_id
     owned = out is None
-    if owned:
+    if out is None:     # (owned)
         out = m.backend.empty(q.shape, dtype, dev)
     else:
         _check_out(out, q, k, v)

@@ -263,10 +263,11 @@ def flash_attention_backward(m: Any, grad_out: CudaTensor, q: CudaTensor, k: Cud
             f"{NAME}: sequence too long for 32-bit indexing ({q.shape}, {k.shape})")
     dev = q.device_id
     if not m.gpu:
-        grads = reference(common.host_array(m, grad_out), common.host_array(m, q),
+        host_grads = reference(common.host_array(m, grad_out), common.host_array(m, q),
                           common.host_array(m, k), common.host_array(m, v), sc, causal,
                           common.host_array(m, out), common.host_array(m, lse))
-        return tuple(common.from_host(m, a, dtype, dev) for a in grads)   # type: ignore
+        hq, hk, hv = (common.from_host(m, a, dtype, dev) for a in host_grads)
+        return hq, hk, hv
     if q.size == 0 or k.size == 0:   # no queries, no keys or no head_dim: zero gradients
         return (m.zeros(q.shape, dtype, dev), m.zeros(k.shape, dtype, dev),
                 m.zeros(v.shape, dtype, dev))

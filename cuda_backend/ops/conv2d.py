@@ -138,7 +138,8 @@ class Geometry:
         return 2 * self.M * self.K * self.Cg * self.R * self.S
 
 
-def _config_fields(config: Any) -> Tuple[Tuple[int, int], ...]:
+def _config_fields(config: Any) -> Tuple[Tuple[int, int], Tuple[int, int], Tuple[int, int],
+                                         Tuple[int, int], int]:
     try:
         return (tuple(config.kernel_size), tuple(config.stride), tuple(config.padding),
                 tuple(config.dilation), config.groups)
@@ -231,7 +232,7 @@ def conv2d(m: Any, x: CudaTensor, w: CudaTensor, config: Any,
         common.check_tensor(bias, "bias")
     geom, dtype, prec, dev = _validate(m, x, w, config, bias, precision)
     owned = out is None
-    if owned:
+    if out is None:     # (owned)
         out = m.backend.empty(geom.out_shape, dtype, dev)
     else:
         _check_out(out, geom, dtype, dev, [t for t in (x, w, bias) if t is not None])
@@ -287,6 +288,8 @@ def _fast_plan(m: Any, g: Geometry, dtype: CudaDataType, prec: Optional[str], de
     hb = int(has_bias)
     geo = (g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.M)
     fam = family(g, dtype, prec)
+    args: Tuple[int, ...]
+    wargs: Tuple[int, ...]
     if fam == "direct":
         total = g.N * g.K * g.P * -(-g.Q // DIRECT_VQ)
         go = prep(_kernel(m, DIRECT_TEMPLATE, dev, {**dtype_params(dtype), "vq": DIRECT_VQ}),

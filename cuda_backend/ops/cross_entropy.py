@@ -152,7 +152,7 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def forward_plan(K: int, itemsize: int) -> Dict[str, int]:
+def forward_plan(K: int, itemsize: int) -> Dict[str, Any]:
     """{"mode", "threads", "group", "nv"} of the forward for rows of K: warp mode (about 2
     vectors per lane) for K <= 32 * vec * FWD_WARP_VECS, else one block per row of the fewest
     FWD_BLOCKS threads with at most 4 vectors each (1024 for longer rows)."""
@@ -164,7 +164,7 @@ def forward_plan(K: int, itemsize: int) -> Dict[str, int]:
     return {"mode": "block", "threads": threads, "group": 0, "nv": 0}
 
 
-def forward_candidates(K: int, itemsize: int) -> List[Dict[str, int]]:
+def forward_candidates(K: int, itemsize: int) -> List[Dict[str, Any]]:
     """Every forward plan able to run K (all are: the lanes loop), the rule's first."""
     out = [forward_plan(K, itemsize)]
     for p in [{"mode": "warp", "threads": WARP_BLOCK, "nv": 0, "group": 32}] + \
@@ -174,18 +174,18 @@ def forward_candidates(K: int, itemsize: int) -> List[Dict[str, int]]:
     return out
 
 
-def _bwd_warp(K: int, vec: int) -> List[Dict[str, int]]:
+def _bwd_warp(K: int, vec: int) -> List[Dict[str, Any]]:
     return [{"mode": "warp", "nv": nv, "threads": WARP_BLOCK,
              "group": min(32, _pow2_at_least(-(-K // (vec * nv))))}
             for nv in BWD_WARP_NV if K <= 32 * vec * nv]
 
 
-def _bwd_block(K: int, vec: int) -> List[Dict[str, int]]:
+def _bwd_block(K: int, vec: int) -> List[Dict[str, Any]]:
     return [{"mode": "block", "nv": nv, "threads": b, "group": 0}
             for b, nv in BWD_BLOCK_CONFIGS if b * nv * vec >= K]
 
 
-def backward_plan(K: int, itemsize: int) -> Dict[str, int]:
+def backward_plan(K: int, itemsize: int) -> Dict[str, Any]:
     """Backward for rows of K: warp mode with the fewest vectors per lane holding the row,
     else the block config of least capacity holding it, else loop."""
     vec = 16 // itemsize
@@ -193,7 +193,7 @@ def backward_plan(K: int, itemsize: int) -> Dict[str, int]:
     return ps[0] if ps else {"mode": "loop", "nv": 0, "threads": LOOP_BLOCK, "group": 0}
 
 
-def backward_candidates(K: int, itemsize: int) -> List[Dict[str, int]]:
+def backward_candidates(K: int, itemsize: int) -> List[Dict[str, Any]]:
     """Every backward plan able to run rows of K, the rule's first."""
     vec = 16 // itemsize
     out = [backward_plan(K, itemsize)]
@@ -204,18 +204,19 @@ def backward_candidates(K: int, itemsize: int) -> List[Dict[str, int]]:
     return out
 
 
-def candidates(kind: str, K: int, itemsize: int) -> List[Dict[str, int]]:
+def candidates(kind: str, K: int, itemsize: int) -> List[Dict[str, Any]]:
     """Every plan of kind "forward" or "backward" able to run rows of K elements."""
     return forward_candidates(K, itemsize) if kind == "forward" else \
         backward_candidates(K, itemsize)
 
 
-def prepare(m: Any, kind: str, p: Optional[Dict[str, int]], dtype: CudaDataType,
+def prepare(m: Any, kind: str, p: Optional[Dict[str, Any]], dtype: CudaDataType,
             dev: int) -> Dict[str, Any]:
     """A plan (None for "finish") with its compiled kernel's name."""
     if kind == "finish":
         return {"mode": "", "threads": FINISH_BLOCK, "group": 0, "nv": 0,
                 "kernel": m.kernel(TEMPLATE, dev, **kernel_params(dtype, "finish")).name}
+    assert p is not None, "a forward/backward plan"
     params = kernel_params(dtype, kind, p["mode"], p["threads"], p["nv"])
     return dict(p, kernel=m.kernel(TEMPLATE, dev, **params).name)
 
@@ -439,19 +440,20 @@ def _fast_forward(m: Any, x: CudaTensor, ldt: CudaDataType, reduction: str, igno
                 not direct(dev):
             return None
         flag = _new_flag(m, dev) if check else None
+        pflag = flag._ptr if flag is not None else 0
         vec_ok = int(kvec and not (px & 15))
         if fin is None:
             out = pool_tensor((N,), dtype, dev, alloc(N * isz), pool, N, N * isz)
-            go(px, pl, label64, out._ptr, 0, flag._ptr if check else 0, N, C, ignore_index,
+            go(px, pl, label64, out._ptr, 0, pflag, N, C, ignore_index,
                group, vec_ok)
         else:
             buf = pool_tensor((N,), adt, dev, alloc(N * asz), pool, N, N * asz)
             out = pool_tensor((), dtype, dev, alloc(isz), pool, 1, isz)
-            go(px, pl, label64, buf._ptr, 1, flag._ptr if check else 0, N, C, ignore_index,
+            go(px, pl, label64, buf._ptr, 1, pflag, N, C, ignore_index,
                group, vec_ok)
             fin(buf._ptr, pl, label64, N, ignore_index, mean, 0, out._ptr, 0, 0.0, 0)
             buf.free()
-        if check:
+        if flag is not None:    # (check)
             _check_flag(m, flag, "cross_entropy", labels, C, ignore_index, (out,))
         return out
     return run
@@ -566,7 +568,7 @@ def _fast_backward(m: Any, x: CudaTensor, ldt: CudaDataType, reduction: str,
                 not direct(dev):
             return None
         flag = _new_flag(m, dev) if check else None
-        pflag = flag._ptr if check else 0
+        pflag = flag._ptr if flag is not None else 0
         dx = pool_tensor((N, C), dtype, dev, alloc(nbytes), pool, size, nbytes)
         pd = dx._ptr
         vec_ok = int(kvec and not ((px | pd) & 15))
@@ -578,7 +580,7 @@ def _fast_backward(m: Any, x: CudaTensor, ldt: CudaDataType, reduction: str,
             sc.free()
         else:
             go(px, pl, label64, pd, 0, 0, gmul, 0, pflag, N, C, ignore_index, group, vec_ok)
-        if check:
+        if flag is not None:    # (check)
             _check_flag(m, flag, "cross_entropy_backward", labels, C, ignore_index, (dx,))
         return dx
     return run

@@ -12,7 +12,7 @@ forward's mask times 1 / keep_prob.
 from __future__ import annotations
 
 import secrets
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union, overload
 
 import numpy as np
 
@@ -199,6 +199,18 @@ def dropout_backward(m: Any, grad_out: CudaTensor, keep_prob: float, seed: int) 
     return _apply(m, grad_out, p, _seed(seed), False, None, None, key)
 
 
+@overload
+def _apply(m: Any, x: CudaTensor, p: float, s: int, return_mask: Literal[False],
+           out: Optional[CudaTensor], mask: Optional[CudaTensor],
+           key: Optional[tuple]) -> CudaTensor: ...
+
+
+@overload
+def _apply(m: Any, x: CudaTensor, p: float, s: int, return_mask: bool,
+           out: Optional[CudaTensor], mask: Optional[CudaTensor],
+           key: Optional[tuple]) -> Union[CudaTensor, Tuple[CudaTensor, CudaTensor]]: ...
+
+
 def _apply(m: Any, x: CudaTensor, p: float, s: int, return_mask: bool,
            out: Optional[CudaTensor], mask: Optional[CudaTensor],
            key: Optional[tuple]) -> Union[CudaTensor, Tuple[CudaTensor, CudaTensor]]:
@@ -243,7 +255,7 @@ def _apply(m: Any, x: CudaTensor, p: float, s: int, return_mask: bool,
                                 block_size=(BLOCK, 1, 1), device_id=dev)
         if key is not None and key not in m.plans:
             common.remember_plan(m, key, _fast_plan(m, x, p, return_mask, kernel))
-    return (y, mk) if return_mask else y
+    return (y, mk) if mk is not None else y     # (mk: made when return_mask)
 
 
 def _grid(n: int, chunk: int) -> int:

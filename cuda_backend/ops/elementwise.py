@@ -193,7 +193,7 @@ def _make_plan(m: Any, kind: str, op: str, dtype: CudaDataType, dev: int) -> Opt
     what = f"launch of kernel '{name}'"
 
     if kind == "binary":
-        def plan(a: CudaTensor, b: CudaTensor) -> Optional[CudaTensor]:
+        def binary_plan(a: CudaTensor, b: CudaTensor) -> Optional[CudaTensor]:
             # a.dtype is dtype and a.device_id == dev: the plan's key says so
             pa, pb, shape = a._ptr, b._ptr, a.shape
             n = a.size
@@ -210,13 +210,14 @@ def _make_plan(m: Any, kind: str, op: str, dtype: CudaDataType, dev: int) -> Opt
             except drv_error as exc:
                 raise driver_failure(what, exc, dev) from None
             return res
-        return plan
+        return binary_plan
 
     if kind == "scalar":
         # The scalar in the tensor's dtype as _scalar() makes it: floats rounded to float32
         # or float16 by the struct codes (round to nearest even, as NumPy; a value that
         # overflows raises, and the general path makes it inf); ints range-checked.
         commutes = op in COMMUTATIVE
+        hi: Any     # (None with lo for floats, then unread)
         if dtype.is_floating:
             code = {DT.FLOAT32: "f", DT.FLOAT16: "e"}.get(dtype)
             rnd = struct.Struct(code) if code else None
@@ -225,7 +226,7 @@ def _make_plan(m: Any, kind: str, op: str, dtype: CudaDataType, dev: int) -> Opt
             rnd = None
             lo, hi = _INT_RANGE[dtype]
 
-        def plan(t: CudaTensor, s: Any, mode: int) -> Optional[CudaTensor]:
+        def scalar_plan(t: CudaTensor, s: Any, mode: int) -> Optional[CudaTensor]:
             # t.dtype is dtype and t.device_id == dev; s is a float or an int (not a bool)
             pt = t._ptr
             n = t.size
@@ -255,7 +256,7 @@ def _make_plan(m: Any, kind: str, op: str, dtype: CudaDataType, dev: int) -> Opt
             except drv_error as exc:
                 raise driver_failure(what, exc, dev) from None
             return res
-        return plan
+        return scalar_plan
 
     if op in ALPHA_OPS:
         # the parameter per call, converted as _scalar() converts it (a value the plan
@@ -264,7 +265,7 @@ def _make_plan(m: Any, kind: str, op: str, dtype: CudaDataType, dev: int) -> Opt
         conv = _plan_scalar(dtype)
         default = float(UNARY_OPS[op][1]["alpha"])
 
-        def plan(x: CudaTensor, alpha: Any = default) -> Optional[CudaTensor]:
+        def alpha_plan(x: CudaTensor, alpha: Any = default) -> Optional[CudaTensor]:
             px = x._ptr
             n = x.size
             if px is None or not n or x.stream is not None or not direct(dev):
@@ -281,7 +282,7 @@ def _make_plan(m: Any, kind: str, op: str, dtype: CudaDataType, dev: int) -> Opt
             except drv_error as exc:
                 raise driver_failure(what, exc, dev) from None
             return res
-        return plan
+        return alpha_plan
 
     def plan(x: CudaTensor) -> Optional[CudaTensor]:   # unary
         px = x._ptr
@@ -424,7 +425,7 @@ def _make_full_plan(m: Any, dtype: CudaDataType, dev: int, value: Any) -> Option
         except drv_error as exc:
             raise driver_failure(what, exc, dev) from None
         return t
-    plan.device = dev
+    plan.device = dev   # type: ignore[attr-defined]  # (a function attribute, read by full())
     return plan
 
 
@@ -699,7 +700,7 @@ def _collapse(shape: Tuple[int, ...], a_shape: Tuple[int, ...],
     size-1 dims and merging neighbours that both operands traverse the same way. None when
     both operands turn out to be contiguous over the same elements (same-shape path)."""
     nd = len(shape)
-    dims = []
+    dims: List[Tuple[int, int, int]] = []
     strides = []
     for s in (a_shape, b_shape):
         s = (1,) * (nd - len(s)) + tuple(s)
@@ -882,7 +883,7 @@ def fill(m: Any, tensor: CudaTensor, value: Any) -> CudaTensor:
         return _store_host(m, np.full(tensor.shape, v, dtype=_compute_type(dtype)), tensor)
     dev = tensor.device_id
     cache = _cache(m, dev)
-    key = ("fill", "", dtype)
+    key: Tuple[Any, ...] = ("fill", "", dtype)
     entry = cache.kernels.get(key)
     if entry is None:
         entry = (m.kernel("fill.cu.j2", dev, **dtype_params(dtype),

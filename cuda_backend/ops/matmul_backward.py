@@ -99,6 +99,7 @@ def reference(op: str, grad_out: Any, *args: Any, bias: Any = None,
       dZ = grad_out * GELU'(x Wᵀ + b) (tanh form; grad_bias None without a bias)."""
     g = np.asarray(grad_out, dtype=np.float64)
     f64 = [np.asarray(v, dtype=np.float64) for v in args]
+    g2: np.ndarray
     with np.errstate(all="ignore"):
         if op == "matmul_backward":
             a, b = f64
@@ -116,8 +117,8 @@ def reference(op: str, grad_out: Any, *args: Any, bias: Any = None,
             x2, g2 = x.reshape(rows, x.shape[-1]), g.reshape(rows, w.shape[0])
             with_bias = has_bias
             if op == "fused_linear_gelu_backward":
-                b = 0.0 if bias is None else np.asarray(bias, dtype=np.float64)
-                g2 = g2 * mm.gelu_tanh_grad(x2 @ w.T + b)
+                b64 = 0.0 if bias is None else np.asarray(bias, dtype=np.float64)
+                g2 = g2 * mm.gelu_tanh_grad(x2 @ w.T + b64)
                 with_bias = bias is not None
             return ((g2 @ w).reshape(x.shape), g2.T @ x2,
                     g2.sum(axis=0) if with_bias else None)
@@ -407,6 +408,11 @@ def _mm_steps(p: mm.Plan) -> Dict[str, Any]:
     @ G (batched), or, where b is broadcast, a (batch M, K)ᵀ @ G (batch M, N)."""
     B, M, N, K = p.batch, p.M, p.N, p.K
     full_a, full_b = p.stride_a != 0, p.stride_b != 0
+    g3: Tuple[int, ...]
+    a_shape: Tuple[int, ...]
+    b_shape: Tuple[int, ...]
+    gb_a: Tuple[int, ...]
+    gb_g: Tuple[int, ...]
     if B == 1:
         g3 = (M, N)
         a_shape, b_shape = (M, K), (K, N)

@@ -136,6 +136,8 @@ def reference(op: str, x: Any, *params: Any, eps: float = 1e-5,
             if training:
                 axes = (0,) + tuple(range(2, a.ndim))
                 mean, var = a.mean(axis=axes), a.var(axis=axes)
+            assert gamma is not None and beta is not None and mean is not None and \
+                var is not None, "batch_norm takes (gamma, beta, mean, var)"
             return (a - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + eps) \
                 * gamma.reshape(shape) + beta.reshape(shape)
         if op == "layer_norm":
@@ -192,7 +194,7 @@ def batch_norm(m: Any, x: CudaTensor, gamma: CudaTensor, beta: CudaTensor, mean:
     if not m.gpu:
         return _bn_host(m, x, gamma, beta, mean, var, eps, training, momentum, out)
     owned = out is None
-    if owned:
+    if out is None:     # (owned)
         out = m.backend.empty(x.shape, x.dtype, dev)
     if x.size == 0:
         return out
@@ -433,7 +435,7 @@ def layer_norm(m: Any, x: CudaTensor, weight: Optional[CudaTensor],
     if not m.gpu:
         return _ln_host(m, x, weight, bias, eps, out)
     owned = out is None
-    if owned:
+    if out is None:     # (owned)
         out = m.backend.empty(x.shape, x.dtype, dev)
     if x.size == 0:
         return out

@@ -73,6 +73,7 @@ def reference(opt: str, state: Any, params: Any, grads: Any, *buffers: Any) -> t
         b1, b2, eps = float(state.beta1), float(state.beta2), float(state.epsilon)
         t = int(state.step) + 1
         mb, vb = bufs
+        assert mb is not None and vb is not None, "adam takes buffers (m, v)"
         if getattr(state, "decoupled", False):
             p = p * (1.0 - lr * wd)
         else:
@@ -235,7 +236,7 @@ def _sgd_plan(m: Any, params: CudaTensor, has_buf: bool, kernel: Any) -> Any:
 
 def _sgd_host(m: Any, params: CudaTensor, grads: CudaTensor, buf: Optional[CudaTensor],
               lr: float, momentum: float, wd: float, nesterov: bool, first: bool) -> None:
-    work = np.float64 if params.dtype is DT.FLOAT64 else np.float32
+    work: Any = np.float64 if params.dtype is DT.FLOAT64 else np.float32   # (a scalar type)
     p = common.host_array(m, params).astype(work)
     g = common.host_array(m, grads).astype(work)
     lr, momentum, wd = work(lr), work(momentum), work(wd)
@@ -330,7 +331,7 @@ def _adam_host(m: Any, params: CudaTensor, grads: CudaTensor, m_buf: CudaTensor,
                v_buf: CudaTensor, beta1: float, beta2: float, eps: float, wd: float,
                decoupled: bool, decay: float, step_size: float, inv_bc2_sqrt: float) -> None:
     """The kernel's arithmetic in NumPy: the working precision, with the same scalars."""
-    work = np.float64 if params.dtype is DT.FLOAT64 else np.float32
+    work: Any = np.float64 if params.dtype is DT.FLOAT64 else np.float32   # (a scalar type)
     p = common.host_array(m, params).astype(work)
     g = common.host_array(m, grads).astype(work)
     mv = common.host_array(m, m_buf).astype(work)

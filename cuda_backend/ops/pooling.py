@@ -137,7 +137,7 @@ def pool2d(m: Any, kind: str, x: CudaTensor, pool_size: Pair, stride: Optional[P
         return out
     dev = x.device_id
     owned = out is None
-    if owned:
+    if out is None:     # (owned)
         out = m.backend.empty(shape, x.dtype, dev)
     if out.size == 0:
         return out

@@ -25,7 +25,7 @@ import math
 import threading
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -50,6 +50,8 @@ AXIS_TEMPLATE = "reduce_axis.cu.j2"
 TEMPLATES = (ROWS_TEMPLATE, AXIS_TEMPLATE)
 
 _INT_ACC = {CudaDataType.INT32: "int", CudaDataType.INT64: "long long"}
+_NUMPY_OPS: Dict[str, Callable[..., Any]] = {"sum": np.sum, "mean": np.mean, "max": np.max,
+                                             "min": np.min}
 
 
 # -- dtypes and template parameters --------------------------------------------------------
@@ -104,7 +106,7 @@ def reference(op: str, x: Any, axis: Any = None, keepdims: bool = False) -> np.n
         warnings.simplefilter("ignore", RuntimeWarning)
         if op == "argmax":
             return np.asarray(np.argmax(a, axis=axis, keepdims=bool(keepdims)), np.int64)
-        fn = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}[op]
+        fn = _NUMPY_OPS[op]
         return np.asarray(fn(a, axis=axis, keepdims=bool(keepdims)), dtype=np.float64)
 
 
@@ -540,7 +542,7 @@ def _host_reduce(m: Any, op: str, x: CudaTensor, axes: Tuple[int, ...],
         a = a.astype(np.float32)
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore", RuntimeWarning)
-        fn = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}[op]
+        fn = _NUMPY_OPS[op]
         r = fn(a, axis=axes, keepdims=keepdims)
     return np.asarray(r).astype(_host_dtype(result_dtype(x.dtype, op)))
 

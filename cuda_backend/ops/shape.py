@@ -33,7 +33,7 @@ Fallback mode runs the same layouts (offsets and strides) through NumPy's as_str
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
@@ -300,6 +300,7 @@ def _transpose_launches(m: Any, dev: int, dtype: CudaDataType, sizes: List[int],
     out = CudaTensor((n,), alias, dev, dst_addr)
     cfg = tr._pick(m, x, out, batch, rows, cols)
     params = tr.config_params(alias, cfg)
+    extra: Tuple[int, ...]
     if cfg["kernel"] == "tile":
         block, extra = (32, cfg["block_rows"], 1), ()
     else:
@@ -367,6 +368,7 @@ def make_view(x: CudaTensor, shape: Tuple[int, ...], offset: int = 0) -> CudaTen
     x.check_alive()
     host = None
     if x.on_host:
+        assert x._host is not None      # (on_host says so)
         n = math.prod(shape)
         flat = x._host.reshape(-1)[offset:offset + n]
         try:
@@ -580,6 +582,7 @@ def parse_key(shape: Tuple[int, ...], key: Any) -> Tuple[Tuple[int, ...], List[i
             d += 1
         else:
             i = _index_int(k)
+            assert i is not None            # (the first pass let only ints through)
             size = shape[d]
             if not -size <= i < size:
                 raise IndexOutOfRangeError(
@@ -639,7 +642,7 @@ def split(m: Any, x: CudaTensor, indices_or_sections: Any, axis: int = 0) -> Lis
             raise InvalidArgumentError(
                 f"split: indices_or_sections must be an int or a sequence of ints, got "
                 f"{indices_or_sections!r}")
-        bounds = [0] + points + [n]
+        bounds = [0] + cast(List[int], points) + [n]   # (no None: checked above)
     pre = (slice(None),) * ax
     return [getitem(m, x, pre + (slice(bounds[i], bounds[i + 1]),))
             for i in range(len(bounds) - 1)]

@@ -123,7 +123,7 @@ def reference(x: Any, log: bool = False) -> np.ndarray:
     return _host_softmax(np.asarray(x), bool(log))
 
 
-def _warp_plan(K: int, vec: int) -> Optional[Dict[str, int]]:
+def _warp_plan(K: int, vec: int) -> Optional[Dict[str, Any]]:
     if K > 32 * vec * WARP_NV[-1]:
         return None
     nv = next(n for n in WARP_NV if K <= 32 * vec * n)
@@ -132,7 +132,7 @@ def _warp_plan(K: int, vec: int) -> Optional[Dict[str, int]]:
             "prefetch": 0}
 
 
-def _block_plans(K: int, vec: int) -> List[Dict[str, int]]:
+def _block_plans(K: int, vec: int) -> List[Dict[str, Any]]:
     """Block-mode configs whose capacity holds K with more than half of it used."""
     out = []
     for blk, nv, pf in BLOCK_CONFIGS:
@@ -143,7 +143,7 @@ def _block_plans(K: int, vec: int) -> List[Dict[str, int]]:
     return out
 
 
-def _smem_plan(K: int, itemsize: int, smem_limit: int) -> Optional[Dict[str, int]]:
+def _smem_plan(K: int, itemsize: int, smem_limit: int) -> Optional[Dict[str, Any]]:
     vec = 16 // itemsize
     smem = (K + vec) * itemsize
     if smem > smem_limit:
@@ -153,12 +153,12 @@ def _smem_plan(K: int, itemsize: int, smem_limit: int) -> Optional[Dict[str, int
             "prefetch": 0}
 
 
-def _online_plan() -> Dict[str, int]:
+def _online_plan() -> Dict[str, Any]:
     return {"mode": "online", "nv": 0, "group": 0, "threads": ONLINE_BLOCK, "smem": 0,
             "prefetch": 0}
 
 
-def plan(K: int, itemsize: int, smem_limit: int) -> Dict[str, int]:
+def plan(K: int, itemsize: int, smem_limit: int) -> Dict[str, Any]:
     """Mode and launch sizing for rows of K elements: {"mode", "nv", "group", "threads",
     "smem", "prefetch"}. smem_limit: the dynamic shared memory one block may use. The rule:
     warp mode when the row fits a warp; else block mode on the fewest threads that hold the
@@ -176,7 +176,7 @@ def plan(K: int, itemsize: int, smem_limit: int) -> Dict[str, int]:
     return _smem_plan(K, itemsize, smem_limit) or _online_plan()
 
 
-def candidates(K: int, itemsize: int, smem_limit: int) -> List[Dict[str, int]]:
+def candidates(K: int, itemsize: int, smem_limit: int) -> List[Dict[str, Any]]:
     """Every plan able to run rows of K elements (the rule's choice first)."""
     vec = 16 // itemsize
     out = [plan(K, itemsize, smem_limit)]
@@ -270,7 +270,7 @@ def _fast_plan(m: Any, p: Dict[str, Any], x: CudaTensor, log: bool) -> Any:
     return run
 
 
-def prepare(m: Any, p: Dict[str, int], dtype: CudaDataType, dev: int) -> Dict[str, Any]:
+def prepare(m: Any, p: Dict[str, Any], dtype: CudaDataType, dev: int) -> Dict[str, Any]:
     """The plan with its compiled kernel's name and, for persistent block mode, the grid
     size cap (resident blocks per SM x SMs x PERSIST_WAVES)."""
     params = kernel_params(dtype, p["mode"], p["nv"], p["threads"], bool(p["prefetch"]))

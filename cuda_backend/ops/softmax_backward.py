@@ -84,7 +84,7 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _warp_plans(K: int, vec: int) -> List[Dict[str, int]]:
+def _warp_plans(K: int, vec: int) -> List[Dict[str, Any]]:
     out = []
     for nv in WARP_NV:
         if K <= 32 * vec * nv:
@@ -93,16 +93,16 @@ def _warp_plans(K: int, vec: int) -> List[Dict[str, int]]:
     return out
 
 
-def _block_plans(K: int, vec: int) -> List[Dict[str, int]]:
+def _block_plans(K: int, vec: int) -> List[Dict[str, Any]]:
     return [{"mode": "block", "nv": nv, "threads": blk, "group": 0}
             for blk, nv in BLOCK_CONFIGS if blk * nv * vec >= K]
 
 
-def _loop_plan() -> Dict[str, int]:
+def _loop_plan() -> Dict[str, Any]:
     return {"mode": "loop", "nv": 0, "threads": LOOP_BLOCK, "group": 0}
 
 
-def plan(K: int, itemsize: int) -> Dict[str, int]:
+def plan(K: int, itemsize: int) -> Dict[str, Any]:
     """{"mode", "nv", "threads", "group"} for rows of K elements: warp mode with the fewest
     vectors per lane that hold the row, else the block config of least capacity that holds
     it, else loop."""
@@ -112,7 +112,7 @@ def plan(K: int, itemsize: int) -> Dict[str, int]:
     return _loop_plan()
 
 
-def candidates(K: int, itemsize: int) -> List[Dict[str, int]]:
+def candidates(K: int, itemsize: int) -> List[Dict[str, Any]]:
     """Every plan able to run rows of K elements, the rule's first."""
     vec = 16 // itemsize
     out = [plan(K, itemsize)]
@@ -122,7 +122,7 @@ def candidates(K: int, itemsize: int) -> List[Dict[str, int]]:
     return out
 
 
-def prepare(m: Any, p: Dict[str, int], dtype: CudaDataType, dev: int) -> Dict[str, Any]:
+def prepare(m: Any, p: Dict[str, Any], dtype: CudaDataType, dev: int) -> Dict[str, Any]:
     """The plan with its compiled kernel's name."""
     params = kernel_params(dtype, p["mode"], p["nv"], p["threads"])
     return dict(p, kernel=m.kernel(TEMPLATE, dev, **params).name)

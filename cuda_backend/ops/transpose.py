@@ -107,12 +107,12 @@ def vec_width(dtype: CudaDataType, rows: int, cols: int, *ptrs: int) -> int:
     return dtype.itemsize
 
 
-def candidates(dtype: CudaDataType, rows: int, cols: int, *ptrs: int) -> List[Dict[str, int]]:
+def candidates(dtype: CudaDataType, rows: int, cols: int, *ptrs: int) -> List[Dict[str, Any]]:
     """Every config able to run this transpose: the "vec" kernel at the widest access (each
     tile, default group), at 8 bytes where 16 is possible, in row-major block order, then
     the "tile" configs. The first is the default."""
     vb = vec_width(dtype, rows, cols, *ptrs)
-    out: List[Dict[str, int]] = [{"kernel": "vec", "vec_bytes": vb, "tile": t, "threads": n,
+    out: List[Dict[str, Any]] = [{"kernel": "vec", "vec_bytes": vb, "tile": t, "threads": n,
                                   "group": GROUP} for t, n in VEC_CONFIGS[(dtype.itemsize, vb)]]
     if vb == 16 and dtype.itemsize < 8:
         t, n = VEC_CONFIGS[(dtype.itemsize, 8)][0]
@@ -152,7 +152,7 @@ def transpose(m: Any, x: CudaTensor, out: Optional[CudaTensor] = None) -> CudaTe
         return out
     dev = x.device_id
     new = out is None
-    if new:
+    if out is None:     # (new)
         out = m.backend.empty(shape, x.dtype, dev)
     if x.size == 0:
         return out
@@ -169,7 +169,7 @@ def transpose(m: Any, x: CudaTensor, out: Optional[CudaTensor] = None) -> CudaTe
 
 
 def _fast_plan(m: Any, x: CudaTensor, shape: Tuple[int, ...], batch: int, rows: int,
-               cols: int, vb: int, cfg: Dict[str, int]) -> Any:
+               cols: int, vb: int, cfg: Dict[str, Any]) -> Any:
     """The per-call plan of transposes of tensors shaped like x (ops/common.py
     remember_plan): the result's allocation and the PreparedLaunches of the config the
     general path chose (autotuned or default) for the access width `vb` those pointers
@@ -188,8 +188,9 @@ def _fast_plan(m: Any, x: CudaTensor, shape: Tuple[int, ...], batch: int, rows: 
               cols % (vb // itemsize) == 0]
     max_z = _max_z(m, dev)
 
-    def prepare(cfg: Dict[str, int]) -> List[tuple]:
+    def prepare(cfg: Dict[str, Any]) -> List[tuple]:
         kernel = m.kernel(TEMPLATE, dev, **config_params(dtype, cfg))
+        extra: Tuple[int, ...]
         if cfg["kernel"] == "tile":
             block, extra = (32, cfg["block_rows"], 1), ()
         else:
@@ -220,7 +221,7 @@ def _fast_plan(m: Any, x: CudaTensor, shape: Tuple[int, ...], batch: int, rows: 
     return run
 
 
-def config_params(dtype: CudaDataType, cfg: Dict[str, int]) -> Dict[str, Any]:
+def config_params(dtype: CudaDataType, cfg: Dict[str, Any]) -> Dict[str, Any]:
     """The template parameters of a config from `candidates` or CONFIGS."""
     if cfg["kernel"] == "tile":
         return {**dtype_params(dtype), "kernel": "tile", "tile": cfg["tile"],
@@ -228,7 +229,7 @@ def config_params(dtype: CudaDataType, cfg: Dict[str, int]) -> Dict[str, Any]:
     return vec_params(dtype, cfg["vec_bytes"], cfg["tile"], cfg["threads"])
 
 
-def launch_grids(cfg: Dict[str, int], batch: int, rows: int, cols: int,
+def launch_grids(cfg: Dict[str, Any], batch: int, rows: int, cols: int,
                  max_z: int = MAX_GRID_Z) -> List[Tuple[int, Tuple[int, int, int]]]:
     """(first plane, grid) of each launch of a config: the planes go on the grid's z, at
     most max_z of them per launch (later launches start at an offset plane)."""
@@ -238,11 +239,12 @@ def launch_grids(cfg: Dict[str, int], batch: int, rows: int, cols: int,
     return [(b0, (*xy, min(max_z, batch - b0))) for b0 in range(0, batch, max_z)]
 
 
-def _launch(m: Any, cfg: Dict[str, int], x: CudaTensor, out: CudaTensor, batch: int,
+def _launch(m: Any, cfg: Dict[str, Any], x: CudaTensor, out: CudaTensor, batch: int,
             rows: int, cols: int) -> None:
     """One config from `candidates` (or CONFIGS) over x into out."""
     dev = x.device_id
     kernel = m.kernel(TEMPLATE, dev, **config_params(x.dtype, cfg))
+    extra: Tuple[int, ...]
     if cfg["kernel"] == "tile":
         block, extra = (32, cfg["block_rows"], 1), ()
     else:
@@ -277,7 +279,7 @@ def transpose_tf32(m: Any, x: Any, out: Any, batch: int, rows: int, cols: int,
 
 
 def _pick(m: Any, x: CudaTensor, out: CudaTensor, batch: int, rows: int,
-          cols: int) -> Dict[str, int]:
+          cols: int) -> Dict[str, Any]:
     """Autotuned config per (dtype, access width, size class); small problems take the
     default "vec" config untimed."""
     cands = candidates(x.dtype, rows, cols, x.ptr, out.ptr)
