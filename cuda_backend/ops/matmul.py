@@ -148,7 +148,7 @@ S_128x128x16_16x8_s3 = _simt(128, 128, 16, 16, 8, 4, 2, 0, 3)  # 128 thr, 255 re
 S_128x128x16_8x8_s3 = _simt(128, 128, 16, 8, 8, 4, 2, 2, 3)    # 256 thr, 128 regs, 49920 B
 S_128x64x16_s3 = _simt(128, 64, 16, 8, 8, 4, 3, 2, 3)          # 128 thr, 151 regs, 37632 B
 S_64x128x16_s3 = _simt(64, 128, 16, 8, 8, 4, 3, 2, 3)             # 128 thr, 149 regs, 37632 B
-# Swept on the H200 (perf/NOTES.md, session 3): the multistage 64x128x16 is the fastest at
+# Swept on the H200 (perf/NOTES.md, matrix_multiply, S3): the multistage 64x128x16 is the fastest at
 # 4096^3 (0.93x cuBLAS), 8192^3 (0.96x) and, split 6, 64x8192x8192 (0.98x).
 SIMT_F32 = {
     "large": [S_64x128x16_s3, S_128x128x16_16x8_s3, S_128x128x8_16x8, S_128x256x8_16x8_q2],
@@ -265,7 +265,7 @@ LINEAR_SIMT_F32 = {
 }
 # The k-contiguous linear configs (kc): correct on the H200 but slower there than the
 # transposing 128x128x16 s3 for 8192x4096x4096 (the autotuner chose the latter, 6.46 ms;
-# perf/NOTES.md, session 3); not candidates, rendered by the tests and kept for sweeps.
+# perf/NOTES.md, Linear layers, S3); not candidates, rendered by the tests and kept for sweeps.
 LINEAR_SIMT_F32_KC = [L_64x128x16_kc, L_64x128x16_kc1, L_64x128x16_kc_s4, L_64x128x32_kc,
                       L_128x64x16_kc]
 LINEAR_SIMT_F64 = {"large": [D_64x64x8], "medium": [D_64x64x8], "skinny": [D_32x64x8],
@@ -287,7 +287,7 @@ LINEAR_MMA_TF32 = {
 # into the first: 3 HMMA per fragment pair, 2 x 64 accumulators per thread on a 32x64 or
 # 64x32 warp tile, fragments loaded per k-step). ptxas sm_90 with bias_gelu, vec: registers,
 # no spills, in comments (dynamic shared bytes: stages * (bm + bn) * bk * 4). Measured on the
-# H200 at 8192x4096x4096 (perf/NOTES.md, session 4): 3.86-3.93 ms (the 16x8 s3 SIMT: 6.53,
+# H200 at 8192x4096x4096 (perf/NOTES.md, Linear layers, S4): 3.86-3.93 ms (the 16x8 s3 SIMT: 6.53,
 # matrix_multiply + gelu 5.82, torch FP32 linear 5.47), error 7.9e-6 vs float64 (SIMT 1.8e-6).
 X_128x128x32_w32x64 = _mma(128, 128, 32, 32, 64, 3, 1, False, x3=True)   # 256 thr, 96 KB
 X_128x128x32_w64x32 = _mma(128, 128, 32, 64, 32, 3, 1, False, x3=True)   # 256 thr, 96 KB
