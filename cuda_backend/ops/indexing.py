@@ -32,7 +32,7 @@ IndexOutOfRangeError from scatter_add, target holds the adds of the in-range ind
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import numpy as np
 
@@ -244,8 +244,8 @@ def where(m: Any, cond: Any, a: Any, b: Any) -> CudaTensor:
     if not n:
         return out
     if not m.gpu:
-        x = a.host_view if ta else va
-        y = b.host_view if tb else vb
+        x: Any = a.host_view if ta else va
+        y: Any = b.host_view if tb else vb
         out.host_view[...] = np.where(cond.host_view, x, y)
         return out
     sc = _bcast_strides(shape, cond.shape)
@@ -255,8 +255,8 @@ def where(m: Any, cond: Any, a: Any, b: Any) -> CudaTensor:
     _check_dims(len(sizes), shape, "where")
     mode = (0 if ta else 1) | (0 if tb else 2)
     unsigned = _UNSIGNED[dtype.itemsize]
-    bits_a = 0 if ta else int(va.view(unsigned))
-    bits_b = 0 if tb else int(vb.view(unsigned))
+    bits_a = 0 if ta else int(cast(np.ndarray, va).view(unsigned))
+    bits_b = 0 if tb else int(cast(np.ndarray, vb).view(unsigned))
     name = m.kernel(TEMPLATE, dev, **where_params(dtype.itemsize)).name
     record(dev, *tensors)
     args = [n, len(sizes), mode] + _dims_args(sizes[::-1], 64, MAX_DIMS) + \
@@ -409,7 +409,7 @@ def gather(m: Any, x: CudaTensor, indices: Any, axis: Optional[int],
     if x.ndim == 0:
         raise InvalidArgumentError("gather needs a tensor of at least 1 dimension")
     ax = _one_axis(axis, x.ndim, "gather")
-    shape = []
+    shape: Any = []          # the result's dimensions, then their tuple
     for d in range(x.ndim):
         if d == ax:
             shape.append(idx.shape[d])
@@ -481,7 +481,7 @@ def scatter_add(m: Any, target: CudaTensor, indices: Any, src: CudaTensor, axis:
             vals = np.where(mask, np.zeros((), vals.dtype), vals)
         acc = common.host_array(m, target).copy()
         with np.errstate(all="ignore"):
-            np.add.at(acc, (slice(None),) * ax + (j,), vals)
+            np.add.at(acc, cast(Any, (slice(None),) * ax + (j,)), vals)
         from .elementwise import _store_host
         _store_host(m, acc, target)
         if check_bounds and bad.any():

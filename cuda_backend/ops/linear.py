@@ -192,7 +192,7 @@ def sketched_linear(m: Any, x: CudaTensor, U: CudaTensor, V: CudaTensor,
     from . import reduction as red
     key = _sketched_key(x, U, V, bias)
     if key is not None:
-        plans = getattr(m, "plans", None)
+        plans: Any = getattr(m, "plans", None)
         fast = None if plans is None else plans.get(key)
         if fast is not None and m.backend.direct_launch(x.device_id):
             res = fast(x, U, V, bias)
@@ -222,8 +222,8 @@ def sketched_linear(m: Any, x: CudaTensor, U: CudaTensor, V: CudaTensor,
     finally:
         xu.free()
     if key is not None and m.gpu and xuv.size and xu.size:
-        plans = getattr(m, "plans", None)
         dt, dev = x.dtype, x.device_id
+        plans = m.plans        # m.gpu: a CudaMath, which has its plans
         mm1 = plans.get(("matmul", x.shape, U.shape, dt, dt, dev, dev, None))
         mm2 = plans.get(("matmul", xu.shape, V.shape, dt, dt, dev, dev, None))
         if mm1 is not None and mm2 is not None:

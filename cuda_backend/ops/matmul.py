@@ -815,9 +815,11 @@ def linear(m: Any, x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor]
                 f"out must be ({M}, {N}) {dtype.name_str}, got {out.shape} {out.dtype.name_str}")
         common.same_device(x, out)
         if out.nbytes:
-            for name, t in (("x", x), ("weight", weight), ("bias", bias), ("grad", grad)):
-                if t is not None and t.nbytes and t.ptr < out.ptr + out.nbytes \
-                        and out.ptr < t.ptr + t.nbytes:
+            named: Tuple[Tuple[str, Optional[CudaTensor]], ...] = (
+                ("x", x), ("weight", weight), ("bias", bias), ("grad", grad))
+            for name, opnd in named:
+                if opnd is not None and opnd.nbytes and opnd.ptr < out.ptr + out.nbytes \
+                        and out.ptr < opnd.ptr + opnd.nbytes:
                     raise InvalidArgumentError(
                         f"out overlaps operand {name}; use a separate tensor")
     if out.size == 0:
@@ -1019,6 +1021,7 @@ def _linear_fallback(m: Any, x: CudaTensor, w: CudaTensor, bias: Optional[CudaTe
         res = gelu_tanh(res)
     elif epilogue == GRAD_EPILOGUE:
         with np.errstate(all="ignore"):
+            assert grad is not None, "the gradient epilogue reads G"
             res = common.host_array(m, grad).astype(np.float64) * gelu_tanh_grad(res)
     if out.dtype is DT.BFLOAT16:
         host = to_bfloat16_bits(res.astype(np.float32)).reshape(out.shape)
@@ -1308,6 +1311,7 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
             return ()
         if epilogue != GRAD_EPILOGUE:
             return (0 if bias is None else bias,)
+        assert grad is not None, "the gradient epilogue reads G"
         return (0 if bias is None else bias,
                 grad if b0 == 0 else grad.ptr + b0 * p.M * p.N * esize)
     if template == SIMT_TEMPLATE:
@@ -1441,6 +1445,7 @@ def _run_skinny(m: Any, cfg: Dict[str, Any], a: CudaTensor, b: CudaTensor, out: 
         backend.launch_kernel(s["kernel"].name, s["grid"], a, b, work, p.M, p.N, p.K,
                               s["chunk"], block_size=(s["threads"], 1, 1),
                               shared_mem=s["smem"], device_id=dev)
+        tail: Tuple[Any, ...]
         if epilogue is None:
             tail = (s["n"], s["splits"])
         elif epilogue == GRAD_EPILOGUE:
@@ -1556,7 +1561,7 @@ def _op_plan(m: Any, p: Plan, dtype: CudaDataType, dev: int, shape: Tuple[int, .
             run(pa, pb, pc, pbias, pg)
         return out
 
-    plan.runners = runners
+    plan.runners = runners  # type: ignore[attr-defined]  # (read by the tests: the sub-launches)
     return plan
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import numpy as np
 
@@ -619,11 +619,12 @@ def batch_norm_backward(m: Any, grad_out: CudaTensor, input: CudaTensor, gamma: 
             f"{x.shape} ({count} per channel)")
     if not m.gpu:
         params = [common.host_array(m, gamma)]
-        if not training:
-            params += [common.host_array(m, running_mean), common.host_array(m, running_var)]
+        if not training:   # (checked above: both given)
+            params += [common.host_array(m, cast(CudaTensor, running_mean)),
+                       common.host_array(m, cast(CudaTensor, running_var))]
         dx, dg, dbeta = reference("batch_norm", common.host_array(m, g), common.host_array(m, x),
                                   *params, eps=eps, training=training)
-        return (_host_out(m, dx, dtype, dev), _host_out(m, dg, dtype, dev),
+        return (_host_out(m, dx, dtype, dev), _host_out(m, cast(np.ndarray, dg), dtype, dev),
                 _host_out(m, dbeta, dtype, dev))
     dx = m.backend.empty(x.shape, dtype, dev)
     dgamma = m.backend.empty((C,), dtype, dev)
@@ -721,8 +722,8 @@ def _bn_plan(m: Any, ks: Dict[str, str], x: CudaTensor, training: bool, eps: flo
         geo = bn_geometry(layout, N, C, S, vec_ok, vec, sms)
         pass_tail, apply_tail = _bn_args(geo, N, C, S, vec_ok)
         first = prep(get(ks["pass"], dev), geo["grid"], geo["block"], 0, dev)
-        second = prep(get(ks["apply"], dev), geo["apply_grid"], geo["apply_block"], 0, dev) \
-            if training else None
+        second: Any = prep(get(ks["apply"], dev), geo["apply_grid"], geo["apply_block"], 0,
+                           dev) if training else None
         splits = geo["splits"]
         ws_bytes = (splits * C * nsum + (C * 4 if training else 0)) * adt.itemsize
         variants.append((first, pass_tail, second, apply_tail, splits, ws_bytes))
