@@ -265,9 +265,9 @@ class CudaBackend:
         if type(dtype) is not CudaDataType:
             dtype = CudaDataType.from_any(dtype)
         dev = self.current_device if device_id is None else self._validate(device_id)
-        return self._empty_checked(shape, dtype, dev)
+        return self.empty_checked(shape, dtype, dev)
 
-    def _empty_checked(self, shape: Tuple[int, ...], dtype: CudaDataType,
+    def empty_checked(self, shape: Tuple[int, ...], dtype: CudaDataType,
                        dev: int) -> CudaTensor:
         """empty() for a shape tuple, dtype and device that are already valid (the ops'
         per-call fast paths take them from live operands)."""

@@ -21,7 +21,7 @@ Pair = Union[int, Tuple[int, int]]
 
 
 def _pair(value: Pair, name: str, minimum: int) -> Tuple[int, int]:
-    from .ops.pooling import _pair as strict_pair  # rejects floats and bools, same messages
+    from .ops.pooling import pair as strict_pair  # rejects floats and bools, same messages
     return strict_pair(value, name, minimum)
 
 

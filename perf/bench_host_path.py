@@ -337,7 +337,7 @@ def stub_main(args: argparse.Namespace) -> None:
         ("multiply by scalar", lambda: m.multiply(x, 2.5), True),
         ("sigmoid (unary)", lambda: m.sigmoid(x), True),
         ("backend.empty", lambda: b.empty(shape, f32, 0), True),
-        ("backend._empty_checked", lambda: b._empty_checked(shape, f32, 0), True),
+        ("backend.empty_checked", lambda: b.empty_checked(shape, f32, 0), True),
         ("MemoryPool.allocate", lambda: pool.allocate(4096), True),
         ("stub pool allocate (C++ in PyCUDA)", lambda: pool._pool.allocate(4096), True),
         ("launch_kernel (binary, 6 args)",

@@ -442,7 +442,7 @@ def main() -> None:
             run_case("transpose", shape, dtype, x, out, vs, transposed(a),
                      lambda tx=tx: tx.t().contiguous(),
                      lambda x=x, out=out, shape=shape: tr_name(
-                         tr._pick(m, x, out, 1, shape[0], shape[1])))
+                         tr.pick(m, x, out, 1, shape[0], shape[1])))
             x.free(), out.free()
             del tx, a
 

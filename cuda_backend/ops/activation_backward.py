@@ -122,8 +122,8 @@ def _alpha(op: str, dtype: CudaDataType, alpha: Any) -> float:
         alpha = default
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.integer, np.floating)):
         raise InvalidArgumentError(f"alpha must be a real number, got {alpha!r}")
-    from .elementwise import _scalar
-    return float(_scalar(dtype, alpha, "alpha"))
+    from .elementwise import scalar_arg
+    return float(scalar_arg(dtype, alpha, "alpha"))
 
 
 def backward(m: Any, op: str, grad_out: CudaTensor, v: CudaTensor,
@@ -221,5 +221,5 @@ def _make_plan(m: Any, op: str, dtype: CudaDataType, dev: int,
 
 def _store(m: Any, values: np.ndarray, res: CudaTensor) -> CudaTensor:
     """Fallback: float64 values rounded once into res."""
-    from .elementwise import _store_host
-    return _store_host(m, values, res)
+    from .elementwise import store_host
+    return store_host(m, values, res)

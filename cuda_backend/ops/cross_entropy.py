@@ -44,7 +44,7 @@ from ..errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentEr
 from ..kernels import accumulator_type
 from ..tensor import CudaTensor, pool_tensor
 from . import common
-from .reduction import _host_result
+from .reduction import host_result
 
 DT = CudaDataType
 TEMPLATE = "cross_entropy.cu.j2"
@@ -359,7 +359,7 @@ def _host_dtype(dtype: CudaDataType) -> Any:
 
 def _host_out(m: Any, values: np.ndarray, dtype: CudaDataType, dev: int) -> CudaTensor:
     with np.errstate(over="ignore", invalid="ignore"):
-        return _host_result(m, np.asarray(values).astype(_host_dtype(dtype)), dtype, dev, None)
+        return host_result(m, np.asarray(values).astype(_host_dtype(dtype)), dtype, dev, None)
 
 
 # -- the ops -----------------------------------------------------------------------------------

@@ -140,7 +140,7 @@ def _kernel_name(m: Any, cache: _DeviceCache, dev: int, kind: str, op: str,
         zero: Any = 0.0 if dtype.is_floating else 0
         if kind == "unary":
             for pname, default in UNARY_OPS[op][1].items():
-                zero = _scalar(dtype, default, pname)
+                zero = scalar_arg(dtype, default, pname)
         per_block = BLOCK * params["unroll"]
         cap = 2**31 - 1   # one block per BLOCK*UNROLL vectors (an exact grid, see BLOCK)
         k = (m.kernel(TEMPLATE, dev, **params).name, per_block, params["vec"], zero, cap)
@@ -213,7 +213,7 @@ def _make_plan(m: Any, kind: str, op: str, dtype: CudaDataType, dev: int) -> Opt
         return binary_plan
 
     if kind == "scalar":
-        # The scalar in the tensor's dtype as _scalar() makes it: floats rounded to float32
+        # The scalar in the tensor's dtype as scalar_arg() makes it: floats rounded to float32
         # or float16 by the struct codes (round to nearest even, as NumPy; a value that
         # overflows raises, and the general path makes it inf); ints range-checked.
         commutes = op in COMMUTATIVE
@@ -259,7 +259,7 @@ def _make_plan(m: Any, kind: str, op: str, dtype: CudaDataType, dev: int) -> Opt
         return scalar_plan
 
     if op in ALPHA_OPS:
-        # the parameter per call, converted as _scalar() converts it (a value the plan
+        # the parameter per call, converted as scalar_arg() converts it (a value the plan
         # cannot convert exactly that way, e.g. one that overflows, goes the general way);
         # an operand last used on another stream goes the general way too (record_stream)
         conv = _plan_scalar(dtype)
@@ -307,7 +307,7 @@ _U32 = struct.Struct("I")
 
 
 def _plan_scalar(dtype: CudaDataType) -> Callable[[Any], Any]:
-    """For the plans: a function giving what _scalar(dtype, value) gives for a Python float
+    """For the plans: a function giving what scalar_arg(dtype, value) gives for a Python float
     or int value, or None where it leaves the value to the general path (bools, NumPy
     scalars, non-integral or out-of-range values for int dtypes, values that overflow the
     dtype, NaN for bfloat16). Floats round to float32 or float16 by the struct codes (round
@@ -399,9 +399,9 @@ def _make_full_plan(m: Any, dtype: CudaDataType, dev: int, value: Any) -> Option
     from ..errors import driver_failure
     from ..tensor import normalize_shape, pool_tensor
     if dtype is DT.BOOL:
-        v = int(bool(_scalar(DT.INT64, value, "value")))
+        v = int(bool(scalar_arg(DT.INT64, value, "value")))
     else:
-        v = _scalar(dtype, value, "value")
+        v = scalar_arg(dtype, value, "value")
     pack, launch, block, cap, what = _fill_setup(m, dtype, dev)
     itemsize = dtype.itemsize
     direct = m.backend.direct_launch
@@ -468,7 +468,7 @@ def _grid(items: int, per_block: int) -> int:
 
 
 # -- operand checks ---------------------------------------------------------------------------
-def _scalar(dtype: CudaDataType, value: Any, what: str) -> Any:
+def scalar_arg(dtype: CudaDataType, value: Any, what: str) -> Any:
     """A Python scalar in the tensor's dtype, as the kernel argument: float (rounded to the
     dtype first, as NumPy converts a Python float) or int (range-checked)."""
     if isinstance(value, np.generic):
@@ -535,7 +535,7 @@ def _host(m: Any, t: CudaTensor) -> np.ndarray:
     return common.host_array(m, t).astype(_compute_type(t.dtype), copy=False)
 
 
-def _store_host(m: Any, values: np.ndarray, out: CudaTensor) -> CudaTensor:
+def store_host(m: Any, values: np.ndarray, out: CudaTensor) -> CudaTensor:
     """Write computed values into out, rounding once to its dtype."""
     values = np.asarray(values).reshape(out.shape)
     with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf, as the GPU rounds
@@ -642,9 +642,9 @@ def binary(m: Any, op: str, a: Any, b: Any, out: Optional[CudaTensor] = None) ->
     if dtype not in dtypes:
         common.require_dtype(a if ta else b, dtypes, op)
     if mode == 1:
-        sv = _scalar(dtype, b, "b")
+        sv = scalar_arg(dtype, b, "b")
     elif mode == 2:
-        sv = _scalar(dtype, a, "a")
+        sv = scalar_arg(dtype, a, "a")
     else:
         sv = 0.0 if dtype.is_floating else 0
     res = _output(m, out, shape, dtype, dev)
@@ -691,7 +691,7 @@ def _binary_host(m: Any, op: str, a: Any, b: Any, sv: Any, mode: int,
     y = _host(m, b) if mode != 1 else np.asarray(sv, dtype=ct)
     with np.errstate(all="ignore"):
         values = _NP_BINARY[op](x, y)
-    return _store_host(m, np.broadcast_to(values, res.shape), res)
+    return store_host(m, np.broadcast_to(values, res.shape), res)
 
 
 def _collapse(shape: Tuple[int, ...], a_shape: Tuple[int, ...],
@@ -842,7 +842,7 @@ def unary(m: Any, op: str, x: CudaTensor, out: Optional[CudaTensor] = None,
         common.require_dtype(x, dtypes, op)
     alpha: Any = 0.0 if x.dtype.is_floating else 0
     for key, default in defaults.items():
-        alpha = _scalar(x.dtype, params.get(key, default), key)
+        alpha = scalar_arg(x.dtype, params.get(key, default), key)
     res = _output(m, out, x.shape, x.dtype, x.device_id)
     n = res.size
     if n == 0:
@@ -850,7 +850,7 @@ def unary(m: Any, op: str, x: CudaTensor, out: Optional[CudaTensor] = None,
     if not m.gpu:
         with np.errstate(all="ignore"):
             values = _np_unary(op, _host(m, x), alpha)
-        return _store_host(m, values, res)
+        return store_host(m, values, res)
     dev = x.device_id
     cache = _cache(m, dev)
     name, per_block = _kernel_name(m, cache, dev, "unary", op, x.dtype)
@@ -871,16 +871,16 @@ def fill(m: Any, tensor: CudaTensor, value: Any) -> CudaTensor:
     common.check_tensor(tensor, "tensor")
     dtype = tensor.dtype
     if dtype is DT.BOOL:
-        v = _scalar(DT.INT64, value, "value")
+        v = scalar_arg(DT.INT64, value, "value")
         v = int(bool(v))
         dtype = DT.UINT8            # same storage: one byte, 0 or 1
     else:
-        v = _scalar(dtype, value, "value")
+        v = scalar_arg(dtype, value, "value")
     n = tensor.size
     if n == 0:
         return tensor
     if not m.gpu:
-        return _store_host(m, np.full(tensor.shape, v, dtype=_compute_type(dtype)), tensor)
+        return store_host(m, np.full(tensor.shape, v, dtype=_compute_type(dtype)), tensor)
     dev = tensor.device_id
     cache = _cache(m, dev)
     key: Tuple[Any, ...] = ("fill", "", dtype)

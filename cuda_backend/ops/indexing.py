@@ -155,13 +155,13 @@ def _check_dims(nd: int, shape: Tuple[int, ...], what: str) -> None:
 
 
 def _scalar_for(dtype: CudaDataType, value: Any, what: str) -> Any:
-    from .elementwise import _scalar
+    from .elementwise import scalar_arg
     if dtype is DT.BOOL:
-        v = _scalar(DT.INT64, value, what)
+        v = scalar_arg(DT.INT64, value, what)
         if v not in (0, 1):
             raise InvalidArgumentError(f"{what} = {value} is not a bool (0 or 1)")
         return v
-    return _scalar(dtype, value, what)
+    return scalar_arg(dtype, value, what)
 
 
 def _storage_value(dtype: CudaDataType, v: Any) -> np.ndarray:
@@ -482,8 +482,8 @@ def scatter_add(m: Any, target: CudaTensor, indices: Any, src: CudaTensor, axis:
         acc = common.host_array(m, target).copy()
         with np.errstate(all="ignore"):
             np.add.at(acc, cast(Any, (slice(None),) * ax + (j,)), vals)
-        from .elementwise import _store_host
-        _store_host(m, acc, target)
+        from .elementwise import store_host
+        store_host(m, acc, target)
         if check_bounds and bad.any():
             _raise_bounds("scatter_add", ax, size)
         return target

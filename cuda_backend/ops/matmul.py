@@ -1679,7 +1679,7 @@ def _wgmma_runner(m: Any, cfg: Dict[str, Any], p: Plan, dev: int, max_z: int) ->
                        b0 * sa * 4, b0 * stride_bt * 4, b0 * M * N * 4, (M, N, K, sa, stride_bt)))
     shape16, shape8 = K % 4 == 0 and N % 4 == 0, K % 2 == 0 and N % 2 == 0
     transposes: Dict[int, list] = {}   # access width -> [(launch, plane offset, args)]
-    t_max_z = tr._max_z(m, dev)
+    t_max_z = tr.max_grid_z(m, dev)
     plane = K * N * 4
 
     def transpose_launches(vb: int, pb: int, pbt: int) -> list:

@@ -54,13 +54,13 @@ def reference(x: Any, kind: str, pool_size: Pair, stride: Optional[Pair] = None,
               padding: Pair = (0, 0)) -> np.ndarray:
     """kind ("max" or "avg") pooling of an NCHW array in float64 (the fallback's math: max
     pads with -inf, avg counts padding in the divisor); stride defaults to pool_size."""
-    k = _pair(pool_size, "pool_size", 1)
-    s = k if stride is None else _pair(stride, "stride", 1)
-    p = _pair(padding, "padding", 0)
+    k = pair(pool_size, "pool_size", 1)
+    s = k if stride is None else pair(stride, "stride", 1)
+    p = pair(padding, "padding", 0)
     return _host_pool(kind, np.asarray(x, dtype=np.float64), k, s, p, CudaDataType.FLOAT64)
 
 
-def _pair(value: Any, name: str, minimum: int) -> Tuple[int, int]:
+def pair(value: Any, name: str, minimum: int) -> Tuple[int, int]:
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         value = (value, value)
     try:
@@ -115,9 +115,9 @@ def pool2d(m: Any, kind: str, x: CudaTensor, pool_size: Pair, stride: Optional[P
     if x.shape[2] == 0 or x.shape[3] == 0:
         raise InvalidArgumentError(
             f"{op} needs non-empty spatial dimensions, got shape {x.shape}")
-    k = _pair(pool_size, "pool_size", 1)
-    s = k if stride is None else _pair(stride, "stride", 1)
-    p = _pair(padding, "padding", 0)
+    k = pair(pool_size, "pool_size", 1)
+    s = k if stride is None else pair(stride, "stride", 1)
+    p = pair(padding, "padding", 0)
     if 2 * p[0] > k[0] or 2 * p[1] > k[1]:
         raise InvalidArgumentError(
             f"{op}: padding {p} must be at most half of pool_size {k}")

@@ -269,7 +269,7 @@ def reduce(m: Any, op: str, x: CudaTensor, axis: Any = None, keepdims: bool = Fa
     if not m.gpu or count == 0 or x.size == 0:
         values = _host_reduce(m, op, x, axes, bool(keepdims)) if x.size else \
             np.full(shape, 0 if op == "sum" else np.nan, dtype=_host_dtype(dtype))
-        return _host_result(m, values, dtype, x.device_id, out)
+        return host_result(m, values, dtype, x.device_id, out)
     return _gpu_reduce(m, op, x, axes, shape, dtype, count, out, key)
 
 
@@ -308,7 +308,7 @@ def argmax(m: Any, x: CudaTensor, axis: Optional[int] = None, keepdims: bool = F
                                keepdims=bool(keepdims))
         else:
             values = np.zeros(shape, np.int64)
-        return _host_result(m, np.asarray(values).reshape(shape), CudaDataType.INT64,
+        return host_result(m, np.asarray(values).reshape(shape), CudaDataType.INT64,
                             x.device_id, out)
     return _gpu_reduce(m, "argmax", x, axes, shape, CudaDataType.INT64, count, out, key)
 
@@ -547,7 +547,7 @@ def _host_reduce(m: Any, op: str, x: CudaTensor, axes: Tuple[int, ...],
     return np.asarray(r).astype(_host_dtype(result_dtype(x.dtype, op)))
 
 
-def _host_result(m: Any, values: np.ndarray, dtype: CudaDataType, dev: int,
+def host_result(m: Any, values: np.ndarray, dtype: CudaDataType, dev: int,
                  out: Optional[CudaTensor]) -> CudaTensor:
     """values (host) as a new tensor, or written into out."""
     values = np.asarray(values)

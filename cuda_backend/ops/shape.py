@@ -298,7 +298,7 @@ def _transpose_launches(m: Any, dev: int, dtype: CudaDataType, sizes: List[int],
     n = batch * rows * cols
     x = CudaTensor((n,), alias, dev, src_addr)      # aliases of the bits, for tr's picker
     out = CudaTensor((n,), alias, dev, dst_addr)
-    cfg = tr._pick(m, x, out, batch, rows, cols)
+    cfg = tr.pick(m, x, out, batch, rows, cols)
     params = tr.config_params(alias, cfg)
     extra: Tuple[int, ...]
     if cfg["kernel"] == "tile":
@@ -308,7 +308,7 @@ def _transpose_launches(m: Any, dev: int, dtype: CudaDataType, sizes: List[int],
     plane = rows * cols * dtype.itemsize
     return [Launch(tr.TEMPLATE, params, grid, block, (rows, cols, *extra), b0 * plane,
                    b0 * plane)
-            for b0, grid in tr.launch_grids(cfg, batch, rows, cols, tr._max_z(m, dev))]
+            for b0, grid in tr.launch_grids(cfg, batch, rows, cols, tr.max_grid_z(m, dev))]
 
 
 def record(dev: int, *tensors: CudaTensor) -> None:

@@ -31,7 +31,7 @@ from ..errors import DTypeMismatchError, ShapeMismatchError
 from ..kernels import accumulator_type
 from ..tensor import CudaTensor, pool_tensor
 from . import common
-from .reduction import _host_result
+from .reduction import host_result
 
 TEMPLATE = "softmax.cu.j2"
 TEMPLATES = (TEMPLATE,)
@@ -212,7 +212,7 @@ def softmax(m: Any, x: CudaTensor, log: bool = False,
         values = _host_softmax(common.host_array(m, x), log) if x.size else \
             np.empty(x.shape, np.float32)
         host_dtype = np.float32 if x.dtype is CudaDataType.BFLOAT16 else x.dtype.numpy_dtype
-        return _host_result(m, values.astype(host_dtype), x.dtype, x.device_id, out)
+        return host_result(m, values.astype(host_dtype), x.dtype, x.device_id, out)
 
     dev = x.device_id
     K = x.shape[-1] if x.ndim else 1

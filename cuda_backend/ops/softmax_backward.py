@@ -27,7 +27,7 @@ from ..errors import ShapeMismatchError
 from ..kernels import accumulator_type
 from ..tensor import CudaTensor, pool_tensor
 from . import common
-from .reduction import _host_result
+from .reduction import host_result
 
 TEMPLATE = "softmax_backward.cu.j2"
 TEMPLATES = (TEMPLATE,)
@@ -165,7 +165,7 @@ def backward(m: Any, grad_out: CudaTensor, y: CudaTensor, log: bool = False) -> 
             if g.size else np.empty(g.shape, np.float32)
         host = np.float32 if dtype is CudaDataType.BFLOAT16 else dtype.numpy_dtype
         with np.errstate(over="ignore", invalid="ignore"):
-            return _host_result(m, values.astype(host), dtype, dev, None)
+            return host_result(m, values.astype(host), dtype, dev, None)
     K = g.shape[-1] if g.ndim else 1
     plans = _plans.get(m)
     if plans is None:

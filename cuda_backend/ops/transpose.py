@@ -159,7 +159,7 @@ def transpose(m: Any, x: CudaTensor, out: Optional[CudaTensor] = None) -> CudaTe
     if rows * cols >= 2**31:
         raise InvalidArgumentError(
             f"matrix_transpose supports planes under 2^31 elements, got {rows}x{cols}")
-    cfg = _pick(m, x, out, batch, rows, cols)
+    cfg = pick(m, x, out, batch, rows, cols)
     _launch(m, cfg, x, out, batch, rows, cols)
     if new:
         common.remember_plan(m, ("matrix_transpose", x.shape, x.dtype, dev),
@@ -174,7 +174,7 @@ def _fast_plan(m: Any, x: CudaTensor, shape: Tuple[int, ...], batch: int, rows: 
     remember_plan): the result's allocation and the PreparedLaunches of the config the
     general path chose (autotuned or default) for the access width `vb` those pointers
     allowed. The width follows the pointers' alignment, so it is found per call; a width
-    not seen yet gets its config as the general path would (_pick, with this call's
+    not seen yet gets its config as the general path would (pick, with this call's
     tensors) and its launches prepared then."""
     backend = m.backend
     dev, dtype = x.device_id, x.dtype
@@ -186,7 +186,7 @@ def _fast_plan(m: Any, x: CudaTensor, shape: Tuple[int, ...], batch: int, rows: 
     # element and rows, cols are multiples of their vectors), then the element size
     widths = [vb for vb in (16, 8) if vb > itemsize and rows % (vb // itemsize) == 0 and
               cols % (vb // itemsize) == 0]
-    max_z = _max_z(m, dev)
+    max_z = max_grid_z(m, dev)
 
     def prepare(cfg: Dict[str, Any]) -> List[tuple]:
         kernel = m.kernel(TEMPLATE, dev, **config_params(dtype, cfg))
@@ -214,7 +214,7 @@ def _fast_plan(m: Any, x: CudaTensor, shape: Tuple[int, ...], batch: int, rows: 
                 break
         launches = by_width.get(w)
         if launches is None:
-            launches = by_width[w] = prepare(_pick(m, x, out, batch, rows, cols))
+            launches = by_width[w] = prepare(pick(m, x, out, batch, rows, cols))
         for off, go, extra in launches:
             go(px + off, po + off, rows, cols, *extra)
         return out
@@ -250,13 +250,13 @@ def _launch(m: Any, cfg: Dict[str, Any], x: CudaTensor, out: CudaTensor, batch: 
     else:
         block, extra = (cfg["threads"], 1, 1), (cfg["group"],)
     plane = rows * cols * x.dtype.itemsize
-    for b0, grid in launch_grids(cfg, batch, rows, cols, _max_z(m, dev)):
+    for b0, grid in launch_grids(cfg, batch, rows, cols, max_grid_z(m, dev)):
         src, dst = (x, out) if b0 == 0 else (x.ptr + b0 * plane, out.ptr + b0 * plane)
         m.backend.launch_kernel(kernel.name, grid, src, dst, rows, cols, *extra,
                                 block_size=block, device_id=dev)
 
 
-def _max_z(m: Any, dev: int) -> int:
+def max_grid_z(m: Any, dev: int) -> int:
     """The device's grid z limit (stand-in backends without device info: MAX_GRID_Z)."""
     info = getattr(m.backend, "get_device_info", None)
     return info(dev).max_grid_dims[2] if info is not None else MAX_GRID_Z
@@ -272,13 +272,13 @@ def transpose_tf32(m: Any, x: Any, out: Any, batch: int, rows: int, cols: int,
     params = {**config_params(CudaDataType.FLOAT32, cfg), "round_tf32": True}
     kernel = m.kernel(TEMPLATE, device_id, **params)
     plane = rows * cols * 4
-    for b0, grid in launch_grids(cfg, batch, rows, cols, _max_z(m, device_id)):
+    for b0, grid in launch_grids(cfg, batch, rows, cols, max_grid_z(m, device_id)):
         src, dst = (x, out) if b0 == 0 else (xp + b0 * plane, op + b0 * plane)
         m.backend.launch_kernel(kernel.name, grid, src, dst, rows, cols, cfg["group"],
                                 block_size=(cfg["threads"], 1, 1), device_id=device_id)
 
 
-def _pick(m: Any, x: CudaTensor, out: CudaTensor, batch: int, rows: int,
+def pick(m: Any, x: CudaTensor, out: CudaTensor, batch: int, rows: int,
           cols: int) -> Dict[str, Any]:
     """Autotuned config per (dtype, access width, size class); small problems take the
     default "vec" config untimed."""
