@@ -2,22 +2,25 @@
 ops and PyTorch, on the GPU.
 
     python3 perf/bench_skinny.py [--reps 20] [--cases linear:32x4096x1024,matmul:32x4096x1024]
-                                 [--out skinny.json]
+                                 [--every-cluster] [--out skinny.json]
 
 Cases: linear MxNxK is y = GELU(x Wᵀ + b), x (M, K), W (N, K); matmul MxKxN is (M, K) @ (K, N).
 Default: linear 32x4096x1024 (the MLP's first layer), 32x1024x4096, 32x1024x1024; matmul
 32x4096x1024 (the MLP's second layer), 32x1024x4096, 32x1024x1024. Per case, each candidate
 of the float32 default path as `_launch` builds the list (linear: 3xTF32 and SIMT one-kernel
 configs, then the skinny split-K ones, `matmul.skinny_candidates`; matmul: the SIMT
-(config, split) pairs, then the skinny ones) runs through `matmul.run_config` into a
-NaN-poisoned output, is checked against float64 torch (rel_err = max |out - ref| / max |ref|,
-every row), and timed: `cold` = median of CUDA-event samples with the L2 flushed before each
-(the autotuner's timing: W comes from DRAM), `warm` = back-to-back calls (no flush; W may sit
-in L2). Then the public op (autotuned on a first call outside the timing; `*` marks the
-config it chose) allocating its result, and torch (TF32 off), both cold and warm; finally the
-MLP forward (fused_linear_gelu 1024 -> 4096 + b, matrix_multiply @ (4096, 1024), softmax)
-against torch's, warm. Floors printed per case: weight bytes / 3.35 TB/s and 2 M N K / 67
-TFLOP/s (H100 SXM FP32). Needs PyCUDA and PyTorch on a GPU (torch imported lazily).
+(config, split) pairs, then the skinny ones; both then, on sm_90+, the one-launch cluster
+configs, `matmul.cluster_candidates`, or with --every-cluster every config of
+`matmul.CLUSTER_F32`, to check the split counts the candidates keep) runs through
+`matmul.run_config` into a NaN-poisoned output, is checked against float64 torch (rel_err =
+max |out - ref| / max |ref|, every row), and timed: `cold` = median of CUDA-event samples
+with the L2 flushed before each (the autotuner's timing: W comes from DRAM), `warm` =
+back-to-back calls (no flush; W may sit in L2). Then the public op (autotuned on a first
+call outside the timing; `*` marks the config it chose) allocating its result, and torch
+(TF32 off), both cold and warm; finally the MLP forward (fused_linear_gelu 1024 -> 4096 + b,
+matrix_multiply @ (4096, 1024), softmax) against torch's, warm. Floors printed per case:
+weight bytes / 3.35 TB/s and 2 M N K / 67 TFLOP/s (H100 SXM FP32). Needs PyCUDA and
+PyTorch on a GPU (torch imported lazily).
 """
 from __future__ import annotations
 
@@ -36,8 +39,11 @@ DEFAULT_CASES = ("linear:32x4096x1024,linear:32x1024x4096,linear:32x1024x1024,"
 
 
 def label(cfg: Dict[str, Any]) -> str:
-    """A short name for any matmul config (skinny, SIMT, mma / 3xTF32, wgmma)."""
+    """A short name for any matmul config (cluster, skinny, SIMT, mma / 3xTF32, wgmma)."""
     split = f" split {cfg['split']}" if "split" in cfg else ""
+    if cfg.get("cluster"):
+        return f"cluster 32x{cfg['bn']}x{cfg['bk']} {cfg['tr']}x{cfg['tc']} kw{cfg['kw']} " \
+               f"s{cfg['stages']} splits {cfg['splits']}"
     if cfg.get("skinny"):
         return f"skinny {cfg['mt']}x{cfg['bn']}x{cfg['bk']} t{cfg['tn']} s{cfg['stages']}{split}"
     if "tm" in cfg:
@@ -53,6 +59,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cases", default=DEFAULT_CASES)
+    ap.add_argument("--every-cluster", action="store_true",
+                    help="time every cluster config (all split counts), not only the "
+                         "candidates the autotuner gets")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -134,6 +143,11 @@ def main() -> None:
             cands = mm.split_candidates(mm.candidates(DT.FLOAT32, None, cls, vec), p, cls,
                                         sms, max_z, per_sm)
         cands = cands + mm.skinny_candidates(DT.FLOAT32, None, p, sms, max_y)
+        cc = tuple(info.compute_capability)
+        if args.every_cluster and mm.has_clusters(info):
+            cands = cands + mm.cluster_configs(vec)
+        else:
+            cands = cands + mm.cluster_candidates(DT.FLOAT32, None, p, sms, cc, vec)
         wbytes = w.numel() * 4
         floor_mem = wbytes / 3.35e12 * 1e3
         floor_fma = 2.0 * M * N * K / 67e12 * 1e3

@@ -2,9 +2,11 @@
 
 fused_linear_gelu is one kernel (matmul.linear: the matmul kernels with b_trans and the
 bias + GELU epilogue), or for M <= 64 possibly the skinny split-K kernel and its reduce (which
-adds the bias and applies GELU: matmul.SKINNY_F32, tested at the end). GPU tests (marked `gpu`) poison the output first and bound
-||out - ref|| by the GEMM error scale || |x| |W|ᵀ + |b| ||, as tests/test_matmul.py does;
-the launch-recording tests run anywhere and check what would be launched.
+adds the bias and applies GELU: matmul.SKINNY_F32) or on sm_90+ one cluster kernel
+(matmul.CLUSTER_F32), both tested at the end. GPU tests (marked `gpu`) poison the output
+first and bound ||out - ref|| by the GEMM error scale || |x| |W|ᵀ + |b| ||, as
+tests/test_matmul.py does; the launch-recording tests run anywhere and check what would be
+launched.
 """
 from __future__ import annotations
 
@@ -37,8 +39,11 @@ def ml(backend, tmp_path_factory):
     m._autotuner = Autotuner(backend, path=str(tmp_path_factory.mktemp("tune") / "t.json"))
     if m.gpu:
         jobs = [(t, p) for t, sets in mm.template_variants().items() for p in sets
-                if "b_trans" in p or p.get("kind") == "splitk_epilogue"]
-        common.compile_all(m, jobs, None, 16, mm._kernel)
+                if ("b_trans" in p or p.get("kind") == "splitk_epilogue")
+                and mm.runs_here(m, t)]
+        jobs += [(mm.SKINNY_TEMPLATE, p) for p in lin.template_variants()[mm.SKINNY_TEMPLATE]
+                 if mm.runs_here(m, mm.SKINNY_TEMPLATE)]
+        common.compile_all(m, jobs, None, 16, mm.compile_kernel)
     return CudaML(m)
 
 
@@ -257,7 +262,7 @@ def test_gpu_fused_linear_gelu_is_one_launch(ml, dtype):
     """After the first call (which autotunes), a call is exactly one kernel launch: no
     transpose, no split-K reduction, no separate bias or GELU pass; unless the autotuner
     chose a skinny split-K config (float32, M <= 64), which is that kernel and its reduce
-    (with the bias and GELU): two."""
+    (with the bias and GELU): two. A cluster config (float32, M <= 64, sm_90+) is one."""
     m = ml.math
     backend = m.backend
     rng = np.random.default_rng()
@@ -278,8 +283,8 @@ def test_gpu_fused_linear_gelu_is_one_launch(ml, dtype):
             finally:
                 backend.enable_profiling = False
             assert sum(s["total_executions"] for s in stats.values()) == 1 + skinny, stats
-            family = ("matmul_simt", "matmul_mma") if dtype is DT.FLOAT32 else \
-                ("matmul_simt",) if dtype is DT.FLOAT64 else ("matmul_mma",)
+            family = ("matmul_simt", "matmul_mma", "matmul_skinny") if dtype is DT.FLOAT32 \
+                else ("matmul_simt",) if dtype is DT.FLOAT64 else ("matmul_mma",)
             assert all(name.startswith(family) for name in stats), stats
             assert np.isfinite(m.to_numpy(y)).all()
 
@@ -339,10 +344,11 @@ class _RecordingBackend:
     is_available = True
     current_device = 0
 
-    def __init__(self):
+    def __init__(self, cc=None):
         self.next_ptr = 1 << 20
         self.kernels = {}
         self.launches = []
+        self.info = {} if cc is None else {"compute_capability": cc}
 
     def empty(self, shape, dtype, device_id=0):
         t = CudaTensor(tuple(shape), DT.from_any(dtype), 0, self.next_ptr)
@@ -351,7 +357,7 @@ class _RecordingBackend:
 
     def get_device_info(self, device_id):
         return types.SimpleNamespace(multiprocessor_count=132,
-                                     max_grid_dims=(2**31 - 1, 65535, 65535))
+                                     max_grid_dims=(2**31 - 1, 65535, 65535), **self.info)
 
     def launch_kernel(self, name, grid, *args, block_size=(256, 1, 1), shared_mem=0,
                       device_id=0):
@@ -365,11 +371,26 @@ class _RecordingBackend:
         return 0.0
 
 
+def _defined_int(src, name):
+    """The value of an integer #define of a rendered kernel, its macros expanded (C's
+    integer division)."""
+    defs = dict(re.findall(r"^#define (\w+) (.+?)\s*(?://.*)?$", src, re.M))
+    expr = defs[name]
+    while True:
+        expanded = re.sub(r"\b[A-Z_][A-Z0-9_]*\b", lambda t: f"({defs[t.group(0)]})", expr)
+        if expanded == expr:
+            assert re.fullmatch(r"[0-9\s()+*/-]+", expr), expr
+            return int(eval(expr.replace("/", "//"), {}))   # integer arithmetic only
+        expr = expanded
+
+
 class _RecordingMath:
+    """A CudaMath stand-in over _RecordingBackend; cc: the device's compute capability
+    (None: its info has none, as before clusters)."""
     gpu = True
 
-    def __init__(self):
-        self.backend = _RecordingBackend()
+    def __init__(self, cc=None):
+        self.backend = _RecordingBackend(cc)
         self.generator = KernelGenerator(backend=object())
         self.autotuner = types.SimpleNamespace(pick=self._pick)
 
@@ -381,10 +402,13 @@ class _RecordingMath:
     def kernel(self, template, device_id, **params):
         name, src = self.generator.render_kernel(template, **dict(params))
         threads = re.search(r"#define THREADS (\d+)", src)   # (the reduces: block_size)
+        if template == mm.SKINNY_TEMPLATE:   # (THREADS is an expression of other macros)
+            threads = _defined_int(src, "THREADS")
+        else:
+            threads = int(threads.group(1)) if threads else params["block_size"]
         k = types.SimpleNamespace(
             name=name, template=template, params=params,
-            fmt=arg_format(src, name, kernel_signature(src, name)),
-            threads=int(threads.group(1)) if threads else params["block_size"])
+            fmt=arg_format(src, name, kernel_signature(src, name)), threads=threads)
         self.backend.kernels[name] = k
         return k
 
@@ -438,10 +462,11 @@ def test_fused_linear_gelu_launch_flattens_leading_dims():
 
 def test_linear_variants_are_the_configs_it_launches():
     """template_variants lists exactly the linear kernels the op can launch (bias_gelu), and
-    keeps the matmul variant list short."""
+    keeps the matmul variant list short (the cluster kernel's: tests/test_matmul.py
+    test_cluster_variants_are_the_configs)."""
     variants = mm.template_variants()
     linear = {(t, tuple(sorted(p.items()))) for t, sets in variants.items() for p in sets
-              if "b_trans" in p and p.get("kind") != "skinny"}
+              if "b_trans" in p and p.get("kind") != "skinny" and t != mm.SKINNY_TEMPLATE}
     want = set()
     for dtype, prec, _ in FAMS.values():
         family, _ = mm._linear_family(dtype, prec)
@@ -451,7 +476,7 @@ def test_linear_variants_are_the_configs_it_launches():
                 want.add((template, tuple(sorted(
                     mm.linear_params(template, dtype, cfg, vec, "bias_gelu").items()))))
     assert linear == want
-    assert sum(len(v) for v in variants.values()) <= 90
+    assert sum(len(v) for t, v in variants.items() if t != mm.SKINNY_TEMPLATE) <= 90
     # the skinny split-K kernels: float32, both B layouts (matmul's (K, N), the weight's
     # (N, K)), both alignments, and the linear layer's reduce with bias + GELU
     skinny = {tuple(sorted(p.items())) for p in variants[mm.SIMT_TEMPLATE]
@@ -915,3 +940,245 @@ def test_gpu_linear_skinny_public_and_plan_path(ml, fam, monkeypatch):
                 y.free()
         mm._cache(m).pop(ckey, None)
         m.plans.pop(key, None)
+
+
+# -- skinny M, split-K inside a thread-block cluster (matmul.CLUSTER_F32) ----------------------
+# 16-byte copies (K and N whole vectors): odd M (one and two row tiles), N of no tile width, K
+# of no slice multiple, and the MLP's layers; the element-copy configs also run SKINNY_ODD.
+CLUSTER_ALIGNED = [(1, 1000, 1028), (7, 4100, 260), (33, 260, 36), (63, 1024, 4100),
+                   (64, 2052, 132), (32, 1024, 4096), (32, 4096, 1024), (32, 1024, 1024)]
+HOPPER = (9, 0)
+
+
+def _cluster_id(c):
+    return "bn{bn}_{tr}x{tc}_kw{kw}_s{splits}".format(**c)
+
+
+def _cluster_recording_math(cc=HOPPER):
+    """A _RecordingMath on a device of compute capability cc whose autotuner runs every
+    candidate (each launch checked against its kernel's format and threads), records them
+    and picks the first cluster one (else the first)."""
+    m = _RecordingMath(cc)
+    m.seen = []
+
+    def pick(op, key, cands, run, device_id=0, repeats=3):
+        m.seen.append((op, list(cands)))
+        for c in cands:
+            run(c)
+        cl = [c for c in cands if c.get("cluster")]
+        return dict(cl[0] if cl else cands[0])
+    m.autotuner = types.SimpleNamespace(pick=pick)
+    return m
+
+
+@pytest.mark.parametrize("epilogue", ["bias_gelu", "bias", mm.GRAD_EPILOGUE])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("fam", ["fp32", "ieee"])
+@pytest.mark.parametrize("shape", [(32, 1024, 4096), (32, 1024, 1024), (7, 1000, 1025),
+                                   (63, 4097, 3), (64, 4100, 132)])
+def test_linear_cluster_launches(fam, shape, with_bias, epilogue):
+    """The GPU branch against a recording backend on a device with clusters, a cluster
+    config chosen: the linear layer's candidates end with matmul.cluster_candidates (vec by
+    alignment), and a call is one launch of its kernel (b_trans, the epilogue) over
+    (row tiles x column tiles, splits), its threads (the rendered THREADS) and dynamic
+    shared memory, with x, W, y, the bias (or a null pointer), G for bias_gelu_grad, M, N,
+    K and the K chunk. Compute capability 8.0: no cluster candidate."""
+    dtype, prec, _ = FAMS[fam]
+    M, K, N = shape
+    m = _cluster_recording_math()
+    x, w = m.backend.empty((M, K), dtype), m.backend.empty((N, K), dtype)
+    b = m.backend.empty((N,), dtype) if with_bias else None
+    g = m.backend.empty((M, N), dtype) if epilogue == mm.GRAD_EPILOGUE else None
+    y = mm.linear(m, x, w, b, epilogue, prec, grad=g)
+    (_, cands), = m.seen
+    p = mm.Plan(1, M, N, K, 0, 0, (M, N))
+    vec = K % 4 == 0 and N % 4 == 0
+    cl = [c for c in cands if c.get("cluster")]
+    assert cl == mm.cluster_candidates(dtype, prec, p, 132, HOPPER, vec) and cl
+    m.backend.launches.clear()
+    assert mm.linear(m, x, w, b, epilogue, prec, out=y, grad=g) is y
+    (k, grid, smem, values), = m.backend.launches
+    cfg = cl[0]
+    assert k.template == mm.SKINNY_TEMPLATE
+    assert k.params == mm.cluster_params(dtype, cfg, vec, True, epilogue)
+    tiles_m, tiles_n = mm.cluster_tiles(cfg, p)
+    assert grid == (tiles_m * tiles_n, cfg["splits"], 1)
+    assert smem == mm.cluster_smem(cfg, True) and k.threads == mm.cluster_threads(cfg)
+    assert values == [x.ptr, w.ptr, y.ptr, b.ptr if with_bias else 0] + \
+        ([g.ptr] if g is not None else []) + [M, N, K, mm.cluster_chunk(cfg, K)]
+    m2 = _cluster_recording_math((8, 0))
+    mm.linear(m2, m2.backend.empty((M, K), dtype), m2.backend.empty((N, K), dtype), b,
+              epilogue, prec, grad=g)
+    assert m2.seen and not any(c.get("cluster") for _, cs in m2.seen for c in cs)
+
+
+def test_matmul_nt_offers_the_cluster_bias_kernel():
+    """matmul_nt (the gradients' a @ bᵀ: the linear kernels with the bias epilogue, no bias,
+    true FP32) is offered the cluster configs too: one launch of the b_trans "bias" kernel
+    with a null bias."""
+    m = _cluster_recording_math()
+    a, b = m.backend.empty((32, 1024), DT.FLOAT32), m.backend.empty((4096, 1024), DT.FLOAT32)
+    out = mm.matmul_nt(m, a, b)
+    (op, cands), = m.seen
+    p = mm.Plan(1, 32, 4096, 1024, 0, 0, (32, 4096))
+    assert [c for c in cands if c.get("cluster")] == \
+        mm.cluster_candidates(DT.FLOAT32, "ieee", p, 132, HOPPER, True)
+    m.backend.launches.clear()
+    mm.matmul_nt(m, a, b, out=out)
+    (k, _, _, values), = m.backend.launches
+    assert k.params["b_trans"] is True and k.params["epilogue"] == "bias"
+    assert k.template == mm.SKINNY_TEMPLATE and values[:4] == [a.ptr, b.ptr, out.ptr, 0]
+
+
+def _need_clusters(m):
+    if not mm.has_clusters(m.backend.get_device_info(m.backend.current_device)):
+        pytest.skip("the cluster kernel needs compute capability >= 9.0 (thread-block clusters)")
+
+
+def _gelu_grad_reference(g, x, w, b):
+    """(dZ = G GELU'(x Wᵀ + b) in float64, its elementwise bound for a true-FP32 recompute):
+    tests/test_matmul_backward.py's derivation (z's GEMM error gamma(depth(K)) |x| |W|ᵀ, the
+    bias added in float32, GELU'' at most L, GELU''s own evaluation, one rounding on
+    store), with u = 2^-24 and no operand rounding (CUDA-core FMA)."""
+    import test_matmul_backward as tmb
+    z = x @ w.T + b
+    d1, terms, au = tmb.gelu_grad_parts(z)
+    ref = g * d1
+    u_acc, u_prod = tmb.arith(DT.FLOAT32, "ieee")
+    dz_err = (tmb.gamma(tmb.depth(x.shape[1]), u_acc) + u_prod) * \
+        (np.abs(x) @ np.abs(w).T + np.abs(b)) + u_acc * np.abs(z)
+    bound = np.abs(g) * (tmb.L_GELU2 * dz_err + (16 * au + 24) * 2.0**-24 * terms) + \
+        tmb.U_OUT[DT.FLOAT32] * np.abs(ref) + tmb.ATOL[DT.FLOAT32]
+    return ref, bound
+
+
+@gpu
+@pytest.mark.parametrize("cfg", mm.CLUSTER_F32, ids=_cluster_id)
+def test_gpu_linear_cluster_configs(ml, cfg):
+    """Every cluster config through run_config (one launch) into a poisoned output, on the
+    aligned odd shapes (16-byte copies) and, for the element-copy configs, the odd ones:
+    bias + GELU and the bias alone, with and without a bias, within the float32 bound of
+    the skinny tests; bias_gelu_grad (the backward's recompute) against
+    _gelu_grad_reference's elementwise bound; the same call twice gives the same bits."""
+    m = ml.math
+    _need_clusters(m)
+    import test_matmul_backward as tmb
+    dtype, prec, bound = FAMS["fp32"]
+    rng = np.random.default_rng(41)
+    dev = m.backend.current_device
+    shapes = CLUSTER_ALIGNED + (SKINNY_ODD if cfg in mm.CLUSTER_F32_SCALAR else [])
+    for M, K, N in shapes:
+        (tg, tx, tw, tb), (g, xr, wr, br) = tmb.layer_inputs(m, rng, dtype, (M, K), N)
+        p = mm.Plan(1, M, N, K, 0, 0, (M, N))
+        for epilogue in ("bias_gelu", "bias"):
+            for bias in (tb, None):
+                out = _poison(m, (M, N), dtype)
+                vec = mm.is_vec_ok(tx, tw, out, p)
+                assert vec is ((M, K, N) in CLUSTER_ALIGNED)
+                mm.run_config(m, mm.SKINNY_TEMPLATE, cfg, tx, tw, out, p, dtype, vec, dev,
+                              epilogue=epilogue, bias=bias)
+                ref, scale = _reference(xr, wr, br if bias is not None else np.zeros(N),
+                                        gelu=epilogue == "bias_gelu")
+                got = m.to_numpy(out)
+                err = _err(got, ref, scale)
+                assert err <= bound, (cfg, (M, K, N), epilogue, bias is not None, err)
+                if epilogue == "bias_gelu" and bias is not None:
+                    again = _poison(m, (M, N), dtype)
+                    mm.run_config(m, mm.SKINNY_TEMPLATE, cfg, tx, tw, again, p, dtype, vec,
+                                  dev, epilogue=epilogue, bias=bias)
+                    assert np.array_equal(m.to_numpy(again), got), (cfg, (M, K, N))
+                    again.free()
+                out.free()
+        for bias in (tb, None):
+            out = _poison(m, (M, N), dtype)
+            mm.run_config(m, mm.SKINNY_TEMPLATE, cfg, tx, tw, out, p, dtype,
+                          mm.is_vec_ok(tx, tw, out, p), dev, epilogue=mm.GRAD_EPILOGUE,
+                          bias=bias, grad=tg)
+            ref, gbound = _gelu_grad_reference(g, xr, wr, br if bias is not None else 0.0)
+            tmb.check(m.to_numpy(out).astype(np.float64), ref, gbound,
+                      f"{cfg} {(M, K, N)} grad bias={bias is not None}")
+            out.free()
+        for t in (tg, tx, tw, tb):
+            t.free()
+
+
+@gpu
+@pytest.mark.parametrize("fam", ["fp32", "ieee"])
+def test_gpu_linear_cluster_public_and_plan_path(ml, fam, monkeypatch):
+    """The MLP's layers (batch 32: 1024 -> 4096, 1024 -> 1024, 4096 -> 1024, with a bias)
+    through the public fused_linear_gelu (autotuned among every candidate, the cluster ones
+    included), then with each cluster candidate made the call's choice: the general path
+    once (it makes the plan), then the plan (run_config made to raise); all within the
+    float32 bound."""
+    m = ml.math
+    _need_clusters(m)
+    dtype, prec, bound = FAMS[fam]
+    rng = np.random.default_rng(42)
+    dev = m.backend.current_device
+    info = m.backend.get_device_info(dev)
+    for M, K, N in ((32, 1024, 4096), (32, 1024, 1024), (32, 4096, 1024)):
+        (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (M, K), N)
+        ref, scale = _reference(xr, wr, br)
+        _poison(m, (M, N), dtype).free()
+        y = lin.fused_linear_gelu(m, tx, tw, tb, precision=prec)
+        assert _err(m.to_numpy(y), ref, scale) <= bound
+        y.free()
+        p = mm.Plan(1, M, N, K, 0, 0, (M, N))
+        pn = mm.normalize_precision(prec, dtype)
+        ckey = ("linear", p, dtype, pn, dev, True, "bias_gelu")
+        key = lin._linear_key(tx, tw, tb, prec)
+        cands = mm.cluster_candidates(dtype, pn, p, info.multiprocessor_count,
+                                      info.compute_capability, True)
+        assert cands
+        for cfg in cands:
+            mm._cache(m)[ckey] = (mm.SKINNY_TEMPLATE, cfg)
+            m.plans.pop(key, None)
+            for second in (False, True):
+                _poison(m, (M, N), dtype).free()
+                with monkeypatch.context() as mp:
+                    if second:
+                        mp.setattr(mm, "run_config", _no_general_path)
+                    y = lin.fused_linear_gelu(m, tx, tw, tb, precision=prec)
+                assert key in m.plans
+                err = _err(m.to_numpy(y), ref, scale)
+                assert err <= bound, (cfg, (M, K, N), second, err)
+                y.free()
+        mm._cache(m).pop(ckey, None)
+        m.plans.pop(key, None)
+
+
+@gpu
+def test_gpu_gelu_backward_cluster_recompute_plan_path(ml, monkeypatch):
+    """fused_linear_gelu_backward at batch 32 (1024 -> 4096) with each cluster config made
+    its recompute's choice (bias_gelu_grad): the general path (it makes the plans), then
+    the plans (run_config made to raise); the gradients within
+    tests/test_matmul_backward.py's derived bounds."""
+    m = ml.math
+    _need_clusters(m)
+    import test_matmul_backward as tmb
+    from cuda_backend.ops import matmul_backward as mb
+    dtype = DT.FLOAT32
+    rng = np.random.default_rng(43)
+    dev = m.backend.current_device
+    info = m.backend.get_device_info(dev)
+    M, K, N = 32, 1024, 4096
+    (tg, tx, tw, tb), (g, x, w, b) = tmb.layer_inputs(m, rng, dtype, (M, K), N)
+    refs, bounds = tmb.layer_bounds(g, x, w, b, dtype, None, True)
+    p = mm.Plan(1, M, N, K, 0, 0, (M, N))
+    ckey = ("linear", p, dtype, None, dev, True, mm.GRAD_EPILOGUE)
+    key = mb.layer_plan_key("fused_linear_gelu_backward", tg, tx, tw, tb, None)
+    for cfg in mm.cluster_candidates(dtype, None, p, info.multiprocessor_count,
+                                     info.compute_capability, True):
+        mm._cache(m)[ckey] = (mm.SKINNY_TEMPLATE, cfg)
+        m.plans.pop(key, None)
+        m.plans.pop(("bias_gelu_grad",) + key[1:], None)
+        for second in (False, True):
+            with monkeypatch.context() as mp:
+                if second:
+                    mp.setattr(mm, "run_config", _no_general_path)
+                res = ml.fused_linear_gelu_backward(tg, tx, tw, tb)
+            assert key in m.plans
+            for got, ref, bd in zip(res, refs, bounds):
+                tmb.check(m.to_numpy(got).astype(np.float64), ref, bd, f"{cfg} {second}")
+                got.free()
+    mm._cache(m).pop(ckey, None)

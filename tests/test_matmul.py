@@ -158,7 +158,8 @@ def test_tf32_only_for_float32():
 def test_template_variants_cover_every_candidate():
     variants = mm.template_variants()
     keys = {t: [tuple(sorted(p.items())) for p in sets] for t, sets in variants.items()}
-    assert 20 <= sum(len(v) for v in keys.values()) <= 90
+    # (the cluster kernel's variants are counted by test_cluster_variants_are_the_configs)
+    assert 20 <= sum(len(v) for t, v in keys.items() if t != mm.SKINNY_TEMPLATE) <= 90
     from cuda_backend.kernels import dtype_params
     for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT64, None), (DT.FLOAT32, "tf32"),
                      (DT.FLOAT16, None), (DT.BFLOAT16, None)):
@@ -769,22 +770,25 @@ def test_small_m_split_options_reach_more_blocks():
 
 
 class _SkinnyRecorder:
-    """A CudaMath stand-in recording launches (kernel params, grid, shared memory, values)
-    and the autotuner's candidates; the autotuner picks the first skinny one if asked."""
+    """A CudaMath stand-in recording launches (kernel params, grid, shared memory, values;
+    block shapes in `blocks`) and the autotuner's candidates; the autotuner picks the first
+    candidate of `kind` ("skinny" or "cluster") if asked. cc: the device's compute
+    capability (None: the device info has none, as before clusters)."""
     gpu = True
 
-    def __init__(self, pick_skinny):
+    def __init__(self, pick_skinny, cc=None, kind="skinny"):
         import types
         from cuda_backend.kernels import KernelGenerator
         rec = self
-        self.launches, self.seen, self.kernels = [], [], {}
+        self.launches, self.seen, self.kernels, self.blocks = [], [], {}, []
         self.generator = KernelGenerator(backend=object())
         self.next_ptr = 1 << 20
+        extra = {} if cc is None else {"compute_capability": cc}
 
         class Backend:
             def get_device_info(self, dev):
                 return types.SimpleNamespace(multiprocessor_count=132,
-                                             max_grid_dims=(2**31 - 1, 65535, 65535))
+                                             max_grid_dims=(2**31 - 1, 65535, 65535), **extra)
 
             def empty(self, shape, dtype, dev=0):
                 t = CudaTensor(tuple(shape), DT.from_any(dtype), 0, rec.next_ptr)
@@ -795,10 +799,11 @@ class _SkinnyRecorder:
                               device_id=0):
                 values = [a.ptr if isinstance(a, CudaTensor) else a for a in args]
                 rec.launches.append((rec.kernels[name], grid, shared_mem, values))
+                rec.blocks.append(block_size)
 
         def pick(op, key, cands, run, device_id=0, repeats=3):
             rec.seen.append(list(cands))
-            sk = [c for c in cands if c.get("skinny")]
+            sk = [c for c in cands if c.get(kind)]
             return dict(sk[0] if pick_skinny and sk else cands[0])
         self.backend = Backend()
         self.autotuner = types.SimpleNamespace(pick=pick)
@@ -987,3 +992,421 @@ def test_skinny_plan_runner_launches():
                  (mm.common.grid_1d(32 * 1024, mm.REDUCE_BLOCK, 132, waves=4), 1, 1),
                  (mm.REDUCE_BLOCK, 1, 1), 0, reduce_args),
                 ("release", 1 << 30)]
+
+
+# -- skinny M, split-K inside a thread-block cluster (matmul.CLUSTER_F32, matmul_skinny.cu.j2) --
+HOPPER = (9, 0)
+# 16-byte copies: odd M (one and two row tiles), N a multiple of 4 but of no tile width, K a
+# multiple of 4 but of no slice (bk x splits), and the MLP's shapes; element copies: SKINNY_ODD
+# (N 3 or 1025, K 5, 1000 or 4097: B (K, N) rows or K not whole vectors).
+CLUSTER_ALIGNED = [(1, 1000, 1028), (7, 4100, 260), (33, 260, 36), (63, 1024, 4100),
+                   (64, 2052, 132), (32, 4096, 1024), (32, 1024, 4096)]
+
+
+# the index-math emulation's shapes: 1, 2 and 5 row tiles, partial column tiles, K of no
+# slice multiple, trailing empty slices (K 5), M = 1
+CLUSTER_INDEX_SHAPES = [(1, 5, 3), (7, 1000, 260), (32, 4097, 129), (33, 260, 36),
+                        (63, 1024, 200), (64, 2052, 132), (65, 300, 257), (130, 64, 33)]
+
+
+def _cluster_id(c):
+    return "bn{bn}_{tr}x{tc}_kw{kw}_s{splits}".format(**c)
+
+
+def _need_clusters(m):
+    info = m.backend.get_device_info(m.backend.current_device)
+    if not mm.has_clusters(info):
+        pytest.skip("the cluster kernel needs compute capability >= 9.0 (thread-block clusters)")
+
+
+def test_cluster_configs_are_consistent():
+    """Each cluster config meets the template's static_asserts and the device's limits:
+    threads a multiple of 32 (128-512); the ring holds the kw partial tiles of 32 x (bn + 4)
+    floats; k groups split evenly over kw; rows of bk + 4 an odd number of 16-byte units;
+    32 rows split evenly over the cluster (at most 8 blocks, the portable size); dynamic
+    shared memory <= 227 KB. The element-copy configs are a subset."""
+    assert len(mm.CLUSTER_F32) == 2 * len(mm.CLUSTER_TILES) * len(mm.CLUSTER_SPLITS)
+    for c in mm.CLUSTER_F32:
+        threads = mm.cluster_threads(c)
+        assert threads % 32 == 0 and 128 <= threads <= 512, c
+        assert c["bn"] % (8 * c["tc"]) == 0 and 32 % (4 * c["tr"]) == 0
+        assert (c["bk"] // 4) % c["kw"] == 0 and ((c["bk"] + 4) // 4) % 2 == 1
+        assert c["splits"] in (1, 2, 4, 8) and 32 % c["splits"] == 0 and c["stages"] >= 2
+        for b_trans in (True, False):
+            smem = mm.cluster_smem(c, b_trans)
+            assert c["kw"] * 32 * (c["bn"] + 4) * 4 <= smem <= 227 * 1024, (c, b_trans)
+    assert mm.CLUSTER_F32_SCALAR and all(c in mm.CLUSTER_F32 for c in mm.CLUSTER_F32_SCALAR)
+    assert mm.cluster_configs(True) == mm.CLUSTER_F32
+    assert mm.cluster_configs(False) == mm.CLUSTER_F32_SCALAR
+
+
+def test_cluster_variants_are_the_configs():
+    """The cluster kernel's variants, matmul's (B (K, N) without an epilogue; the weight
+    (N, K) with bias + GELU) and the linear module's (bias; bias_gelu_grad), are every
+    config of each alignment class in each layout, once; each renders one kernel without
+    #error, its cluster size compiled in (no cluster for one split), its copy width and
+    its B layout."""
+    from cuda_backend.compiler import kernel_signature
+    from cuda_backend.kernels import KernelGenerator
+    from cuda_backend.ops import linear as lin
+    got = mm.template_variants()[mm.SKINNY_TEMPLATE] + lin.template_variants()[mm.SKINNY_TEMPLATE]
+    layouts = ((False, "none"), (True, "bias"), (True, "bias_gelu"), (True, mm.GRAD_EPILOGUE))
+    want = [mm.cluster_params(DT.FLOAT32, c, vec, bt, epi) for vec in (True, False)
+            for c in mm.cluster_configs(vec) for bt, epi in layouts]
+    key = lambda p: tuple(sorted(p.items()))  # noqa: E731
+    assert sorted(map(key, got)) == sorted(map(key, want))
+    assert len(got) == len(set(map(key, got))) == 4 * (len(mm.CLUSTER_F32) +
+                                                       len(mm.CLUSTER_F32_SCALAR))
+    gen = KernelGenerator(backend=object())
+    for params in got:
+        assert "cluster" not in params
+        name, src = gen.render_kernel(mm.SKINNY_TEMPLATE, **params)
+        assert "#error" not in src and f"#define SPLITS {params['splits']}\n" in src
+        assert ("__cluster_dims__(1, SPLITS, 1)" in src) is (params["splits"] > 1)
+        assert ("cp_async16(dst, " in src) is params["vec"]
+        assert ("#define W_STAGE (BN * KS)" in src) is params["b_trans"]
+        # A, B, C, bias, [G,] M, N, K, k_chunk
+        sig = kernel_signature(src, name)
+        assert len(sig) == 8 + (params["epilogue"] == mm.GRAD_EPILOGUE), sig
+
+
+@pytest.mark.parametrize("bn", [64, 128])
+@pytest.mark.parametrize("tile", mm.CLUSTER_TILES, ids=lambda t: "{}x{}_kw{}".format(*t))
+def test_cluster_lane_math_against_numpy(bn, tile):
+    """The kernel's lane index math in NumPy: warp w is (k group w / (WR WN), row group,
+    column group), lane (rg, cg) owns rows row0 + 4 i and columns col0 + 8 j (B (N, K)) or
+    col0 + 32 (j / 4) + j % 4 (B (K, N)) and multiplies k groups g kw + its k group: over a
+    block every (k group, row, column) of a tile is multiplied once, and every partial-tile
+    slot (k group, row, column) stored once. Then one bk-deep tile through shared memory:
+    the cp.async chunks' placement (x and W k-contiguous, rows of bk + 4; B (K, N) k-rows of
+    bn) read back by the lanes' fragment loads, the k groups' partial tiles summed, give the
+    tile's product."""
+    tr, tc, kw = tile
+    cfg = next(c for c in mm.CLUSTER_F32 if c["bn"] == bn and (c["tr"], c["tc"], c["kw"]) == tile)
+    bk = cfg["bk"]
+    wr_n, wn_n = 32 // (4 * tr), bn // (8 * tc)
+    threads = mm.cluster_threads(cfg)
+    assert threads == 32 * wr_n * wn_n * kw
+    for b_trans in (True, False):
+        mults = np.zeros((bk // 4, 32, bn), np.int64)
+        stores = np.zeros((kw, 32, bn), np.int64)
+        for tid in range(threads):
+            warp, lane = divmod(tid, 32)
+            group, wr, wc = warp // (wr_n * wn_n), (warp // wn_n) % wr_n, warp % wn_n
+            rg, cg = lane >> 3, lane & 7
+            rows = [wr * 4 * tr + rg + 4 * i for i in range(tr)]
+            if b_trans:
+                cols = [wc * 8 * tc + cg + 8 * j for j in range(tc)]
+            else:
+                cols = [wc * 8 * tc + cg * 4 + 32 * (j // 4) + j % 4 for j in range(tc)]
+            for g in range(bk // 4 // kw):
+                mults[g * kw + group][np.ix_(rows, cols)] += 1
+            stores[group][np.ix_(rows, cols)] += 1
+        assert (mults == 1).all() and (stores == 1).all(), (cfg, b_trans)
+        _check_cluster_tile_through_smem(cfg, b_trans)
+
+
+def _check_cluster_tile_through_smem(cfg, b_trans):
+    """One bk-deep tile of x (32 x bk) and B (bn x bk as W, or bk x bn) placed in shared
+    memory by load_tile's chunk index math, multiplied by every lane's fragment loads
+    (load_frag / fma_frag), its partial tile stored at (k group, row, COL(j)) and summed
+    over the k groups: the float64 product of the tile."""
+    tr, tc, kw, bn, bk = cfg["tr"], cfg["tc"], cfg["kw"], cfg["bn"], cfg["bk"]
+    ks, ch = bk + 4, bk // 4
+    wr_n, wn_n = 32 // (4 * tr), bn // (8 * tc)
+    rng = np.random.default_rng(bn + 10 * tr + 100 * tc + 1000 * kw)
+    x = rng.standard_normal((32, bk))
+    w = rng.standard_normal((bn, bk) if b_trans else (bk, bn))
+    xs = np.full(32 * ks, np.nan)
+    for q in range(32 * ch):                       # X_CHUNKS
+        r, kc = q // ch, 4 * (q % ch)
+        xs[r * ks + kc:r * ks + kc + 4] = x[r, kc:kc + 4]
+    if b_trans:
+        ws = np.full(bn * ks, np.nan)
+        for q in range(bn * ch):                   # W_CHUNKS: Ws[n][k]
+            r, kc = q // ch, 4 * (q % ch)
+            ws[r * ks + kc:r * ks + kc + 4] = w[r, kc:kc + 4]
+    else:
+        ws = np.full(bk * bn, np.nan)
+        for q in range(bk * (bn // 4)):            # W_CHUNKS: Ws[k][n]
+            r, n = q // (bn // 4), 4 * (q % (bn // 4))
+            ws[r * bn + n:r * bn + n + 4] = w[r, n:n + 4]
+    red_ld = bn + 4
+    part = np.full((kw * 32) * red_ld, np.nan)
+    for tid in range(mm.cluster_threads(cfg)):
+        warp, lane = divmod(tid, 32)
+        group, wr, wc = warp // (wr_n * wn_n), (warp // wn_n) % wr_n, warp % wn_n
+        rg, cg = lane >> 3, lane & 7
+        row0 = wr * 4 * tr + rg
+        if b_trans:
+            col0 = wc * 8 * tc + cg
+            cols = [col0 + 8 * j for j in range(tc)]
+        else:
+            col0 = wc * 8 * tc + cg * 4
+            cols = [col0 + 32 * (j // 4) + j % 4 for j in range(tc)]
+        acc = np.zeros((tr, tc))
+        for g in range(bk // 4 // kw):
+            kg = g * kw + group
+            xv = np.array([xs[(row0 + 4 * i) * ks + 4 * kg:][:4] for i in range(tr)])
+            if b_trans:
+                wv = np.array([ws[cols[j] * ks + 4 * kg:][:4] for j in range(tc)])   # [j][k]
+            else:
+                wv = np.array([[ws[(4 * kg + kk) * bn + col0 + 32 * h:][:4]
+                                for h in range(tc // 4)] for kk in range(4)])
+                wv = wv.reshape(4, tc).T                                           # [j][k]
+            acc += xv @ wv.T
+        for i in range(tr):
+            for j in range(tc):
+                part[(group * 32 + row0 + 4 * i) * red_ld + cols[j]] = acc[i, j]
+    tile = part.reshape(kw, 32, red_ld)[:, :, :bn].sum(axis=0)
+    np.testing.assert_allclose(tile, x @ (w.T if b_trans else w), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bn", [64, 128])
+@pytest.mark.parametrize("splits", mm.CLUSTER_SPLITS)
+def test_cluster_block_math_against_numpy(bn, splits):
+    """The kernel's block index math (matmul.cluster_blocks) in NumPy: the output tiles once
+    per K slice, the slices (whole bk-deep tiles) partitioning K in rank order, trailing ones
+    possibly empty; a cluster's ranks store disjoint rows that make up the tile. Summed in
+    that order, the float64 product."""
+    cfg = next(c for c in mm.CLUSTER_F32 if c["bn"] == bn and c["splits"] == splits)
+    bk = cfg["bk"]
+    rng = np.random.default_rng(11)
+    for M, K, N in CLUSTER_INDEX_SHAPES:
+        a, b = rng.standard_normal((M, K)), rng.standard_normal((K, N))
+        p = mm.plan_shapes((M, K), (K, N))
+        chunk = mm.cluster_chunk(cfg, K)
+        assert chunk % bk == 0 and splits * chunk >= K
+        out = np.zeros((M, N))
+        hits = np.zeros((M, N), np.int64)
+        tiles = {}
+        blocks = mm.cluster_blocks(cfg, p)
+        assert len(blocks) == np.prod(mm.cluster_tiles(cfg, p)) * splits
+        for m0, m1, n0, n1, k0, k1, r0, r1 in blocks:
+            assert m0 % 32 == 0 and n0 % bn == 0 and m1 - m0 <= 32 and n1 - n0 <= bn
+            tiles.setdefault((m0, n0), []).append((k0, k1, r0, r1))
+        for (m0, n0), parts in tiles.items():
+            assert len(parts) == splits
+            m1, n1 = min(M, m0 + 32), min(N, n0 + bn)
+            ends = [(min(k0, K), max(min(k0, K), k1)) for k0, k1, _, _ in parts]
+            assert ends[0][0] == 0 and ends[-1][1] == K
+            assert all(x[1] == y[0] for x, y in zip(ends, ends[1:]))
+            tile = np.zeros((m1 - m0, n1 - n0))
+            for k0, k1, _, _ in parts:   # the fixed order: ranks (within: k groups)
+                if k1 > k0:
+                    tile += a[m0:m1, k0:k1] @ b[k0:k1, n0:n1]
+            stored = [(r0, r1) for _, _, r0, r1 in parts]
+            assert stored[0][0] == m0 and stored[-1][1] == m1
+            assert all(x[1] == y[0] for x, y in zip(stored, stored[1:]))
+            for r0, r1 in stored:
+                out[r0:r1, n0:n1] = tile[r0 - m0:r1 - m0]
+                hits[r0:r1, n0:n1] += 1
+        assert (hits == 1).all()
+        np.testing.assert_allclose(out, a @ b, rtol=1e-10, atol=1e-10)
+
+
+def test_cluster_candidates_where_offered():
+    """Offered for float32 on CUDA cores (default, 'fp32', 'ieee') with M <= 64, K >= 256,
+    batch 1, on compute capability >= 9.0 only; per bn at the split counts near one wave of
+    132 SMs (the largest whose blocks fit, then the next), never one with an empty K slice;
+    element copies get CLUSTER_F32_SCALAR's only. Every candidate is a listed variant."""
+    variants = {tuple(sorted(v.items())) for v in mm.template_variants()[mm.SKINNY_TEMPLATE]}
+    for (M, K, N), want in (((32, 1024, 4096), {64: (2, 4), 128: (4, 8)}),
+                            ((32, 1024, 1024), {64: (8,), 128: (8,)}),
+                            ((64, 1024, 1024), {64: (4, 8), 128: (8,)}),
+                            ((1, 256, 16384), {64: (1, 2), 128: (1, 2)}),
+                            ((32, 257, 1024), {64: (2,), 128: (2,)}),
+                            ((7, 4097, 3), {64: (8,), 128: (8,)})):
+        p = mm.Plan(1, M, N, K, 0, 0, (M, N))
+        for bn, splits in want.items():
+            assert mm.cluster_split_choices(bn, 32, p, 132) == splits, ((M, K, N), bn)
+        for prec in (None, "fp32", "ieee"):
+            for vec in (True, False):
+                for cc in (HOPPER, (10, 0)):
+                    cands = mm.cluster_candidates(DT.FLOAT32, prec, p, 132, cc, vec)
+                    assert cands == [c for c in mm.cluster_configs(vec)
+                                     if c["splits"] in want[c["bn"]]], ((M, K, N), prec, vec)
+                    for c in cands:
+                        assert (c["splits"] - 1) * mm.cluster_chunk(c, K) < K
+                        assert tuple(sorted(mm.cluster_params(
+                            DT.FLOAT32, c, vec, False, "none").items())) in variants
+                assert mm.cluster_candidates(DT.FLOAT32, prec, p, 132, (8, 9), vec) == []
+    p = mm.Plan(1, 32, 4096, 1024, 0, 0, (32, 4096))
+    for dtype, prec in ((DT.FLOAT32, "tf32"), (DT.FLOAT64, None), (DT.FLOAT16, None),
+                        (DT.BFLOAT16, None)):
+        assert mm.cluster_candidates(dtype, prec, p, 132, HOPPER, True) == []
+    for q in (p._replace(batch=2), p._replace(M=65), p._replace(K=255), p._replace(M=0)):
+        assert mm.cluster_candidates(DT.FLOAT32, None, q, 132, HOPPER, True) == []
+
+
+@pytest.mark.parametrize("shape", [(32, 4096, 1024), (32, 1024, 4096), (7, 1000, 1025),
+                                   (63, 4097, 3), (64, 1024, 1028)])
+def test_matmul_cluster_candidates_and_launch(shape):
+    """On a device with clusters, matrix_multiply's candidates for M <= 64 are the SIMT
+    (config, split) pairs, the skinny ones and the cluster ones (vec by alignment); with a
+    cluster one chosen a call is one launch of its kernel (B as (K, N), no epilogue) over
+    (row tiles x column tiles, splits), its threads and dynamic shared memory, with A, B,
+    out, a null bias, M, N, K and the K chunk. Compute capability 8.0: no cluster one."""
+    M, K, N = shape
+    m = _SkinnyRecorder(True, cc=HOPPER, kind="cluster")
+    a, b = m.backend.empty((M, K), DT.FLOAT32), m.backend.empty((K, N), DT.FLOAT32)
+    out = mm.matmul(m, a, b)
+    (cands,) = m.seen
+    p = mm.plan_shapes((M, K), (K, N))
+    vec = K % 4 == 0 and N % 4 == 0
+    cl = [c for c in cands if c.get("cluster")]
+    assert cl == mm.cluster_candidates(DT.FLOAT32, None, p, 132, HOPPER, vec) and cl
+    assert [c for c in cands if c.get("skinny")] == mm.skinny_candidates(DT.FLOAT32, None, p, 132)
+    m.launches.clear()
+    m.blocks.clear()
+    assert mm.matmul(m, a, b, out=out) is out
+    (k1, grid1, smem1, v1), = m.launches
+    cfg = cl[0]
+    assert k1 == mm.cluster_params(DT.FLOAT32, cfg, vec, False, "none")
+    tiles_m, tiles_n = mm.cluster_tiles(cfg, p)
+    assert grid1 == (tiles_m * tiles_n, cfg["splits"], 1)
+    assert smem1 == mm.cluster_smem(cfg, False) and m.blocks == [(mm.cluster_threads(cfg), 1, 1)]
+    assert v1 == [a.ptr, b.ptr, out.ptr, 0, M, N, K, mm.cluster_chunk(cfg, K)]
+    m2 = _SkinnyRecorder(True, cc=(8, 0), kind="cluster")
+    mm.matmul(m2, m2.backend.empty((M, K), DT.FLOAT32), m2.backend.empty((K, N), DT.FLOAT32))
+    assert m2.seen and not any(c.get("cluster") for cands in m2.seen for c in cands)
+
+
+def test_cluster_plan_runner_launches():
+    """The per-call plan of a cluster choice (matmul._runner): one prepared launch with
+    run_config's grid, threads, shared memory and arguments (the bias pointer, and G for
+    bias_gelu_grad), no workspace."""
+    import types
+    calls = []
+
+    class Backend:
+        memory_pools = {0: None}   # (a cluster runner takes no pool block)
+
+        def get_device_info(self, dev):
+            return types.SimpleNamespace(multiprocessor_count=132, compute_capability=HOPPER,
+                                         max_grid_dims=(2**31 - 1, 65535, 65535))
+
+        def get_kernel(self, name, dev):
+            return name
+
+        def prepare_launch(self, kernel, grid, block, smem, dev):
+            return lambda *args: calls.append((kernel, grid, block, smem, args))
+
+    class Math:
+        backend = Backend()
+
+        def kernel(self, template, dev, **params):
+            assert template == mm.SKINNY_TEMPLATE
+            return types.SimpleNamespace(name=f"{params['epilogue']}{params['b_trans']}")
+
+    p = mm.Plan(1, 33, 1028, 4100, 0, 0, (33, 1028))
+    cands = mm.cluster_candidates(DT.FLOAT32, None, p, 132, HOPPER, True)
+    assert cands
+    for cfg in cands:
+        tiles_m, tiles_n = mm.cluster_tiles(cfg, p)
+        chunk = mm.cluster_chunk(cfg, p.K)
+        for epilogue in (None, "bias", "bias_gelu", mm.GRAD_EPILOGUE):
+            calls.clear()
+            run = mm._runner(Math(), mm.SKINNY_TEMPLATE, cfg, p, DT.FLOAT32, True, 0, epilogue)
+            run(1 << 20, 2 << 20, 3 << 20, 0 if epilogue is None else 4 << 20, 5 << 20)
+            b_trans = epilogue is not None
+            g = (5 << 20,) if epilogue == mm.GRAD_EPILOGUE else ()
+            grid = (tiles_m * tiles_n, cfg["splits"], 1)
+            assert calls == [(f"{epilogue or 'none'}{b_trans}", grid,
+                              (mm.cluster_threads(cfg), 1, 1), mm.cluster_smem(cfg, b_trans),
+                              (1 << 20, 2 << 20, 3 << 20, 0 if epilogue is None else 4 << 20)
+                              + g + (33, 1028, 4100, chunk))]
+
+
+def test_cluster_configs_reject_what_they_cannot_run():
+    """run_config of a cluster config: float32 only, one matrix, a device with clusters,
+    and its own split count; each a typed error before any launch."""
+    cfg = mm.cluster_candidates(DT.FLOAT32, None, mm.Plan(1, 8, 64, 512, 0, 0, (8, 64)), 132,
+                                HOPPER, True)[0]
+    for cc, dtype, batch, splits, match in ((HOPPER, DT.FLOAT64, 1, None, "float32 only"),
+                                            (HOPPER, DT.FLOAT32, 2, None, "batch of 2"),
+                                            ((8, 6), DT.FLOAT32, 1, None, "compute capability"),
+                                            (HOPPER, DT.FLOAT32, 1, cfg["splits"] + 1,
+                                             "own split count")):
+        m = _SkinnyRecorder(True, cc=cc)
+        a, b = m.backend.empty((8, 512), dtype), m.backend.empty((512, 64), dtype)
+        out = m.backend.empty((8, 64), dtype)
+        p = mm.Plan(batch, 8, 64, 512, 0, 0, (8, 64))
+        with pytest.raises(InvalidArgumentError, match=match):
+            mm.run_config(m, mm.SKINNY_TEMPLATE, cfg, a, b, out, p, dtype, True, 0,
+                          splits=splits)
+        assert m.launches == []
+
+
+@gpu
+@pytest.mark.parametrize("cfg", mm.CLUSTER_F32, ids=_cluster_id)
+def test_gpu_cluster_configs(m, cfg):
+    """Every cluster config through run_config (one launch) into a poisoned output: 16-byte
+    copies on the aligned odd shapes, and for the element-copy configs the odd shapes (N or K
+    not whole vectors) too, within the float32 bound of the skinny tests; the same call twice
+    gives the same bits (a fixed summation order)."""
+    _need_clusters(m)
+    dtype, prec, bound = FAMILIES["fp32"]
+    rng = np.random.default_rng(31)
+    dev = m.backend.current_device
+    shapes = CLUSTER_ALIGNED + (SKINNY_ODD if cfg in mm.CLUSTER_F32_SCALAR else [])
+    for M, K, N in shapes:
+        a = to_dev(m, rand(rng, (M, K), dtype), dtype)
+        b = to_dev(m, rand(rng, (K, N), dtype), dtype)
+        ref, scale = reference(m, a, b)
+        p = mm.plan_shapes(a.shape, b.shape)
+        out = poisoned(m, ref.shape, dtype)
+        vec = mm.is_vec_ok(a, b, out, p)
+        assert vec is ((M, K, N) in CLUSTER_ALIGNED)
+        mm.run_config(m, mm.SKINNY_TEMPLATE, cfg, a, b, out, p, dtype, vec, dev)
+        got = m.to_numpy(out)
+        err = rel_err(got, ref, scale)
+        assert err <= bound, (cfg, (M, K, N), vec, err)
+        again = poisoned(m, ref.shape, dtype)
+        mm.run_config(m, mm.SKINNY_TEMPLATE, cfg, a, b, again, p, dtype, vec, dev)
+        assert np.array_equal(m.to_numpy(again), got), (cfg, (M, K, N))
+        for t in (out, again, a, b):
+            t.free()
+
+
+@gpu
+def test_gpu_cluster_public_and_plan_path(m, monkeypatch):
+    """The MLP's second layer (32 x 4096 @ 4096 x 1024), 32 x 1024 @ 1024 x 4096 and an odd
+    aligned shape through the public matrix_multiply (autotuned among the SIMT splits, the
+    skinny and the cluster configs), then with each cluster candidate made the call's
+    choice: the general path (it makes the plan), then the plan (run_config made to raise);
+    all within the float32 bound."""
+    _need_clusters(m)
+    dtype, prec, bound = FAMILIES["fp32"]
+    rng = np.random.default_rng(32)
+    dev = m.backend.current_device
+    info = m.backend.get_device_info(dev)
+    for M, K, N in ((32, 4096, 1024), (32, 1024, 4096), (33, 1000, 260)):
+        a = to_dev(m, rand(rng, (M, K), dtype), dtype)
+        b = to_dev(m, rand(rng, (K, N), dtype), dtype)
+        ref, scale = reference(m, a, b)
+        poisoned(m, ref.shape, dtype).free()
+        res = m.matrix_multiply(a, b)
+        assert rel_err(m.to_numpy(res), ref, scale) <= bound
+        res.free()
+        p = mm.plan_shapes(a.shape, b.shape)
+        ckey = (p, dtype, None, dev, True)
+        key = ("matmul", a.shape, b.shape, dtype, dtype, dev, dev, None)
+        cands = mm.cluster_candidates(dtype, None, p, info.multiprocessor_count,
+                                      info.compute_capability, True)
+        assert cands
+        for cfg in cands:
+            mm._cache(m)[ckey] = (mm.SKINNY_TEMPLATE, cfg)
+            m.plans.pop(key, None)
+            for second in (False, True):
+                poisoned(m, ref.shape, dtype).free()
+                with monkeypatch.context() as mp:
+                    if second:
+                        mp.setattr(mm, "run_config", _no_general_path)
+                    res = m.matrix_multiply(a, b)
+                assert key in m.plans
+                err = rel_err(m.to_numpy(res), ref, scale)
+                assert err <= bound, (cfg, (M, K, N), second, err)
+                res.free()
+        mm._cache(m).pop(ckey, None)
+        m.plans.pop(key, None)

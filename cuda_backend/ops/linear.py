@@ -8,8 +8,10 @@ fused_linear_gelu is one kernel launch: the matmul kernels rendered to read the 
 (out, in) and to add the bias and apply GELU in their store stage (`matmul.linear`). With few
 rows (M <= 64, float32 on CUDA cores) the autotuner also times the skinny split-K configs
 (matmul.SKINNY_F32: K sliced over many blocks, float32 partials in a workspace, then one
-reduce that sums them in a fixed order, adds the bias and applies GELU: two launches), so
-that a batch-32 layer reads its weight at close to memory bandwidth.
+reduce that sums them in a fixed order, adds the bias and applies GELU: two launches) and, on
+devices with thread-block clusters (sm_90+), the cluster configs (matmul.CLUSTER_F32: the K
+slices summed inside a cluster, then the bias and GELU: one launch), so that a batch-32 layer
+reads its weight at close to memory bandwidth.
 sketched_linear is composed from the matmul, elementwise and reduction kernels.
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ from . import common
 
 # The templates fused_linear_gelu's kernel is rendered from (by matmul.linear; sketched_linear
 # launches the matmul, reduction and elementwise ops' kernels).
-TEMPLATES = ("matmul_simt.cu.j2", "matmul_mma.cu.j2")
+TEMPLATES = ("matmul_simt.cu.j2", "matmul_mma.cu.j2", "matmul_skinny.cu.j2")
 # (dtype, precision) of every linear-layer family: float32's default (3xTF32 or CUDA cores,
 # which holds 'ieee''s CUDA-core list), float64, TF32 and the 16-bit types
 LINEAR_FAMILIES = ((CudaDataType.FLOAT32, None), (CudaDataType.FLOAT64, None),
@@ -37,8 +39,10 @@ LINEAR_FAMILIES = ((CudaDataType.FLOAT32, None), (CudaDataType.FLOAT64, None),
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     """The plain linear layer's kernels (the bias epilogue alone: `linear`, and
     matmul_backward's a @ bᵀ, matmul.matmul_nt): every linear config of every family, both
-    alignments, and the skinny split-K reduce with the bias. The bias + GELU ones are the
-    matmul module's."""
+    alignments, and the skinny split-K reduce with the bias; and the cluster kernel's
+    weight-layout (b_trans) variants with "bias" and with "bias_gelu_grad" (the recompute
+    of fused_linear_gelu_backward, which runs through matmul.linear). The bias + GELU ones
+    are the matmul module's."""
     from . import matmul as mm
     out: Dict[str, List[Dict[str, Any]]] = {mm.SIMT_TEMPLATE: [], mm.MMA_TEMPLATE: []}
     for dt, prec in LINEAR_FAMILIES:
@@ -48,18 +52,24 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
                 template = mm.config_template(cfg, family)
                 out[template].append(mm.linear_params(template, dt, cfg, vec, "bias"))
     out[mm.SIMT_TEMPLATE].append(mm.splitk_epilogue_params(CudaDataType.FLOAT32, "bias"))
+    out[mm.SKINNY_TEMPLATE] = [
+        mm.cluster_params(CudaDataType.FLOAT32, cfg, vec, True, epilogue)
+        for vec in (True, False) for cfg in mm.cluster_configs(vec)
+        for epilogue in ("bias", mm.GRAD_EPILOGUE)]
     return out
 
 
 def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
     """Compile every linear-layer kernel (matmul's variants with B read as (N, K), the
-    split-K reduce with the epilogue, and the bias-only ones listed here) in parallel
-    threads; returns how many were compiled (0 in fallback mode)."""
+    split-K reduce with the epilogue, and the ones listed here) in parallel threads, the
+    cluster kernel only where the device has clusters; returns how many were compiled (0 in
+    fallback mode)."""
     from . import matmul as mm
     jobs = [(t, p) for t, sets in mm.template_variants().items() for p in sets
             if p.get("b_trans") or p.get("kind") == "splitk_epilogue"]
     jobs += [(t, p) for t, sets in template_variants().items() for p in sets]
-    return common.compile_all(m, jobs, device_id, workers, mm._kernel)
+    jobs = [(t, p) for t, p in jobs if mm.runs_here(m, t, device_id)]
+    return common.compile_all(m, jobs, device_id, workers, mm.compile_kernel)
 
 
 def candidates(dtype: CudaDataType, precision: Optional[str], vec: bool) -> List[Dict[str, Any]]:

@@ -13,6 +13,10 @@ Two kernel families, both templated:
 - `matmul_wgmma.cu.j2`: TF32 on Hopper's warpgroup tensor cores (wgmma, sm_90a) for
   precision="tf32" where K is a multiple of 4: B is first transposed to (N, K) and rounded to
   TF32 (transpose.transpose_tf32) into a pool block, since wgmma reads a TF32 B only K-major.
+- `matmul_skinny.cu.j2`: true FP32 for M <= 64 on devices with thread-block clusters (compute
+  capability >= 9.0): split-K over the blocks of one cluster, whose partial tiles are summed
+  through distributed shared memory in a fixed order, the epilogue applied there: one launch,
+  no workspace (CLUSTER_F32, cluster_candidates), timed beside the split-K configs above.
 
 Each family has a short list of tile configs per shape class; the Autotuner times them once
 per (device, class) and keeps the fastest. `vec` (16-byte loads) is chosen per call from the
@@ -24,7 +28,8 @@ ones (stride 0), and NumPy's 1-D rules (a 1-D operand gains and then loses a uni
 same kernels, rendered with b_trans (the (N, K) weight is read along K, no transpose) and a
 bias / bias+GELU epilogue in the store stage (these never split K: the epilogue needs whole
 sums); for M <= 64 the autotuner also times the skinny split-K configs, whose reduce kernel
-adds the bias and applies the epilogue after summing (two launches). The epilogue
+adds the bias and applies the epilogue after summing (two launches), and on sm_90+ the
+cluster configs (one launch, the epilogue after the in-cluster sum). The epilogue
 "bias_gelu_grad" (with `grad`, the layer's output gradient G) writes G * GELU'(x Wᵀ + b)
 instead: the gradient at the pre-activation, z never stored (ops/matmul_backward.py).
 
@@ -55,9 +60,11 @@ DT = CudaDataType
 SIMT_TEMPLATE = "matmul_simt.cu.j2"
 MMA_TEMPLATE = "matmul_mma.cu.j2"
 WGMMA_TEMPLATE = "matmul_wgmma.cu.j2"
+SKINNY_TEMPLATE = "matmul_skinny.cu.j2"
 FILL_TEMPLATE = "fill.cu.j2"
 # the registry's contract: fill for K == 0, transpose.cu.j2 (ops/transpose.py) for wgmma's B
-TEMPLATES = (SIMT_TEMPLATE, MMA_TEMPLATE, WGMMA_TEMPLATE, FILL_TEMPLATE, "transpose.cu.j2")
+TEMPLATES = (SIMT_TEMPLATE, MMA_TEMPLATE, WGMMA_TEMPLATE, SKINNY_TEMPLATE, FILL_TEMPLATE,
+             "transpose.cu.j2")
 REDUCE_BLOCK = 256
 
 # "ieee": float32 on CUDA cores only, where the default may choose 3xTF32 (the linear layer)
@@ -369,9 +376,12 @@ def family(dtype: CudaDataType, precision: Optional[str],
 
 def config_template(cfg: Dict[str, Any], family_template: str) -> str:
     """The template a config renders: its family's, mma for a 3xTF32 config (x3), which
-    sits in the float32 linear layer's list beside SIMT ones, wgmma for a wgmma one."""
+    sits in the float32 linear layer's list beside SIMT ones, wgmma for a wgmma one, the
+    cluster kernel for a cluster one."""
     if cfg.get("wgmma"):
         return WGMMA_TEMPLATE
+    if cfg.get("cluster"):
+        return SKINNY_TEMPLATE
     if cfg.get("skinny"):
         return SIMT_TEMPLATE
     return MMA_TEMPLATE if cfg.get("x3") else family_template
@@ -380,6 +390,22 @@ def config_template(cfg: Dict[str, Any], family_template: str) -> str:
 def has_wgmma(info: Any) -> bool:
     """The device runs sm_90a code (Hopper: compute capability 9.0)."""
     return tuple(getattr(info, "compute_capability", (0, 0))) == (9, 0)
+
+
+def has_clusters(info: Any) -> bool:
+    """The device launches thread-block clusters (compute capability >= 9.0), which the
+    cluster configs' kernel (matmul_skinny.cu.j2, __cluster_dims__) needs."""
+    return tuple(getattr(info, "compute_capability", (0, 0))) >= (9, 0)
+
+
+def template_runs_on(template: str, info: Any) -> bool:
+    """The device can run the template's kernels (warm-ups skip the others): wgmma needs
+    sm_90a, the cluster kernel compute capability >= 9.0; the rest run anywhere."""
+    if template == WGMMA_TEMPLATE:
+        return has_wgmma(info)
+    if template == SKINNY_TEMPLATE:
+        return has_clusters(info)
+    return True
 
 
 def wgmma_ok(a: CudaTensor, p: Plan) -> bool:
@@ -445,7 +471,13 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
             for vec in (True, False):
                 simt.append(skinny_params(DT.FLOAT32, cfg, vec, b_trans))
     simt.append(splitk_epilogue_params(DT.FLOAT32, "bias_gelu"))
-    return {SIMT_TEMPLATE: simt, MMA_TEMPLATE: mma, WGMMA_TEMPLATE: wgmma}
+    # the cluster kernel: matrix_multiply's B (K, N) and the linear layer's weight (N, K) with
+    # bias + GELU (its "bias" and "bias_gelu_grad" kernels are ops/linear.py's)
+    cluster = [cluster_params(DT.FLOAT32, cfg, vec, b_trans, epilogue)
+               for vec in (True, False) for cfg in cluster_configs(vec)
+               for b_trans, epilogue in ((False, "none"), (True, "bias_gelu"))]
+    return {SIMT_TEMPLATE: simt, MMA_TEMPLATE: mma, WGMMA_TEMPLATE: wgmma,
+            SKINNY_TEMPLATE: cluster}
 
 
 def wgmma_params(cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -617,6 +649,127 @@ def skinny_candidates(dtype: CudaDataType, precision: Optional[str], p: Plan, sm
         return []
     return [{**c, "split": s} for c in skinny_configs(dtype, precision)
             for s in skinny_split_options(c, p, sm_count, max_y)]
+
+
+# -- skinny M, split-K inside a thread-block cluster (matmul_skinny.cu.j2) ---------------------
+def _cluster(bn: int, tr: int, tc: int, kw: int, splits: int, bk: int = 32, stages: int = 4,
+             min_blocks: int = 1) -> Dict[str, Any]:
+    """Cluster split-K config: a block takes 32 rows, bn columns and one of `splits` K slices
+    (the cluster size along grid y: the slices' partial tiles are summed in the cluster's
+    shared memory, no workspace); each lane a tr x tc accumulator tile, kw warp groups
+    splitting each bk-deep tile's k; a `stages`-deep cp.async ring. Every key but "cluster"
+    (the kind) is a template parameter: the split count is compiled in."""
+    return {"cluster": True, "bn": bn, "tr": tr, "tc": tc, "kw": kw, "bk": bk,
+            "stages": stages, "splits": splits, "min_blocks": min_blocks}
+
+
+# One launch per GEMM for M <= 64: the split-K kernel of SKINNY_F32 without its reduce (a
+# second launch and splits x M x N partials through memory). (tr, tc, kw) per lane and warp
+# group: threads = 32 (32 / 4 tr) (bn / 8 tc) kw, 128 to 512; CLUSTER_F32 holds every
+# bn x tile x split count (the cluster size is compiled in), the calls get the split counts
+# near one wave of blocks (cluster_split_choices). Timed on an H100 (cold L2): linear
+# 32x1024 -> 4096 + GELU 19.1 us (bn 64, 2 splits, 8x4 kw 4) against the split-K + reduce's
+# 24.6, 32x1024 -> 1024 11.8 (bn 64, 8 splits, 4x4 kw 1) against 15.5, matmul
+# 32x1024 @ 1024x4096 17.2 against 20.0; 32x4096 -> 1024 at parity (24.3 / 24.2). ptxas
+# sm_90, no spills: 87-168 registers, 252 for bn 64 8x8 kw 4 with B (N, K) (128 threads).
+CLUSTER_TILES = ((4, 4, 1), (4, 4, 2), (8, 4, 2), (8, 4, 4), (8, 8, 4))
+CLUSTER_SPLITS = (1, 2, 4, 8)
+CLUSTER_F32 = [_cluster(bn, tr, tc, kw, s) for bn in (64, 128) for tr, tc, kw in CLUSTER_TILES
+               for s in CLUSTER_SPLITS]
+# Element copies (K, or N of a (K, N) B, not whole 16-byte vectors, or a misaligned pointer):
+# the 128-thread bn 64 tiles only, so the rarely fast unaligned case adds few variants.
+CLUSTER_F32_SCALAR = [c for c in CLUSTER_F32 if c["bn"] == 64 and
+                      (c["tr"], c["tc"], c["kw"]) in ((4, 4, 1), (8, 4, 2))]
+CLUSTER_ROWS = 32   # rows per block (MT in the template)
+
+
+def cluster_configs(vec: bool) -> List[Dict[str, Any]]:
+    """The cluster configs rendered for an alignment class (vec: 16-byte copies)."""
+    return list(CLUSTER_F32 if vec else CLUSTER_F32_SCALAR)
+
+
+def cluster_params(dtype: CudaDataType, cfg: Dict[str, Any], vec: bool, b_trans: bool,
+                   epilogue: str) -> Dict[str, Any]:
+    """Template parameters of a cluster config: B as (N, K) with b_trans (the linear layer's
+    weight), the epilogue "none" (matrix_multiply), "bias", "bias_gelu" or
+    "bias_gelu_grad" ("cluster" is the kind, not a parameter)."""
+    params = {**dtype_params(dtype), **cfg, "vec": vec, "b_trans": b_trans,
+              "epilogue": epilogue}
+    params.pop("cluster", None)
+    return params
+
+
+def cluster_threads(cfg: Dict[str, Any]) -> int:
+    """Threads of a cluster config's block: 32 x (32 / 4 tr) x (bn / 8 tc) x kw."""
+    return 32 * (CLUSTER_ROWS // (4 * cfg["tr"])) * (cfg["bn"] // (8 * cfg["tc"])) * cfg["kw"]
+
+
+def cluster_smem(cfg: Dict[str, Any], b_trans: bool, esize: int = 4) -> int:
+    """Dynamic shared memory of a cluster launch: per stage x's 32 x (bk + 4) tile and B's,
+    bn x (bk + 4) with b_trans (k-contiguous rows), bk x bn without."""
+    ks = cfg["bk"] + 4
+    w = cfg["bn"] * ks if b_trans else cfg["bk"] * cfg["bn"]
+    return cfg["stages"] * (CLUSTER_ROWS * ks + w) * esize
+
+
+def cluster_tiles(cfg: Dict[str, Any], p: Plan) -> Tuple[int, int]:
+    """(row tiles, column tiles) of a cluster launch: grid x = their product (the row tile
+    fastest), grid y = the split count."""
+    return -(-p.M // CLUSTER_ROWS), -(-p.N // cfg["bn"])
+
+
+def cluster_chunk(cfg: Dict[str, Any], K: int) -> int:
+    """The K slice of one block (the kernel's k_chunk): ceil(K / splits) rounded up to whole
+    bk-deep tiles; the last slices may be short or empty."""
+    chunk = -(-K // cfg["splits"])
+    return -(-chunk // cfg["bk"]) * cfg["bk"]
+
+
+def cluster_split_choices(bn: int, bk: int, p: Plan, sm_count: int) -> Tuple[int, ...]:
+    """The split counts timed for a column tile width and tile depth, among those of
+    CLUSTER_SPLITS whose K slices are all non-empty: the largest whose blocks (tiles x
+    splits) fit one wave of SMs (else the smallest) and the next larger one (the H100's best
+    configs all ran near one wave)."""
+    tiles = -(-p.M // CLUSTER_ROWS) * -(-p.N // bn)
+    usable = [s for s in CLUSTER_SPLITS
+              if (s - 1) * cluster_chunk({"splits": s, "bk": bk}, p.K) < p.K]
+    fit = [s for s in usable if tiles * s <= sm_count]
+    lo = max(fit) if fit else usable[0]
+    return tuple(s for s in usable if s >= lo)[:2]
+
+
+def cluster_candidates(dtype: CudaDataType, precision: Optional[str], p: Plan, sm_count: int,
+                       compute_capability: Tuple[int, int], vec: bool) -> List[Dict[str, Any]]:
+    """The autotuner's cluster configs for a call, beside the family's own and the skinny
+    split-K ones: where those are offered (M <= SKINNY_MAX_M, K >= SKINNY_MIN_K, batch 1,
+    float32 on CUDA cores) on a device with clusters, at cluster_split_choices' counts; for
+    element copies (not vec) only CLUSTER_F32_SCALAR's."""
+    if dtype is not DT.FLOAT32 or precision == "tf32" or tuple(compute_capability) < (9, 0):
+        return []
+    if p.batch != 1 or not 1 <= p.M <= SKINNY_MAX_M or p.K < SKINNY_MIN_K:
+        return []
+    return [c for c in cluster_configs(vec)
+            if c["splits"] in cluster_split_choices(c["bn"], c["bk"], p, sm_count)]
+
+
+def cluster_blocks(cfg: Dict[str, Any], p: Plan) -> List[Tuple[int, int, int, int, int, int,
+                                                                int, int]]:
+    """The kernel's block index math (for tests): per block (blockIdx.x, blockIdx.y) the
+    rows [m0, m1), columns [n0, n1) and K slice [k0, k1) it multiplies (k1 <= k0: none)
+    and the rows [r0, r1) of the tile it sums over the cluster and stores."""
+    chunk = cluster_chunk(cfg, p.K)
+    tiles_m, tiles_n = cluster_tiles(cfg, p)
+    part = CLUSTER_ROWS // cfg["splits"]
+    out = []
+    for x in range(tiles_m * tiles_n):
+        m0 = (x % tiles_m) * CLUSTER_ROWS
+        n0 = (x // tiles_m) * cfg["bn"]
+        rows = min(CLUSTER_ROWS, p.M - m0)
+        for y in range(cfg["splits"]):
+            k0 = y * chunk
+            out.append((m0, m0 + rows, n0, min(p.N, n0 + cfg["bn"]), k0, min(p.K, k0 + chunk),
+                        m0 + min(rows, y * part), m0 + min(rows, (y + 1) * part)))
+    return out
 
 
 # -- shapes -------------------------------------------------------------------------------
@@ -1119,10 +1272,12 @@ def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
 
             cands = split_candidates(cands, p, cls, sms, max_z, per_sm)
         if template == SIMT_TEMPLATE and not a_trans:
-            # small M: the skinny split-K configs too, each at its split counts (timed
-            # against the family's own, never forced)
-            cands = cands + skinny_candidates(dtype, prec, p, sms,
-                                              m.backend.get_device_info(dev).max_grid_dims[1])
+            # small M: the skinny split-K configs too, each at its split counts, and on sm_90+
+            # the cluster ones (timed against the family's own, never forced)
+            info = m.backend.get_device_info(dev)
+            cands = cands + skinny_candidates(dtype, prec, p, sms, info.max_grid_dims[1]) + \
+                cluster_candidates(dtype, prec, p, sms,
+                                   getattr(info, "compute_capability", (0, 0)), vec)
         op = _op_name(template, dtype, prec, is_linear) + ("_at" if a_trans else "") + \
             ("_gelugrad" if epilogue == GRAD_EPILOGUE else "")
         shape_key = tune_key(p, cls, vec, prec)
@@ -1277,8 +1432,16 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
     instead, b given as (N, K) and bias (N,) or None, in one launch (no split-K); a skinny
     config (batch 1): its split-K kernel and the reduce that sums the partials (and adds the
     bias, applies the epilogue), splits (or the config's "split") the K slices. a_trans: a
-    given as (K, M) (the SIMT and 16-bit mma kernels; no epilogue)."""
+    given as (K, M) (the SIMT and 16-bit mma kernels; no epilogue). A cluster config: its
+    one launch, at its own split count (`splits`, if given, must equal it)."""
     backend = m.backend
+    if cfg.get("cluster"):
+        if splits is not None and splits != cfg["splits"]:
+            raise InvalidArgumentError(
+                f"a cluster config runs at its own split count (the cluster size, "
+                f"{cfg['splits']}), got splits={splits}")
+        _run_cluster(m, cfg, a, b, out, p, dtype, vec, dev, epilogue, bias, grad)
+        return
     info = backend.get_device_info(dev)
     max_z = info.max_grid_dims[2]
     if cfg.get("skinny"):   # split-K over blocks, then the reduce (with the epilogue)
@@ -1491,6 +1654,60 @@ def _skinny_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, ve
     return run
 
 
+def _cluster_setup(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, vec: bool,
+                   dev: int, epilogue: Optional[str]) -> Dict[str, Any]:
+    """What a cluster config's launch needs: the kernel (B as (N, K) where there is an
+    epilogue: the linear layer), grid, threads, dynamic shared memory and the K slice."""
+    if dtype is not DT.FLOAT32:
+        raise InvalidArgumentError(f"cluster configs are float32 only, got {dtype.name_str}")
+    if p.batch != 1:
+        raise InvalidArgumentError(f"cluster configs take one matrix, got a batch of {p.batch}")
+    info = m.backend.get_device_info(dev)
+    if not has_clusters(info):
+        raise InvalidArgumentError(
+            f"cluster configs need thread-block clusters (compute capability >= 9.0); device "
+            f"{dev} has {tuple(getattr(info, 'compute_capability', (0, 0)))}")
+    tiles_m, tiles_n = cluster_tiles(cfg, p)
+    if tiles_m * tiles_n > info.max_grid_dims[0]:
+        raise InvalidArgumentError(f"matmul output {p.M}x{p.N} needs too many tiles")
+    b_trans = epilogue is not None
+    params = cluster_params(dtype, cfg, vec, b_trans, "none" if epilogue is None else epilogue)
+    return {"kernel": _kernel(m, SKINNY_TEMPLATE, dev, params),
+            "grid": (tiles_m * tiles_n, cfg["splits"], 1), "threads": cluster_threads(cfg),
+            "smem": cluster_smem(cfg, b_trans, dtype.itemsize), "chunk": cluster_chunk(cfg, p.K)}
+
+
+def _run_cluster(m: Any, cfg: Dict[str, Any], a: CudaTensor, b: CudaTensor, out: CudaTensor,
+                 p: Plan, dtype: CudaDataType, vec: bool, dev: int, epilogue: Optional[str],
+                 bias: Optional[CudaTensor], grad: Optional[CudaTensor] = None) -> None:
+    """A cluster config: one launch, (A, B, C, bias or 0, [G,] M, N, K, k_chunk); the
+    cluster sums the K slices and applies the epilogue (matrix_multiply: none)."""
+    s = _cluster_setup(m, cfg, p, dtype, vec, dev, epilogue)
+    extra = (grad,) if epilogue == GRAD_EPILOGUE else ()
+    m.backend.launch_kernel(s["kernel"].name, s["grid"], a, b, out,
+                            0 if bias is None else bias, *extra, p.M, p.N, p.K, s["chunk"],
+                            block_size=(s["threads"], 1, 1), shared_mem=s["smem"],
+                            device_id=dev)
+
+
+def _cluster_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, vec: bool,
+                    dev: int, epilogue: Optional[str]) -> Any:
+    """_run_cluster's launch as a PreparedLaunch: run(pa, pb, pc, pbias, pg=0)."""
+    backend = m.backend
+    s = _cluster_setup(m, cfg, p, dtype, vec, dev, epilogue)
+    go = backend.prepare_launch(backend.get_kernel(s["kernel"].name, dev), s["grid"],
+                                (s["threads"], 1, 1), s["smem"], dev)
+    M, N, K, chunk = p.M, p.N, p.K, s["chunk"]
+    if epilogue == GRAD_EPILOGUE:
+        def run_grad(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
+            go(pa, pb, pc, pbias, pg, M, N, K, chunk)
+        return run_grad
+
+    def run(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
+        go(pa, pb, pc, pbias, M, N, K, chunk)
+    return run
+
+
 # -- per-call plans (ops/common.py remember_plan) ---------------------------------------------
 # A plan of matmul (key: "matmul", both shapes, dtypes and devices, the precision as given) or
 # of fused_linear_gelu (ops/linear.py) allocates the result and runs the launches run_config
@@ -1573,6 +1790,8 @@ def _runner(m: Any, template: str, cfg: Dict[str, Any], p: Plan, dtype: CudaData
     the pool and given back after the launches."""
     if cfg.get("skinny"):
         return _skinny_runner(m, cfg, p, dtype, vec, dev, epilogue)
+    if cfg.get("cluster"):
+        return _cluster_runner(m, cfg, p, dtype, vec, dev, epilogue)
     backend = m.backend
     info = backend.get_device_info(dev)
     max_z = info.max_grid_dims[2]
@@ -1717,9 +1936,19 @@ def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8,
     """Compile every matmul variant for the dtypes in parallel threads (nvcc runs in
     subprocesses); returns how many were compiled. Later calls find them memoized."""
     names = {d.name_str for d in dtypes}
-    dev = m.backend.current_device if device_id is None else device_id
-    info = getattr(m.backend, "get_device_info", None)   # (absent on stand-in backends)
-    hopper = bool(m.gpu and info is not None and has_wgmma(info(dev)))
     jobs = [(t, params) for t, sets in template_variants().items() for params in sets
-            if params["dtype"] in names and (hopper or t != WGMMA_TEMPLATE)]
+            if params["dtype"] in names and runs_here(m, t, device_id)]
     return common.compile_all(m, jobs, device_id, workers, _kernel)
+
+
+def runs_here(m: Any, template: str, device_id: Optional[int] = None) -> bool:
+    """The device (None: the current one) runs the template's kernels (template_runs_on);
+    False for the wgmma and cluster kernels where the backend has no device info (stand-ins,
+    fallback mode)."""
+    if template not in (WGMMA_TEMPLATE, SKINNY_TEMPLATE):
+        return True
+    info = getattr(m.backend, "get_device_info", None)   # (absent on stand-in backends)
+    if not m.gpu or info is None:
+        return False
+    dev = m.backend.current_device if device_id is None else device_id
+    return template_runs_on(template, info(dev))
