@@ -259,6 +259,251 @@ def test_gather_take_along_axis(m, dtype, index_dtype):
         m.gather(m.zeros((3, 4), dtype), m.from_numpy(np.zeros(4, np.int64)), axis=1)
 
 
+# -- take's row kernel: its index math in NumPy, then on the GPU -----------------------------------
+def fast_div(n, d, mul, shift):
+    """shape.fast_divisor's FastDiv (64-bit) as _strided.cuh.j2 computes it."""
+    t = (mul * n) >> 64
+    return (t + ((n - t) >> min(shift, 1))) >> max(shift - 1, 0)
+
+
+def emulate_take_rows(src, idx, geo):
+    """The "take_rows" kernel, thread by thread, over src's bytes (a contiguous array): every
+    output unit is written exactly once; returns the output bytes."""
+    unit, lanes = geo["unit"], geo["lanes"]
+    gx, gy, _ = geo["grid"]
+    n_rows, size, row_units, d, mul, shift, lanes_arg = geo["args"]
+    assert lanes_arg == lanes and lanes & (lanes - 1) == 0 and ix.ROW_BLOCK % lanes == 0
+    units = np.ascontiguousarray(src).view(np.uint8).reshape(-1, unit)
+    out = np.full((n_rows * row_units, unit), 0xAB, np.uint8)
+    written = np.zeros(n_rows * row_units, np.int64)
+    rpb, ustep = ix.ROW_BLOCK // lanes, gy * lanes
+    for bx in range(gx):
+        for by in range(gy):
+            for t in range(ix.ROW_BLOCK):
+                lane = t & (lanes - 1)
+                r = bx * rpb + t // lanes
+                while r < n_rows:
+                    o = fast_div(r, d, mul, shift)
+                    j = int(idx[r - o * d])
+                    j = j + size if j < 0 else j
+                    ok = 0 <= j < size
+                    s0, d0 = (o * size + (j if ok else 0)) * row_units, r * row_units
+                    u = by * lanes + lane
+                    while u < row_units:
+                        for k in range(ix.ROW_UNROLL):
+                            uk = u + k * ustep
+                            if uk < row_units:
+                                out[d0 + uk] = units[s0 + uk] if ok else 0
+                                written[d0 + uk] += 1
+                        u += ix.ROW_UNROLL * ustep
+                    r += gx * rpb
+    assert (written == 1).all()
+    return out.reshape(-1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.uint8, np.int64],
+                         ids=["float32", "float64", "float16", "uint8", "int64"])
+def test_take_rows_index_math(dtype):
+    """take_geometry + the kernel's loops against np.take: every axis of odd shapes (outer
+    > 1 goes through the FastDiv), rows of 1 element to 20000 (grid y splits long rows of
+    few indices), every unit (misaligned pointers narrow it), out-of-range rows of zeros."""
+    rng = np.random.default_rng(40)
+    cases = [((5,), 0, (4,), 0), ((7, 3), 0, (2, 3), 0), ((4, 5, 6), 1, (7,), 0),
+             ((3, 2, 64), 2, (5,), 0), ((9, 32), 0, (3,), 4), ((9, 32), 0, (3,), 2),
+             ((3, 20000), 0, (2,), 0), ((2, 3, 5000), 1, (3,), 0), ((50, 1), 0, (300,), 0),
+             ((6, 7, 9), 2, (2, 2), 1)]
+    for shape, ax, ishape, misalign in cases:
+        x = (rng.standard_normal(shape) * 100).astype(dtype)
+        n = shape[ax]
+        idx = rng.integers(-n, n, ishape)
+        idx.flat[-1] = n + 3 if idx.size > 2 else idx.flat[-1]      # out of range: zeros
+        item = x.dtype.itemsize
+        geo = ix.take_geometry(shape, ax, idx.size, item, 4096 + misalign * item, 8192, 132)
+        row_bytes = int(np.prod(shape[ax + 1:])) * item
+        assert row_bytes % geo["unit"] == 0 and (misalign * item) % geo["unit"] == 0
+        assert geo["unit"] == max(u for u in ix.UNITS
+                                  if row_bytes % u == 0 and (misalign * item) % u == 0)
+        got = emulate_take_rows(x, idx.ravel(), geo).view(dtype)
+        j = np.where(idx < 0, idx + n, idx)
+        bad = (j < 0) | (j >= n)
+        want = np.take(x, np.where(bad, 0, j), axis=ax)
+        want = np.where(bad.reshape((1,) * ax + idx.shape + (1,) * (x.ndim - ax - 1)),
+                        np.zeros((), dtype), want)
+        np.testing.assert_array_equal(got.reshape(want.shape), want, err_msg=f"{shape} {ax}")
+    long = ix.take_geometry((3, 20000), 0, 2, 4, 0, 0, 132)
+    assert long["lanes"] == ix.ROW_BLOCK and long["grid"][1] > 1        # a split row
+    emb = ix.take_geometry((50000, 768), 0, 8192, 4, 0, 0, 132)        # the embedding lookup
+    assert (emb["unit"], emb["lanes"], emb["grid"]) == (16, 64, (2048, 1, 1))
+
+
+def test_bounds_check_grid_covers_every_index():
+    """The "check" kernel's grid-stride loop visits every index once (as the template)."""
+    for n in (1, 1023, 1024, 1025, 4096 * 3 + 7, 600_001):
+        grid = ix.check_grid(n)
+        assert 1 <= grid <= ix.CHECK_MAX_BLOCKS
+        per = ix.CHECK_BLOCK * ix.CHECK_UNROLL
+        steps = -(-n // (grid * per))
+        b, t, k, st = np.meshgrid(np.arange(grid), np.arange(ix.CHECK_BLOCK),
+                                  np.arange(ix.CHECK_UNROLL), np.arange(steps), indexing="ij")
+        i0 = b * per + t + st * grid * per
+        i = (i0 + k * ix.CHECK_BLOCK)[i0 < n]          # a thread's loop runs while i0 < n
+        i = i[i < n]
+        assert np.array_equal(np.sort(i), np.arange(n))
+
+
+TAKE_STUB_SCRIPT = r'''
+    from cuda_backend.errors import IndexOutOfRangeError
+    rng = np.random.default_rng(0)
+    E = m.from_numpy(rng.standard_normal((500, 768)).astype(np.float32))
+    I = m.from_numpy(rng.integers(0, 500, 64))
+    CHECK, ROWS = 32, 72          # bytes of the two kernels' packed arguments
+    for check in (True, False):
+        key = ("take", E.shape, E.dtype, I.shape, I.dtype, 0, 0, check)
+        m.plans.pop(key, None)
+        launches.clear()
+        r1 = m.take(E, I, axis=0, check_bounds=check)
+        general = list(launches)
+        assert key in m.plans
+        assert [len(a[2]) for a in general] == ([CHECK] if check else []) + [ROWS], general
+        assert general[-1][:2] == ((16, 1, 1), (256, 1, 1))     # 64 rows, 4 a block
+        want = slots(r1)
+        r1.free()
+        plan, seen = m.plans[key], []
+        m.plans[key] = lambda *a: seen.append(plan(*a)) or seen[-1]
+        launches.clear()
+        r2 = m.take(E, I, axis=0, check_bounds=check)
+        m.plans[key] = plan
+        assert len(seen) == 1 and seen[0] is not None and launches == general
+        like_general(r2, want)
+        r2.free()
+    # a view 4 bytes past: the plan declines (its unit is 16 bytes), the general path runs
+    V = CudaTensor((499, 768), DT.FLOAT32, 0, E.ptr + 4, owner=E)
+    launches.clear()
+    m.take(V, I, axis=0).free()
+    assert [len(a[2]) for a in launches] == [CHECK, ROWS]
+    # a set flag raises from the general path and from the plan, and frees the result
+    fill[0] = 1
+    before = pool.get_stats()["active_blocks"]
+    for _ in range(2):
+        with pytest.raises(IndexOutOfRangeError, match="take: an index is out of bounds"):
+            m.take(E, I, axis=0)
+        assert pool.get_stats()["active_blocks"] == before
+    x = m.from_numpy(np.ones((3, 4), np.float32))
+    with pytest.raises(IndexOutOfRangeError, match="gather"):
+        m.gather(x, m.from_numpy(np.zeros((3, 1), np.int32)), axis=1)
+    t, j, src = m.zeros((3, 2)), m.from_numpy(np.zeros(2, np.int64)), m.zeros((2, 2))
+    launches.clear()
+    with pytest.raises(IndexOutOfRangeError, match="scatter_add"):
+        m.scatter_add(t, j, src)
+    assert len(launches) == 2                 # the check, then the adds (queued before)
+    fill[0] = 0
+    m.take(E, I, axis=0).free()
+    print("OK")
+'''
+
+PINNED_STUB = r'''
+    class FakeHostAllocation:     # transfers.is_pinned looks for this name among the bases
+        def __init__(self, a):
+            self.a, self.__array_interface__ = a, a.__array_interface__
+    fill = [0]                    # what the "copied" bounds flags hold
+    sys.modules["pycuda.driver"].Event.__init__ = lambda self, flags=0: None   # (flags too)
+    sys.modules["pycuda.tools"].PageLockedMemoryPool.allocate = \
+        lambda self, shape, dtype: np.asarray(FakeHostAllocation(np.full(shape, fill[0], dtype)))
+'''
+
+
+def test_take_paths_on_a_stubbed_driver():
+    """With PyCUDA replaced by perf/bench_host_path.py's stubs (tests/test_host_path.py's
+    harness): take launches the check then the row copy (the copy alone without the check),
+    its plan launches exactly what the general path did, a misaligned view goes the general
+    way, and set flags raise from take (both paths, result freed), gather and scatter_add."""
+    from test_host_path import BACKEND, STUBS, run_script, script
+    run_script(script(STUBS, PINNED_STUB, BACKEND, TAKE_STUB_SCRIPT))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index_dtype", [DT.INT32, DT.INT64], ids=ids([DT.INT32, DT.INT64]))
+@pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))
+def test_gpu_take_rows(m, dtype, index_dtype):
+    """The row kernel on every dtype: long rows of few indices (grid y), many short rows
+    (several waves), outer > 1, a source view one element past an aligned pointer (narrower
+    units), out-of-range indices as zero rows with check_bounds=False, then the same calls
+    through the per-call plan."""
+    from helpers import call_through_plan
+
+    from cuda_backend.tensor import CudaTensor
+    rng = np.random.default_rng(41)
+    cases = [((3, 20000), 0, (2,)), ((2001, 12), 0, (4099,)), ((3, 77, 10), 1, (5, 3)),
+             ((64, 256), 0, (33,)), ((11,), 0, (7, 2))]
+    for shape, ax, ishape in cases:
+        n = shape[ax]
+        x, rx = make(m, shape, dtype, rng)
+        base, rbase = make(m, (int(np.prod(shape)) + 1,), dtype, rng)
+        xm = CudaTensor(shape, dtype, base.device_id, base.ptr + dtype.itemsize, owner=base)
+        rxm = rbase[1:].reshape(shape)
+        idx = rng.integers(-n, n, ishape)
+        it = m.from_numpy(idx.astype(index_dtype.numpy_dtype))
+        key = ("take", shape, dtype, ishape, index_dtype, 0, ax, True)
+        for t, rt in ((xm, rxm), (x, rx)):      # a misaligned view first: the plan stays wide
+            same(m, m.take(t, it, axis=ax), np.take(rt, idx, axis=ax))
+        same(m, call_through_plan(m, key, lambda: m.take(x, it, axis=ax)),
+             np.take(rx, idx, axis=ax))
+        # the plan declines where its unit does not divide the view's offset
+        same(m, m.take(xm, it, axis=ax), np.take(rxm, idx, axis=ax))
+        bad = idx.copy()
+        bad.flat[0] = n
+        bt = m.from_numpy(bad.astype(index_dtype.numpy_dtype))
+        exp = np.take(rx, np.where(bad >= n, 0, bad), axis=ax)
+        mask = (bad >= n).reshape((1,) * ax + bad.shape + (1,) * (len(shape) - ax - 1))
+        for _ in range(2):                               # the general path, then the plan
+            same(m, m.take(x, bt, axis=ax, check_bounds=False),
+                 np.where(mask, np.zeros((), exp.dtype), exp))
+        for _ in range(2):
+            before = m.backend.memory_pools[0].get_stats()["active_blocks"]
+            with pytest.raises(IndexOutOfRangeError, match=f"axis {ax} with size {n}"):
+                m.take(x, bt, axis=ax)
+            assert m.backend.memory_pools[0].get_stats()["active_blocks"] == before
+
+
+@pytest.mark.gpu
+def test_gpu_take_bounds_check_and_graphs(m):
+    """check_bounds=True cannot be captured (GraphCaptureError, nothing left allocated);
+    check_bounds=False is, and its replay follows new indices; a gather and a scatter_add
+    with a bad index still raise after a good call, and the pool stays usable."""
+    from cuda_backend.errors import GraphCaptureError
+    rng = np.random.default_rng(42)
+    w, rw = make(m, (50, 128), DT.FLOAT32, rng)
+    ids_ = rng.integers(0, 50, (4, 17))
+    it = m.from_numpy(ids_)
+    same(m, m.take(w, it, check_bounds=False), rw[ids_])
+    pool = m.backend.memory_pools[0]
+    with m.backend.capture() as graph:
+        before = pool.get_stats()["active_blocks"]
+        with pytest.raises(GraphCaptureError, match="check_bounds=False"):
+            m.take(w, it)
+        assert pool.get_stats()["active_blocks"] == before
+        out = m.take(w, it, check_bounds=False)
+    graph.replay()
+    graph.synchronize()
+    same(m, out, rw[ids_])
+    new = rng.integers(0, 50, (4, 17))
+    m.backend.copy_to_device(new, it)
+    graph.replay()
+    graph.synchronize()
+    same(m, out, rw[new])
+    graph.free()
+    x = m.from_numpy(np.arange(12, dtype=np.float32).reshape(3, 4))
+    same(m, m.gather(x, m.from_numpy(np.array([[1], [0], [3]], np.int64)), axis=1),
+         np.array([[1], [4], [11]], np.float32))
+    with pytest.raises(IndexOutOfRangeError, match="gather"):
+        m.gather(x, m.from_numpy(np.array([[1], [4], [3]], np.int64)), axis=1)
+    t = m.zeros((3, 2))
+    with pytest.raises(IndexOutOfRangeError, match="scatter_add"):
+        m.scatter_add(t, m.from_numpy(np.array([0, -4], np.int32)), m.zeros((2, 2)))
+    same(m, m.take(x, m.from_numpy(np.array([2, -3], np.int32))), np.array(
+        [[8, 9, 10, 11], [0, 1, 2, 3]], np.float32))
+
+
 # -- scatter_add ----------------------------------------------------------------------------------
 EPS = {DT.FLOAT64: 2.0**-53, DT.FLOAT32: 2.0**-24, DT.FLOAT16: 2.0**-11, DT.BFLOAT16: 2.0**-8}
 

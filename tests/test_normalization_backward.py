@@ -505,12 +505,73 @@ def test_plans_hold_the_row():
         assert nb.ln_plan(32 * vec, dt)["mode"] == "warp"
 
 
+def test_block_plans_prefetch_where_the_device_holds_the_stages():
+    """The rule's block plans prefetch (16-byte path only); the stages' shared memory is
+    LN_STAGES x (x, g) x nv vectors per thread, and a device whose opt-in shared memory per
+    block cannot hold sums + stages + 1 KiB gets the plain kernel."""
+    from types import SimpleNamespace
+    p = nb.ln_plan(1024, DT.FLOAT32)
+    assert p == {"mode": "block", "nv": 2, "tpr": 128, "block": 512, "prefetch": True}
+    assert nb.ln_prefetches(p, True) and not nb.ln_prefetches(p, False)
+    assert nb.ln_stage_bytes(p, True) == 2 * 2 * 2 * 512 * 16
+    assert nb.ln_stage_bytes(p, False) == 0
+    assert not nb.ln_prefetches(nb.ln_plan(256, DT.FLOAT32), True)      # warp mode
+    h100 = SimpleNamespace(shared_memory_per_block_optin=227 * 1024)
+    a100 = SimpleNamespace(shared_memory_per_block_optin=163 * 1024)
+    small = SimpleNamespace(shared_memory_per_block_optin=48 * 1024)
+    for dt in FLOATS:
+        for q in nb.ln_row_plans(dt):
+            if q["mode"] != "block" or not q["prefetch"]:
+                continue
+            rpb = q["block"] // q["tpr"]
+            acc = 8 if dt is DT.FLOAT64 else 4
+            need = rpb * 2 * nb.ln_capacity(q, dt) * acc + nb.ln_stage_bytes(q, True) + 1024
+            assert nb.ln_prefetch_fits(q, dt, h100)          # every config on H100 / H200
+            assert nb.ln_prefetch_fits(q, dt, a100) == (need <= 163 * 1024)
+            assert not nb.ln_prefetch_fits(q, dt, small)
+    big = nb.ln_plan(8192, DT.FLOAT32)
+    assert big["tpr"] == 1024 and not nb.ln_prefetch_fits(big, DT.FLOAT32, a100)
+
+
+def test_prefetch_stages_emulated():
+    """The rows kernel's stage slots ((s * 2 + tensor) * nv + k) * block + thread fill the
+    stage memory once each, and its pipeline (copy the next trip's row into stage s ^ 1,
+    wait for all but the newest copy, read stage s) reads each trip's own row, on every
+    trip count a block can get (rows not a multiple of the grid's)."""
+    for dt in FLOATS:
+        for q in nb.ln_row_plans(dt):
+            if not q["prefetch"]:
+                continue
+            nv, blk = q["nv"], q["block"]
+            slots = {((st * 2 + ten) * nv + k) * blk + t for st in range(nb.LN_STAGES)
+                     for ten in range(2) for k in range(nv) for t in range(blk)}
+            assert slots == set(range(nb.ln_stage_bytes(q, True) // 16))
+    for rows, grid, rpb, block in ((1, 1, 4, 0), (37, 2, 4, 1), (301, 3, 2, 2), (64, 3, 1, 0)):
+        step, sub = grid * rpb, 0
+        row = block * rpb + sub
+        stage = {0: row}                     # stage -> the row its copy holds
+        pending = [0]                        # copies in flight, oldest first
+        s, trips = 0, 0
+        while row - sub < rows:
+            stage[s ^ 1] = row + step        # a row past the end: zeros, no reads
+            pending.append(s ^ 1)
+            while len(pending) > 1:          # cp.async.wait_group 1
+                pending.pop(0)
+            assert s not in pending and stage[s] == row
+            row, s, trips = row + step, s ^ 1, trips + 1
+        assert trips == max(0, -(-(rows - block * rpb) // step))
+
+
 def test_template_variants():
     v = nb.template_variants()
     ln, bn = v[nb.LN_TEMPLATE], v[nb.BN_TEMPLATE]
-    # per dtype: (warp nvs + block configs) x aligned / not, and rowstats, apply, finalize
-    assert len(ln) == sum(2 * (len(nb.ln_warp_nvs(dt)) + len(nb.LN_BLOCK_CONFIGS)) + 3
+    # per dtype: warp nvs x aligned / not; block configs x (aligned with and without
+    # prefetch, the element path: one kernel for both); rowstats, apply, finalize
+    assert len(ln) == sum(2 * len(nb.ln_warp_nvs(dt)) + 3 * len(nb.LN_BLOCK_CONFIGS) + 3
                           for dt in FLOATS)
+    rows = [p for p in ln if p["kernel"] == "rows"]
+    assert all(p["aligned"] and p["mode"] == "block" for p in rows if p["prefetch"])
+    assert sum(p["prefetch"] for p in rows) == len(FLOATS) * len(nb.LN_BLOCK_CONFIGS)
     assert len(bn) == 4 * (3 * 2 + 2)
     assert {(p["kernel"], p.get("layout"), p.get("mode")) for p in bn} == {
         (k, lay, None) for k in ("reduce", "eval", "apply") for lay in ("nc", "ncs")} | {
@@ -595,6 +656,55 @@ def test_batch_norm_backward_errors(apis):
     np.testing.assert_allclose(m.to_numpy(out[2]), [8, 8, 8])
 
 
+LN_STUB_SCRIPT = r'''
+    from cuda_backend.cuda_ml import CudaML
+    from cuda_backend.ops import normalization_backward as nb
+    ml = CudaML(m)
+    rng = np.random.default_rng(0)
+    for shape, dtype, weight in (((8192, 1024), DT.FLOAT32, True),
+                                 ((50, 1000), DT.FLOAT16, False), ((9, 4094), DT.FLOAT64, True)):
+        host = np.float16 if dtype is DT.FLOAT16 else dtype.numpy_dtype
+        G, X = (m.from_numpy(rng.standard_normal(shape).astype(host)) for _ in range(2))
+        W = m.from_numpy(np.ones(shape[-1], host)) if weight else None
+        D, key = shape[-1], ("layer_norm_backward", shape, dtype, 0, 1e-5, not weight)
+        p = nb.ln_plan(D, dtype)
+        assert p["mode"] == "block" and p["prefetch"]
+        acc = 8 if dtype is DT.FLOAT64 else 4
+        sums = (p["block"] // p["tpr"]) * 2 * nb.ln_capacity(p, dtype) * acc
+        m.plans.pop(key, None)
+        launches.clear()
+        out = ml.layer_norm_backward(G, X, W)
+        general = list(launches)
+        assert key in m.plans and len(general) == 2          # rows (with the stages), finalize
+        assert general[0][3] == sums + nb.ln_stage_bytes(p, True), general[0][3]
+        assert general[0][1] == (p["block"], 1, 1) and general[1][3] == 0
+        if shape == (8192, 1024):
+            assert general[0][0] == (264, 1, 1)              # 2 blocks of 96 KiB per SM
+        for t in out:
+            if t is not None:
+                t.free()
+        launches.clear()
+        again = ml.layer_norm_backward(G, X, W)              # through the plan
+        assert launches == general
+        # a view one element past: the element path, no stages
+        Xm = CudaTensor(shape, dtype, 0, X.ptr + dtype.itemsize, owner=X)
+        launches.clear()
+        ml.layer_norm_backward(G, Xm, W)
+        assert launches[0][3] == sums, launches[0][3]
+    print("OK")
+'''
+
+
+def test_layer_norm_launches_on_a_stubbed_driver():
+    """With PyCUDA replaced by perf/bench_host_path.py's stubs (tests/test_host_path.py's
+    harness): the rule's block plans launch the rows kernel with the sums plus the prefetch
+    stages of shared memory (aligned rows) or the sums alone (a misaligned view), 264
+    blocks for 8192 x 1024 float32 on 132 SMs, and the per-call plan launches exactly what the
+    general path did."""
+    from test_host_path import BACKEND, STUBS, run_script, script
+    run_script(script(STUBS, BACKEND, LN_STUB_SCRIPT))
+
+
 # -- GPU --------------------------------------------------------------------------------------
 gpu = pytest.mark.gpu
 
@@ -634,6 +744,46 @@ def test_gpu_layer_norm_every_plan(apis, dtype):
                                                                f"aligned={aligned}")
                     free(out)
             free(g, x, w, base)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
+def test_gpu_layer_norm_prefetch_pipeline(apis, dtype, monkeypatch):
+    """The prefetch kernels' stage alternation: odd and even numbers of trips per block (grids
+    of 1 to 3 blocks), a last trip with inactive sub-rows and blocks with no row in it, a row
+    count under one trip, rows of every block config's capacity class; then the same plan on
+    a device that cannot hold the stages (the plain kernel, no stage memory)."""
+    m, _ = apis
+    rng = np.random.default_rng(25)
+    vec = 16 // dtype.itemsize
+    for D in (vec * 9, vec * 64 + vec, 1000 - 1000 % vec, 4096 - vec):
+        for p in nb.ln_candidates(D, dtype):
+            if not p["prefetch"]:
+                continue
+            for rows, grid in ((1, 1), (5, 1), (37, 2), (64, 3), (301, 3)):
+                g, hg, x, hx, w, hw = ln_inputs(m, rng, (rows, D), dtype, weight=rows % 2 == 1)
+                q = nb.ln_prepare(m, p, dtype, D, 0, True)
+                assert q["prefetch"] and q["smem"] > nb.ln_stage_bytes(p, True)
+                q = dict(q, resident=min(q["resident"], grid))
+                out = (m.create_tensor((rows, D), dtype),
+                       m.create_tensor((D,), dtype) if w is not None else None,
+                       m.create_tensor((D,), dtype))
+                nb.ln_launch(m, q, g, x, w, *out, 1e-5)
+                check_ln(m, out, hg, hx, hw, 1e-5, dtype, f"D={D} rows={rows} grid={grid} {p}")
+                free(out, g, x, w)
+    monkeypatch.setattr(nb, "ln_prefetch_fits", lambda *a: False)
+    D = 1000 - 1000 % vec
+    p = nb.ln_plan(D, dtype)
+    q = nb.ln_prepare(m, p, dtype, D, 0, True)
+    assert p["prefetch"] and not q["prefetch"]
+    assert q["smem"] == (p["block"] // p["tpr"]) * 2 * nb.ln_capacity(p, dtype) * \
+        (8 if dtype is DT.FLOAT64 else 4)
+    g, hg, x, hx, w, hw = ln_inputs(m, rng, (77, D), dtype)
+    out = (m.create_tensor((77, D), dtype), m.create_tensor((D,), dtype),
+           m.create_tensor((D,), dtype))
+    nb.ln_launch(m, dict(q, resident=min(q["resident"], 2)), g, x, w, *out, 1e-5)
+    check_ln(m, out, hg, hx, hw, 1e-5, dtype, f"D={D} without the stages")
+    free(out, g, x, w)
 
 
 @gpu

@@ -12,9 +12,17 @@ layer_norm_backward(grad_out, x, weight=None, eps) over the last axis (D), rows 
   row) that reads x and g once and writes grad_x once; each thread adds g * xhat and g of its
   columns into the block's shared-memory sums, which end as one partial row per block
   (float32, float64 for float64), and a "finalize" kernel adds those rows per column in a
-  fixed order (double). Longer rows take "rowstats" (per-row mean, rstd and the two row
-  means, reading x twice, the second mostly from L2, and g once) and "apply" (grad_x and the
-  column partials, a second read of x and g), then "finalize".
+  fixed order (double). Block mode prefetches on the 16-byte path: each thread copies its
+  share of the next trip's row into shared memory (cp.async, two stages) before working on
+  this one's, so an SM keeps 1024 threads x 64 bytes of loads in flight through the
+  reductions and the stores; without it an SM's loads stop whenever all its blocks are
+  between a load and the next (measured: 51.3 us for 8192 x 1024 float32 on H100, 0.66 of
+  copy). The stages cost no registers (the kernel keeps its 64 and 2 blocks of 512 threads
+  per SM) but 64 KiB of shared memory per 512-thread block (128 KiB for 1024 threads: a
+  device whose opt-in shared memory per block cannot hold it runs the plain kernel). Longer
+  rows take "rowstats" (per-row mean, rstd and the two row means, reading x twice, the
+  second mostly from L2, and g once) and "apply" (grad_x and the column partials, a second
+  read of x and g), then "finalize".
 batch_norm_backward(grad_out, input, gamma, eps, training, running_mean, running_var) for
   (N, C), (N, C, L), (N, C, H, W): grad_beta = sum g, grad_gamma = sum g * xhat per channel;
   training (batch statistics): grad_input = gamma rstd (g - grad_beta / M - xhat grad_gamma
@@ -35,7 +43,11 @@ written once and read once: layer norm grid x 2 x D x 4 bytes, grid <= the resid
 2 per SM of 512 threads in block mode, 4 of 256 in warp mode):
 - layer_norm_backward, register rows: that floor; target >= 0.85 x copy bandwidth for large
   inputs (rows >> the grid, so the partials are a few percent of x). Longer rows read x and
-  g twice: floor 5/3 of that.
+  g twice: floor 5/3 of that. 8192 x 1024 float32 on H100 (copy 2954 GB/s): 3 x 32 MiB +
+  2.2 MB of partials (264 blocks; mostly in L2) = 34.8 us; the fixed costs on top are the
+  first trip's exposed load (~1 us), the block's sum tree and partial row (~1 us) and the
+  finalize launch (~2 us: 8.25 partial rows per thread, loaded 8 at a time). Prediction,
+  before a GPU run: 39-43 us (0.80-0.88 of copy; target <= 40 us), was 51.3 us.
 - batch_norm_backward, training=False: one pass, the same floor and target.
 - batch_norm_backward, training=True: pass 2 needs the per-channel sums of pass 1, so x and g
   are read twice: the 3-unit floor holds only while x and g fit in L2 together (pass 2 reads
@@ -65,9 +77,11 @@ BN_TEMPLATE = "batch_norm_backward.cu.j2"
 TEMPLATES = (LN_TEMPLATE, BN_TEMPLATE)
 
 # layer norm: warp mode (a power of two <= 32 lanes per row, 256-thread blocks); block mode
-# (threads per row, threads per block); loop mode's kernels; the finalize block (32 x 32).
+# (threads per row, threads per block), each with and without prefetch (the rule takes it);
+# loop mode's kernels; the finalize block (32 x 32).
 LN_WARP_BLOCK = 256
 LN_BLOCK_CONFIGS = ((64, 512), (128, 512), (256, 512), (512, 512), (1024, 1024))
+LN_STAGES = 2                  # prefetch: shared-memory stages per thread (this row, the next)
 LN_ROWSTATS_BLOCK = 512
 LN_APPLY_BLOCK = 256
 LN_APPLY_BLOCKS_PER_SM = 4     # apply's splits: about one resident wave
@@ -112,7 +126,8 @@ def ln_params(dtype: CudaDataType, kernel: str, plan: Optional[Dict[str, Any]] =
             raise InvalidArgumentError(
                 f"kernel 'rows' needs a register plan (mode 'warp' or 'block'), got {plan!r}")
         p.update(mode=plan["mode"], nv=plan["nv"], vec=_vec(dtype), aligned=bool(aligned),
-                 block_size=plan["block"], min_blocks=max(1, 1024 // plan["block"]))
+                 block_size=plan["block"], min_blocks=max(1, 1024 // plan["block"]),
+                 prefetch=ln_prefetches(plan, aligned))
         if plan["mode"] == "block":
             p["threads_per_row"] = plan["tpr"]
     elif kernel == "rowstats":
@@ -136,12 +151,36 @@ def bn_params(dtype: CudaDataType, kernel: str, layout: str = "",
     return p
 
 
+def ln_prefetches(plan: Dict[str, Any], aligned: bool) -> bool:
+    """Whether a plan's rows kernel prefetches: block mode with prefetch, on the 16-byte
+    path (cp.async moves 16-byte vectors; the element path is the plain kernel)."""
+    return bool(plan.get("prefetch")) and plan["mode"] == "block" and bool(aligned)
+
+
+def ln_stage_bytes(plan: Dict[str, Any], aligned: bool) -> int:
+    """Dynamic shared memory of the prefetch stages (0 without prefetch): per thread,
+    LN_STAGES x (x and g) x nv 16-byte vectors."""
+    if not ln_prefetches(plan, aligned):
+        return 0
+    return LN_STAGES * 2 * plan["nv"] * plan["block"] * 16
+
+
+def ln_prefetch_fits(plan: Dict[str, Any], dtype: CudaDataType, info: Any) -> bool:
+    """Whether a plan's prefetch kernel fits a device: the sums plus the stages (plus 1 KiB
+    for the static reduction slots) within its opt-in shared memory per block (192 KiB for
+    1024-thread float32 rows: H100 and H200 take it, A100's 163 KiB does not)."""
+    rpb = plan["block"] // plan["tpr"]
+    need = rpb * 2 * ln_capacity(plan, dtype) * _acc_dtype(dtype).itemsize + \
+        ln_stage_bytes(plan, True) + 1024
+    return need <= int(getattr(info, "shared_memory_per_block_optin", 0))
+
+
 def ln_row_plans(dtype: CudaDataType) -> List[Dict[str, Any]]:
     """Every register plan of a dtype (warp plans with 32 lanes per row)."""
-    out = [{"mode": "warp", "nv": nv, "tpr": 32, "block": LN_WARP_BLOCK}
+    out = [{"mode": "warp", "nv": nv, "tpr": 32, "block": LN_WARP_BLOCK, "prefetch": False}
            for nv in ln_warp_nvs(dtype)]
-    out += [{"mode": "block", "nv": ln_block_nv(dtype), "tpr": tpr, "block": blk}
-            for tpr, blk in LN_BLOCK_CONFIGS]
+    out += [{"mode": "block", "nv": ln_block_nv(dtype), "tpr": tpr, "block": blk,
+             "prefetch": pf} for tpr, blk in LN_BLOCK_CONFIGS for pf in (True, False)]
     return out
 
 
@@ -151,7 +190,9 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     for dt in DTYPES:
         for plan in ln_row_plans(dt):
             for aligned in (True, False):
-                ln.append(ln_params(dt, "rows", plan, aligned))
+                p = ln_params(dt, "rows", plan, aligned)
+                if p not in ln:   # (an element-path kernel is the same with or without)
+                    ln.append(p)
         for kernel in ("rowstats", "apply", "finalize"):
             ln.append(ln_params(dt, kernel))
         for kernel in ("reduce", "eval", "apply"):
@@ -260,23 +301,25 @@ def _pow2_at_least(n: int) -> int:
 def _ln_warp(D: int, dtype: CudaDataType) -> List[Dict[str, Any]]:
     vec = _vec(dtype)
     return [{"mode": "warp", "nv": nv, "block": LN_WARP_BLOCK,
-             "tpr": min(32, _pow2_at_least(-(-D // (vec * nv))))}
+             "tpr": min(32, _pow2_at_least(-(-D // (vec * nv)))), "prefetch": False}
             for nv in ln_warp_nvs(dtype) if D <= 32 * vec * nv]
 
 
 def _ln_block(D: int, dtype: CudaDataType) -> List[Dict[str, Any]]:
+    """Block configs holding rows of D, least capacity first, each with prefetch first."""
     nv, vec = ln_block_nv(dtype), _vec(dtype)
-    return [{"mode": "block", "nv": nv, "tpr": tpr, "block": blk}
-            for tpr, blk in LN_BLOCK_CONFIGS if tpr * nv * vec >= D]
+    return [{"mode": "block", "nv": nv, "tpr": tpr, "block": blk, "prefetch": pf}
+            for tpr, blk in LN_BLOCK_CONFIGS if tpr * nv * vec >= D for pf in (True, False)]
 
 
-LN_LOOP = {"mode": "loop", "nv": 0, "tpr": 0, "block": LN_ROWSTATS_BLOCK}
+LN_LOOP = {"mode": "loop", "nv": 0, "tpr": 0, "block": LN_ROWSTATS_BLOCK, "prefetch": False}
 
 
 def ln_plan(D: int, dtype: CudaDataType) -> Dict[str, Any]:
-    """{"mode", "nv", "tpr" (lanes per row), "block"} for rows of D: warp mode with the fewest
-    vectors per lane that hold the row (tpr: the fewest lanes, a power of two), else the
-    block config of least capacity that holds it, else "loop"."""
+    """{"mode", "nv", "tpr" (lanes per row), "block", "prefetch"} for rows of D: warp mode
+    with the fewest vectors per lane that hold the row (tpr: the fewest lanes, a power of
+    two), else the block config of least capacity that holds it, with prefetch, else
+    "loop"."""
     ps = _ln_warp(D, dtype) + _ln_block(D, dtype)
     return ps[0] if ps else dict(LN_LOOP)
 
@@ -306,9 +349,13 @@ def ln_prepare(m: Any, plan: Dict[str, Any], dtype: CudaDataType, D: int, dev: i
         q["rowstats"] = m.kernel(LN_TEMPLATE, dev, **ln_params(dtype, "rowstats")).name
         q["apply"] = m.kernel(LN_TEMPLATE, dev, **ln_params(dtype, "apply")).name
         return q
+    if ln_prefetches(plan, aligned) and not ln_prefetch_fits(plan, dtype, info):
+        plan = dict(plan, prefetch=False)   # the same rows without the stages
+        q["prefetch"] = False
     kernel = m.kernel(LN_TEMPLATE, dev, **ln_params(dtype, "rows", plan, aligned))
     rpb = plan["block"] // plan["tpr"]
-    smem = rpb * 2 * ln_capacity(plan, dtype) * _acc_dtype(dtype).itemsize
+    smem = rpb * 2 * ln_capacity(plan, dtype) * _acc_dtype(dtype).itemsize + \
+        ln_stage_bytes(plan, aligned)
     q.update(rows=kernel.name, smem=smem, rpb=rpb,
              resident=q["sms"] * occupancy.blocks_per_sm(kernel, info, plan["block"], smem))
     return q
