@@ -31,6 +31,7 @@ import numpy as np
 from .dtypes import CudaDataType
 from .errors import (CudaNotAvailableError, DTypeMismatchError, InvalidArgumentError,
                      InvalidDeviceError)
+from .ops.shape import is_contiguous
 from .tensor import CudaTensor, release_storage
 
 # DLDeviceType values this module meets (dlpack.h)
@@ -526,16 +527,7 @@ def _read(dl: DLTensor, flags: int) -> _Layout:
 
 def _contiguous(shape: Tuple[int, ...], strides: Tuple[int, ...]) -> bool:
     """Whether element strides walk memory C-contiguously (size-1 dims aside; empty: yes)."""
-    if math.prod(shape) == 0:
-        return True
-    acc = 1
-    for size, st in zip(reversed(shape), reversed(strides)):
-        if size == 1:
-            continue
-        if st != acc:
-            return False
-        acc *= size
-    return True
+    return math.prod(shape) == 0 or is_contiguous(shape, strides)
 
 
 def _interface(lay: _Layout, strided: bool = True) -> dict:

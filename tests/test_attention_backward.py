@@ -35,10 +35,11 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
-from helpers import call_through_plan
+from helpers import call_through_plan, host_dtype, make, tuned_math
 from test_host_path import BACKEND, STUBS, run_script, script
 
 from cuda_backend import (CudaDataType as DT, DTypeMismatchError, InvalidArgumentError,
@@ -183,16 +184,6 @@ def check(got, ref, bound, what):
 
 
 # -- tensors ---------------------------------------------------------------------------------
-def host_dtype(dtype):
-    return np.float32 if dtype is DT.BFLOAT16 else dtype.numpy_dtype
-
-
-def make(m, values, dtype):
-    """(tensor, its stored values in float64)."""
-    t = m.from_numpy(np.asarray(values, np.float64).astype(host_dtype(dtype)), dtype=dtype)
-    return t, m.to_numpy(t).astype(np.float64)
-
-
 def poison(m, t):
     """Fill t with NaN (every float dtype: 0xFF bytes are NaN)."""
     if t.size:
@@ -226,10 +217,7 @@ def check_grads(grads, host, shape, dtype, causal, scale, what, path=None):
 @pytest.fixture(scope="module")
 def m(backend, tmp_path_factory):
     """A CudaMath whose autotuner writes to a temporary file; kernels compiled up front."""
-    from cuda_backend.autotune import Autotuner
-    from cuda_backend.cuda_math import CudaMath
-    cm = CudaMath(backend)
-    cm._autotuner = Autotuner(backend, path=str(tmp_path_factory.mktemp("tune") / "t.json"))
+    cm = tuned_math(backend, tmp_path_factory)
     if cm.gpu:
         fa.warm_up(cm, workers=16)
         ab.warm_up(cm, workers=16)
@@ -637,6 +625,22 @@ def test_longer_sequences_and_torch(ml, dtype):
                   f"{np.linalg.norm(theirs.float().cpu().numpy() - e) / n:.2e}")
 
 
+def median_ms(m, dev, call, reps=10):
+    """The median wall time in ms of call() over reps runs, the device synchronized around
+    each; CudaTensors in a tuple it returns are freed."""
+    times = []
+    for _ in range(reps):
+        m.backend.synchronize(dev)
+        t0 = time.perf_counter()
+        res = call()
+        m.backend.synchronize(dev)
+        times.append((time.perf_counter() - t0) * 1e3)
+        for r in res if isinstance(res, tuple) else ():
+            if isinstance(r, CudaTensor):
+                r.free()
+    return float(np.median(times))
+
+
 @gpu
 @pytest.mark.large
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -645,25 +649,10 @@ def test_issue_shape_bfloat16(ml, causal):
     (the reference of a head is 21 GFLOP in float64); the time of the backward (median of 10,
     after the autotuner's first call) printed with its TFLOP/s (10 B H T^2 D, half of it
     causal) and, where torch imports, PyTorch's autograd of scaled_dot_product_attention."""
-    import time
     m = ml.math
     shape = (4, 16, 4096, 4096, 128)
     tensors, host = problem(m, ml, np.random.default_rng(9), shape, DT.BFLOAT16, causal)
     dev = tensors[1].device_id
-
-    def median_ms(call, reps=10):
-        times = []
-        for _ in range(reps):
-            m.backend.synchronize(dev)
-            t0 = time.perf_counter()
-            res = call()
-            m.backend.synchronize(dev)
-            times.append((time.perf_counter() - t0) * 1e3)
-            for r in res if isinstance(res, tuple) else ():
-                if isinstance(r, CudaTensor):
-                    r.free()
-        return float(np.median(times))
-
     grads = ml.flash_attention_backward(*tensors, causal=causal)
     for b, h in ((0, 0), (3, 15)):
         one = tuple(a[b:b + 1, h:h + 1] for a in host)
@@ -671,7 +660,7 @@ def test_issue_shape_bfloat16(ml, causal):
                     (1, 1) + shape[2:], DT.BFLOAT16, causal, None, f"head {b},{h}")
     for t in grads:
         t.free()
-    ms = median_ms(lambda: ml.flash_attention_backward(*tensors, causal=causal))
+    ms = median_ms(m, dev, lambda: ml.flash_attention_backward(*tensors, causal=causal))
     flops = (5.0 if causal else 10.0) * 4 * 16 * 4096**2 * 128
     line = f"backward causal={causal}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s"
     try:
@@ -683,7 +672,7 @@ def test_issue_shape_bfloat16(ml, causal):
           for a in host[1:4]]
     tg = torch.tensor(host[0], device="cuda").to(torch.bfloat16)
     y = torch.nn.functional.scaled_dot_product_attention(*ts, is_causal=causal)
-    tms = median_ms(lambda: torch.autograd.grad(y, ts, tg, retain_graph=True))
+    tms = median_ms(m, dev, lambda: torch.autograd.grad(y, ts, tg, retain_graph=True))
     print(f"{line}; torch {tms:.3f} ms: ours / torch time {ms / tms:.2f} (goal <= 2.0)")
 
 
@@ -729,25 +718,10 @@ def test_issue_shape_float32(ml, shape, causal):
     printed with PyTorch's float32 efficient-attention backward
     (aten._scaled_dot_product_efficient_attention_backward, fmha_cutlassB_f32) when torch
     imports; goal ours / torch <= 1.0."""
-    import time
     m = ml.math
     B, H, S, D = shape
     tensors, host = problem(m, ml, np.random.default_rng(9), (B, H, S, S, D), DT.FLOAT32, causal)
     dev = tensors[1].device_id
-
-    def median_ms(call, reps=10):
-        times = []
-        for _ in range(reps):
-            m.backend.synchronize(dev)
-            t0 = time.perf_counter()
-            res = call()
-            m.backend.synchronize(dev)
-            times.append((time.perf_counter() - t0) * 1e3)
-            for r in res if isinstance(res, tuple) else ():
-                if isinstance(r, CudaTensor):
-                    r.free()
-        return float(np.median(times))
-
     grads = ml.flash_attention_backward(*tensors, causal=causal)
     for b, h in ((0, 0), (B - 1, H - 1)):
         one = tuple(a[b:b + 1, h:h + 1] for a in host)
@@ -755,7 +729,7 @@ def test_issue_shape_float32(ml, shape, causal):
                     (1, 1, S, S, D), DT.FLOAT32, causal, None, f"head {b},{h}")
     for t in grads:
         t.free()
-    ms = median_ms(lambda: ml.flash_attention_backward(*tensors, causal=causal))
+    ms = median_ms(m, dev, lambda: ml.flash_attention_backward(*tensors, causal=causal))
     flops = (5.0 if causal else 10.0) * B * H * S * S * D
     line = f"float32 backward {shape} causal={causal}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s"
     try:
@@ -773,7 +747,7 @@ def test_issue_shape_float32(ml, shape, causal):
             go, q, k, v, None, out, lse, seed, off, 0.0, [True, True, True, False],
             is_causal=causal)
     theirs()
-    tms = median_ms(theirs)
+    tms = median_ms(m, dev, theirs)
     print(f"{line}; torch {tms:.3f} ms: ours / torch time {ms / tms:.2f} (goal <= 1.0)")
 
 # -- the GPU code paths on stubs (any machine) ------------------------------------------------

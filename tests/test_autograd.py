@@ -21,6 +21,7 @@ import gc
 
 import numpy as np
 import pytest
+from helpers import fd_grad
 
 from cuda_backend import autograd as ag
 from cuda_backend.autograd import Tensor, no_grad, tensor
@@ -50,21 +51,6 @@ def leaf(values):
     return tensor(np.asarray(values, np.float64), requires_grad=True)
 
 
-def fd_grad(f, arrays, i):
-    """Central differences of the scalar f(*arrays) with respect to arrays[i]."""
-    x = arrays[i]
-    g = np.zeros_like(x)
-    for idx in np.ndindex(x.shape):
-        old = x[idx]
-        x[idx] = old + H
-        hi = f(*arrays)
-        x[idx] = old - H
-        lo = f(*arrays)
-        x[idx] = old
-        g[idx] = (hi - lo) / (2 * H)
-    return g
-
-
 def check_grads(build, arrays):
     """build(*Tensors) -> a scalar Tensor; our gradients against finite differences of the
     same float64 ops run without recording."""
@@ -77,7 +63,7 @@ def check_grads(build, arrays):
             return build(*[tensor(v) for v in values]).item()
     host = [np.array(a, np.float64) for a in arrays]
     for i, t in enumerate(leaves):
-        ref = fd_grad(f, host, i)
+        ref = fd_grad(f, host, i, H)
         got = np.zeros_like(ref) if t.grad is None else ag.apis()[0].to_numpy(t.grad)
         np.testing.assert_allclose(got, ref, rtol=FD_TOL, atol=FD_TOL, err_msg=f"input {i}")
 

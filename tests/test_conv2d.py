@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from fuzzing import examples
-from helpers import call_through_plan
+from helpers import call_through_plan, poisoned, tuned_math
 from hypothesis import strategies as st
 
 from cuda_backend import (CudaDataType as DT, DTypeMismatchError, InvalidArgumentError,
@@ -107,15 +107,6 @@ def make(m, rng, shape, dtype):
     return t, m.to_numpy(t)
 
 
-def poisoned(m, shape, dtype):
-    out = m.create_tensor(shape, dtype)
-    if out.size:
-        host = np.full(shape, 0x7FC0, np.uint16) if dtype is DT.BFLOAT16 else \
-            np.full(shape, np.nan, dtype.numpy_dtype)
-        m.backend.copy_to_device(host, out)
-    return out
-
-
 def config_of(case):
     _, w, s, p, d, g = case
     return ConvolutionConfig(kernel_size=w[2:], stride=s, padding=p, dilation=d, groups=g)
@@ -143,10 +134,7 @@ def run_case(m, fam, case, rng, with_bias=True, poison=True):
 @pytest.fixture(scope="module")
 def m(backend, tmp_path_factory):
     """A CudaMath whose autotuner writes to a temporary file; kernels compiled up front."""
-    from cuda_backend.autotune import Autotuner
-    from cuda_backend.cuda_math import CudaMath
-    cm = CudaMath(backend)
-    cm._autotuner = Autotuner(backend, path=str(tmp_path_factory.mktemp("tune") / "t.json"))
+    cm = tuned_math(backend, tmp_path_factory)
     if cm.gpu:
         cv.warm_up(cm, workers=16)
     return cm

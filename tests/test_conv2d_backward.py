@@ -23,11 +23,10 @@ import math
 
 import numpy as np
 import pytest
-from helpers import call_through_plan
+from helpers import call_through_plan, check_finite as check, make, tuned_math
 
 from cuda_backend import (CudaDataType as DT, DTypeMismatchError, InvalidArgumentError,
                           ShapeMismatchError, TensorFreedError)
-from cuda_backend.cuda_math import CudaMath
 from cuda_backend.cuda_ml import ConvolutionConfig, CudaML
 from cuda_backend.driver import load_driver
 from cuda_backend.dtypes import from_bfloat16_bits, to_bfloat16_bits
@@ -193,36 +192,14 @@ def bounds(go, x, w, case, dtype, prec, d_wg=None, mma=None):
     return refs, out
 
 
-def check(got, ref, bound, what=""):
-    got = np.asarray(got, np.float64)
-    assert got.shape == ref.shape, (what, got.shape, ref.shape)
-    assert np.isfinite(got).all(), (what, "non-finite (unwritten?) elements")
-    err = np.abs(got - ref)
-    bad = ~(err <= bound)
-    assert not bad.any(), (what, int(bad.sum()), float(np.max(err[bad] / bound[bad])),
-                           got[bad][:4], ref[bad][:4])
-
-
 # -- fixtures and helpers -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def apis(backend, tmp_path_factory):
     """CudaMath (its autotuner writing to a temporary file) and CudaML."""
-    from cuda_backend.autotune import Autotuner
-    m = CudaMath(backend)
-    m._autotuner = Autotuner(backend, path=str(tmp_path_factory.mktemp("tune") / "t.json"))
+    m = tuned_math(backend, tmp_path_factory)
     if m.gpu:
         cb.warm_up(m, workers=16)   # every variant compiled once, in parallel
     return m, CudaML(m)
-
-
-def host_dtype(dtype):
-    return np.float32 if dtype is DT.BFLOAT16 else dtype.numpy_dtype
-
-
-def make(m, values, dtype):
-    """(tensor, its stored values in float64)."""
-    t = m.from_numpy(np.asarray(values, np.float64).astype(host_dtype(dtype)), dtype=dtype)
-    return t, m.to_numpy(t).astype(np.float64)
 
 
 def operands(m, rng, case, dtype, ints=False):

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from fuzzing import examples
+from helpers import poisoned, tuned_math
 from hypothesis import strategies as st
 
 from cuda_backend import (CudaDataType as DT, DTypeMismatchError, InvalidArgumentError,
@@ -78,15 +79,6 @@ def make(m, rng, shape, dtype):
     return t, m.to_numpy(t)
 
 
-def poisoned(m, shape, dtype):
-    out = m.create_tensor(shape, dtype)
-    if out.size:
-        host = np.full(shape, 0x7FC0, np.uint16) if dtype is DT.BFLOAT16 else \
-            np.full(shape, np.nan, dtype.numpy_dtype)
-        m.backend.copy_to_device(host, out)
-    return out
-
-
 def qkv(m, rng, shape, dtype):
     B, H, Sq, Skv, D = shape
     q, qh = make(m, rng, (B, H, Sq, D), dtype)
@@ -113,10 +105,7 @@ def check(m, shape, dtype, causal, rng, scale=None, cfg=None):
 @pytest.fixture(scope="module")
 def m(backend, tmp_path_factory):
     """A CudaMath whose autotuner writes to a temporary file; kernels compiled up front."""
-    from cuda_backend.autotune import Autotuner
-    from cuda_backend.cuda_math import CudaMath
-    cm = CudaMath(backend)
-    cm._autotuner = Autotuner(backend, path=str(tmp_path_factory.mktemp("tune") / "t.json"))
+    cm = tuned_math(backend, tmp_path_factory)
     if cm.gpu:
         fa.warm_up(cm, workers=16)
     return cm

@@ -10,19 +10,16 @@ launched.
 """
 from __future__ import annotations
 
-import re
-import struct
 import types
 
 import numpy as np
 import pytest
+from helpers import RecordingMath, poisoned, tuned_math
 
 import cuda_backend as cb
-from cuda_backend import CudaDataType as DT, CudaTensor
-from cuda_backend.compiler import arg_format, kernel_signature
+from cuda_backend import CudaDataType as DT
 from cuda_backend.cuda_ml import CudaML
 from cuda_backend.kernels import KernelGenerator
-from cuda_backend.launch import normalize_dims
 from cuda_backend.ops import common, matmul as mm
 from cuda_backend.ops import linear as lin
 
@@ -33,10 +30,7 @@ gpu = pytest.mark.gpu
 def ml(backend, tmp_path_factory):
     """A CudaML on its own CudaMath (autotuner in a temporary file); on a GPU the linear
     kernels are compiled up front, in parallel."""
-    from cuda_backend.autotune import Autotuner
-    from cuda_backend.cuda_math import CudaMath
-    m = CudaMath(backend)
-    m._autotuner = Autotuner(backend, path=str(tmp_path_factory.mktemp("tune") / "t.json"))
+    m = tuned_math(backend, tmp_path_factory)
     if m.gpu:
         jobs = [(t, p) for t, sets in mm.template_variants().items() for p in sets
                 if ("b_trans" in p or p.get("kind") == "splitk_epilogue")
@@ -161,15 +155,6 @@ def _reference(xr, wr, br, gelu=True):
     return (gelu_tanh(z) if gelu else z), np.abs(xr) @ np.abs(wr).T + np.abs(br)
 
 
-def _poison(m, shape, dtype):
-    out = m.create_tensor(shape, dtype)
-    if out.size:
-        host = np.full(shape, 0x7FC0, np.uint16) if dtype is DT.BFLOAT16 else \
-            np.full(shape, np.nan, dtype.numpy_dtype)
-        m.backend.copy_to_device(host, out)
-    return out
-
-
 def _err(out, ref, scale):
     out = np.asarray(out, np.float64)
     assert out.shape == ref.shape
@@ -190,7 +175,7 @@ def test_gpu_fused_linear_gelu(ml, fam, shape, with_bias):
     dtype, prec, bound = FAMS[fam]
     x_shape, n = shape
     (tx, tw, tb), (xr, wr, br) = _inputs(m, np.random.default_rng(), dtype, x_shape, n, with_bias)
-    _poison(m, x_shape[:-1] + (n,), dtype).free()
+    poisoned(m, x_shape[:-1] + (n,), dtype).free()
     y = lin.fused_linear_gelu(m, tx, tw, tb, precision=prec)
     assert y.shape == x_shape[:-1] + (n,) and y.dtype is dtype
     ref, scale = _reference(xr, wr, br)
@@ -214,7 +199,7 @@ def test_gpu_linear_every_config(ml, fam):
         p = mm.Plan(1, M, N, K, 0, 0, (M, N))
         for cfg in mm.linear_configs(dtype, prec, vec):
             for bias in (tb, None):
-                out = _poison(m, (M, N), dtype)
+                out = poisoned(m, (M, N), dtype)
                 assert mm.is_vec_ok(tx, tw, out, p) is vec
                 mm.run_config(m, mm.config_template(cfg, family), cfg, tx, tw, out, p, dtype,
                               vec, dev,
@@ -233,12 +218,12 @@ def test_gpu_linear_bias_epilogue_and_empty_k(ml, fam):
     dtype, prec, bound = FAMS[fam]
     rng = np.random.default_rng()
     (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (37, 45), 29)
-    out = _poison(m, (37, 29), dtype)
+    out = poisoned(m, (37, 29), dtype)
     assert mm.linear(m, tx, tw, tb, "bias", prec, out=out) is out
     ref, scale = _reference(xr, wr, br, gelu=False)
     assert _err(m.to_numpy(out), ref, scale) <= bound
     (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (5, 0), 7)
-    y = mm.linear(m, tx, tw, tb, "bias_gelu", prec, out=_poison(m, (5, 7), dtype))
+    y = mm.linear(m, tx, tw, tb, "bias_gelu", prec, out=poisoned(m, (5, 7), dtype))
     ref = np.broadcast_to(gelu_tanh(br), (5, 7))
     assert _err(m.to_numpy(y), ref, np.abs(ref) + 1e-3) <= max(bound, 4e-3)
 
@@ -337,82 +322,6 @@ def test_linear_argument_errors(ml):
         lin.fused_linear_gelu(m, x, w, precision="fp16")
 
 
-class _RecordingBackend:
-    """Records launches instead of running them: each must pack with its kernel's parameter
-    format, and use the template's thread count."""
-
-    is_available = True
-    current_device = 0
-
-    def __init__(self, cc=None):
-        self.next_ptr = 1 << 20
-        self.kernels = {}
-        self.launches = []
-        self.info = {} if cc is None else {"compute_capability": cc}
-
-    def empty(self, shape, dtype, device_id=0):
-        t = CudaTensor(tuple(shape), DT.from_any(dtype), 0, self.next_ptr)
-        self.next_ptr += (t.nbytes // 256 + 2) * 256
-        return t
-
-    def get_device_info(self, device_id):
-        return types.SimpleNamespace(multiprocessor_count=132,
-                                     max_grid_dims=(2**31 - 1, 65535, 65535), **self.info)
-
-    def launch_kernel(self, name, grid, *args, block_size=(256, 1, 1), shared_mem=0,
-                      device_id=0):
-        k = self.kernels[name]
-        values = [a.ptr if isinstance(a, CudaTensor) else a for a in args]
-        assert len(values) == len(k.fmt), (k.params, len(values), k.fmt)
-        struct.pack("".join("Q" if c == "P" else c for c in k.fmt), *values)
-        g, b = normalize_dims(grid, "grid"), normalize_dims(block_size, "block")
-        assert b == (k.threads, 1, 1), (k.params, b)
-        self.launches.append((k, g, shared_mem, values))
-        return 0.0
-
-
-def _defined_int(src, name):
-    """The value of an integer #define of a rendered kernel, its macros expanded (C's
-    integer division)."""
-    defs = dict(re.findall(r"^#define (\w+) (.+?)\s*(?://.*)?$", src, re.M))
-    expr = defs[name]
-    while True:
-        expanded = re.sub(r"\b[A-Z_][A-Z0-9_]*\b", lambda t: f"({defs[t.group(0)]})", expr)
-        if expanded == expr:
-            assert re.fullmatch(r"[0-9\s()+*/-]+", expr), expr
-            return int(eval(expr.replace("/", "//"), {}))   # integer arithmetic only
-        expr = expanded
-
-
-class _RecordingMath:
-    """A CudaMath stand-in over _RecordingBackend; cc: the device's compute capability
-    (None: its info has none, as before clusters)."""
-    gpu = True
-
-    def __init__(self, cc=None):
-        self.backend = _RecordingBackend(cc)
-        self.generator = KernelGenerator(backend=object())
-        self.autotuner = types.SimpleNamespace(pick=self._pick)
-
-    def _pick(self, op, key, cands, run, device_id=0, repeats=3):
-        for c in cands:
-            run(c)
-        return dict(cands[0])
-
-    def kernel(self, template, device_id, **params):
-        name, src = self.generator.render_kernel(template, **dict(params))
-        threads = re.search(r"#define THREADS (\d+)", src)   # (the reduces: block_size)
-        if template == mm.SKINNY_TEMPLATE:   # (THREADS is an expression of other macros)
-            threads = _defined_int(src, "THREADS")
-        else:
-            threads = int(threads.group(1)) if threads else params["block_size"]
-        k = types.SimpleNamespace(
-            name=name, template=template, params=params,
-            fmt=arg_format(src, name, kernel_signature(src, name)), threads=threads)
-        self.backend.kernels[name] = k
-        return k
-
-
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("fam", list(FAMS))
 @pytest.mark.parametrize("shape", [(1, 1, 1), (7, 13, 5), (129, 127, 131), (64, 200, 72),
@@ -421,7 +330,7 @@ def test_linear_launches_one_kernel_with_its_arguments(fam, shape, with_bias):
     """The GPU branch against a recording backend: after the autotuning call, one launch of
     a b_trans + bias_gelu kernel of the family's linear configs, with x, W, out, bias (or a
     null pointer), M, N, K, and a grid covering the output."""
-    m = _RecordingMath()
+    m = RecordingMath()
     dtype, prec, _ = FAMS[fam]
     M, K, N = shape
     x, w = m.backend.empty((M, K), dtype), m.backend.empty((N, K), dtype)
@@ -449,7 +358,7 @@ def test_linear_launches_one_kernel_with_its_arguments(fam, shape, with_bias):
 
 
 def test_fused_linear_gelu_launch_flattens_leading_dims():
-    m = _RecordingMath()
+    m = RecordingMath()
     x = m.backend.empty((3, 5, 33), DT.FLOAT16)
     w, b = m.backend.empty((65, 33), DT.FLOAT16), m.backend.empty((65,), DT.FLOAT16)
     y = lin.fused_linear_gelu(m, x, w, b)
@@ -595,7 +504,7 @@ def test_gpu_linear_x3_inf_nan(ml, cfg):
     x[3, 5], x[7, :] = np.inf, 0.0
     x[7, 9], x[11, 2] = -np.inf, np.nan
     tx, tw = m.from_numpy(x), m.from_numpy(w)
-    out = _poison(m, (M, N), DT.FLOAT32)
+    out = poisoned(m, (M, N), DT.FLOAT32)
     dev = m.backend.current_device
     mm.run_config(m, mm.MMA_TEMPLATE, cfg, tx, tw, out, mm.Plan(1, M, N, K, 0, 0, (M, N)),
                   DT.FLOAT32, True, dev, epilogue="bias", bias=None)
@@ -627,7 +536,7 @@ def test_gpu_linear_x3_configs(ml, cfg):
         (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (M, K), N)
         p = mm.Plan(1, M, N, K, 0, 0, (M, N))
         for bias in (tb, None):
-            out = _poison(m, (M, N), dtype)
+            out = poisoned(m, (M, N), dtype)
             vec = mm.is_vec_ok(tx, tw, out, p)   # 77x300x129: element loads; else vec
             mm.run_config(m, mm.MMA_TEMPLATE, cfg, tx, tw, out, p, dtype, vec, dev,
                           epilogue="bias_gelu", bias=bias)
@@ -657,7 +566,7 @@ def test_gpu_fused_linear_gelu_plan_path(ml, fam, monkeypatch):
             key = lin._linear_key(tx, tw, tb, prec)
             if not second:
                 m.plans.pop(key, None)
-            _poison(m, x_shape[:-1] + (n,), dtype).free()
+            poisoned(m, x_shape[:-1] + (n,), dtype).free()
             with monkeypatch.context() as mp:
                 if second:
                     mp.setattr(mm, "run_config", _no_general_path)
@@ -775,9 +684,9 @@ def test_skinny_index_math_against_numpy(cfg):
 
 
 def _skinny_recording_math(pick_skinny):
-    """A _RecordingMath whose autotuner records the candidates and picks the first skinny
+    """A RecordingMath whose autotuner records the candidates and picks the first skinny
     one (pick_skinny) or the first."""
-    m = _RecordingMath()
+    m = RecordingMath()
     m.seen = []
 
     def pick(op, key, cands, run, device_id=0, repeats=3):
@@ -829,7 +738,7 @@ def test_linear_skinny_launches(fam, shape, with_bias):
 
 
 def test_skinny_rejects_other_dtypes_and_batches():
-    m = _RecordingMath()
+    m = RecordingMath()
     cfg = {**mm.SKINNY_F32[0], "split": 2}
     x, w = m.backend.empty((8, 512), DT.FLOAT64), m.backend.empty((64, 512), DT.FLOAT64)
     out = m.backend.empty((8, 64), DT.FLOAT64)
@@ -867,7 +776,7 @@ def test_gpu_linear_skinny_configs(ml, cfg, fam):
         refs = {True: _reference(xr, wr, br), False: _reference(xr, wr, np.zeros(N))}
         for splits in _skinny_splits(cfg, p):
             for bias in (tb, None):
-                out = _poison(m, (M, N), dtype)
+                out = poisoned(m, (M, N), dtype)
                 vec = mm.is_vec_ok(tx, tw, out, p)
                 assert vec is ((M, K, N) in SKINNY_ALIGNED)
                 mm.run_config(m, mm.SIMT_TEMPLATE, cfg, tx, tw, out, p, dtype, vec, dev,
@@ -877,7 +786,7 @@ def test_gpu_linear_skinny_configs(ml, cfg, fam):
                 err = _err(got, ref, scale)
                 assert err <= bound, (cfg, (M, K, N), splits, vec, bias is not None, err)
                 if splits == 3 and bias is not None:
-                    again = _poison(m, (M, N), dtype)
+                    again = poisoned(m, (M, N), dtype)
                     mm.run_config(m, mm.SIMT_TEMPLATE, {**cfg, "split": splits}, tx, tw, again,
                                   p, dtype, vec, dev, epilogue="bias_gelu", bias=bias)
                     assert np.array_equal(m.to_numpy(again), got)
@@ -896,7 +805,7 @@ def test_gpu_linear_skinny_bias_epilogue(ml):
         (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (M, K), N)
         p = mm.Plan(1, M, N, K, 0, 0, (M, N))
         for cfg in mm.SKINNY_F32:
-            out = _poison(m, (M, N), dtype)
+            out = poisoned(m, (M, N), dtype)
             mm.run_config(m, mm.SIMT_TEMPLATE, cfg, tx, tw, out, p, dtype,
                           mm.is_vec_ok(tx, tw, out, p), dev, splits=5, epilogue="bias", bias=tb)
             ref, scale = _reference(xr, wr, br, gelu=False)
@@ -918,7 +827,7 @@ def test_gpu_linear_skinny_public_and_plan_path(ml, fam, monkeypatch):
     for M, K, N in ((32, 1024, 4096), (32, 1024, 1024)):
         (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (M, K), N)
         ref, scale = _reference(xr, wr, br)
-        _poison(m, (M, N), dtype).free()
+        poisoned(m, (M, N), dtype).free()
         y = lin.fused_linear_gelu(m, tx, tw, tb, precision=prec)
         assert _err(m.to_numpy(y), ref, scale) <= bound
         y.free()
@@ -929,7 +838,7 @@ def test_gpu_linear_skinny_public_and_plan_path(ml, fam, monkeypatch):
             mm._cache(m)[ckey] = (mm.SIMT_TEMPLATE, cfg)
             m.plans.pop(key, None)
             for second in (False, True):
-                _poison(m, (M, N), dtype).free()
+                poisoned(m, (M, N), dtype).free()
                 with monkeypatch.context() as mp:
                     if second:
                         mp.setattr(mm, "run_config", _no_general_path)
@@ -955,10 +864,10 @@ def _cluster_id(c):
 
 
 def _cluster_recording_math(cc=HOPPER):
-    """A _RecordingMath on a device of compute capability cc whose autotuner runs every
+    """A RecordingMath on a device of compute capability cc whose autotuner runs every
     candidate (each launch checked against its kernel's format and threads), records them
     and picks the first cluster one (else the first)."""
-    m = _RecordingMath(cc)
+    m = RecordingMath(cc)
     m.seen = []
 
     def pick(op, key, cands, run, device_id=0, repeats=3):

@@ -25,21 +25,18 @@ backend is in (NumPy fallback without a GPU).
 from __future__ import annotations
 
 import re
-import struct
-import types
 import zlib
 
 import numpy as np
 import pytest
-from helpers import call_through_plan
+from helpers import (RecordingMath, call_through_plan, check_finite as check, make, poisoned,
+                     tuned_math)
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
-from cuda_backend.compiler import arg_format, declared_kernels, kernel_signature
-from cuda_backend.cuda_math import CudaMath
+from cuda_backend.compiler import declared_kernels, kernel_signature
 from cuda_backend.cuda_ml import CudaML
 from cuda_backend.kernels import KernelGenerator
-from cuda_backend.launch import normalize_dims
 from cuda_backend.ops import linear as lin
 from cuda_backend.ops import matmul as mm
 from cuda_backend.ops import matmul_backward as mb
@@ -99,34 +96,11 @@ def sum_bound(terms_abs, n, axis, dtype):
     return (gamma(n, u) + U_OUT[dtype]) * terms_abs.sum(axis=axis) + ATOL[dtype]
 
 
-def check(out, ref, bound, what=""):
-    """|out - ref| <= bound elementwise."""
-    out = np.asarray(out, np.float64)
-    assert out.shape == ref.shape, (what, out.shape, ref.shape)
-    assert np.isfinite(out).all(), (what, "non-finite output")
-    err = np.abs(out - ref)
-    bad = ~(err <= bound)
-    assert not bad.any(), (what, int(bad.sum()), float(np.max(err[bad] / bound[bad])),
-                           out[bad][:4], ref[bad][:4])
-
-
 @pytest.fixture(scope="module")
 def apis(backend, tmp_path_factory):
     """A CudaMath whose autotuner writes to a temporary file, and its CudaML."""
-    from cuda_backend.autotune import Autotuner
-    m = CudaMath(backend)
-    m._autotuner = Autotuner(backend, path=str(tmp_path_factory.mktemp("tune") / "t.json"))
+    m = tuned_math(backend, tmp_path_factory)
     return m, CudaML(m)
-
-
-def host_dtype(dtype):
-    return np.float32 if dtype is DT.BFLOAT16 else dtype.numpy_dtype
-
-
-def make(m, values, dtype):
-    """(tensor, its stored values in float64)."""
-    t = m.from_numpy(np.asarray(values, np.float64).astype(host_dtype(dtype)), dtype=dtype)
-    return t, m.to_numpy(t).astype(np.float64)
 
 
 def stored(m, t):
@@ -642,63 +616,6 @@ def test_gelu_grad_kernels_take_g_after_bias():
 
 
 # -- launches on a recording backend (anywhere) ---------------------------------------------
-class RecordingBackend:
-    """Records launches instead of running them: each must pack with its kernel's parameter
-    format and use the template's thread count."""
-
-    is_available = True
-    current_device = 0
-
-    def __init__(self):
-        self.next_ptr = 1 << 20
-        self.kernels = {}
-        self.launches = []
-
-    def empty(self, shape, dtype, device_id=0):
-        t = CudaTensor(tuple(shape), DT.from_any(dtype), 0, self.next_ptr)
-        self.next_ptr += (t.nbytes // 256 + 2) * 256
-        return t
-
-    def get_device_info(self, device_id):
-        return types.SimpleNamespace(multiprocessor_count=132,
-                                     max_grid_dims=(2**31 - 1, 65535, 65535))
-
-    def launch_kernel(self, name, grid, *args, block_size=(256, 1, 1), shared_mem=0,
-                      device_id=0):
-        k = self.kernels[name]
-        values = [a.ptr if isinstance(a, CudaTensor) else a for a in args]
-        assert len(values) == len(k.fmt), (k.params, len(values), k.fmt)
-        struct.pack("".join("Q" if c == "P" else c for c in k.fmt), *values)
-        g, b = normalize_dims(grid, "grid"), normalize_dims(block_size, "block")
-        assert b == (k.threads, 1, 1), (k.params, b)
-        self.launches.append((k, g, shared_mem, values))
-
-
-class RecordingMath:
-    gpu = True
-
-    def __init__(self):
-        self.backend = RecordingBackend()
-        self.autotuner = types.SimpleNamespace(pick=self._pick)
-        self.picked = None
-
-    def _pick(self, op, key, cands, run, device_id=0, repeats=3):
-        self.picked = (op, cands)
-        for c in cands:
-            run(c)
-        return dict(cands[0])
-
-    def kernel(self, template, device_id, **params):
-        name, src = GEN.render_kernel(template, **dict(params))
-        threads = re.search(r"#define THREADS (\d+)", src)
-        k = types.SimpleNamespace(
-            name=name, template=template, params=params,
-            fmt=arg_format(src, name, kernel_signature(src, name)),
-            threads=int(threads.group(1)) if threads else params["block_size"])
-        self.backend.kernels[name] = k
-        return k
-
-
 @pytest.mark.parametrize("fam", ["fp32", "fp64", "fp16", "bf16"])
 @pytest.mark.parametrize("shape", [(1, 3, 1), (130, 3000, 136), (4096, 32, 1024),
                                    (3, 131, 7, 5)])
@@ -769,15 +686,6 @@ def test_gelu_grad_recompute_passes_g(shape):
 
 
 # -- GPU: every candidate config of the new modes -------------------------------------------
-def _poisoned(m, shape, dtype):
-    out = m.create_tensor(shape, dtype)
-    if out.size:
-        host = np.full(shape, 0x7FC0, np.uint16) if dtype is DT.BFLOAT16 else \
-            np.full(shape, np.nan, dtype.numpy_dtype)
-        m.backend.copy_to_device(host, out)
-    return out
-
-
 def _shifted(m, values, dtype):
     """A tensor of values one element past a 16-byte aligned pointer: (view, base)."""
     values = np.asarray(values, np.float64)
@@ -816,7 +724,7 @@ def test_gpu_every_tn_config_is_correct(apis, fam):
         p = mm.plan_shapes(ta.shape[:-2] + (M, K), tb.shape)
         for cfg in mm.tn_configs(dtype, prec, vec):
             for splits in ((1, 3) if template == mm.SIMT_TEMPLATE else (None,)):
-                out = _poisoned(m, ref.shape, dtype)
+                out = poisoned(m, ref.shape, dtype)
                 assert mm.is_vec_ok(ta, tb, out, p, a_trans=True) is vec
                 mm.run_config(m, template, cfg, ta, tb, out, p, dtype, vec, dev,
                               splits=splits, a_trans=True)
@@ -853,7 +761,7 @@ def test_gpu_every_gelu_grad_config_is_correct(apis, fam):
             # the linear configs, and the skinny split-K ones (M <= 64) at their split counts
             cands = mm.linear_configs(dtype, pn, vec) + mm.skinny_candidates(dtype, pn, p, 132)
             for cfg in cands:
-                out = _poisoned(m, (M, N), dtype)
+                out = poisoned(m, (M, N), dtype)
                 assert mm.is_vec_ok(tx, tw, out, p) is vec
                 mm.run_config(m, mm.config_template(cfg, family), cfg, tx, tw, out, p, dtype,
                               vec, dev, epilogue=mm.GRAD_EPILOGUE, bias=tb, grad=tg)

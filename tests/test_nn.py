@@ -24,6 +24,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import fd_grad
 
 from cuda_backend import autograd as ag
 from cuda_backend import nn, optim
@@ -238,20 +239,6 @@ def avgpool2(z):
     return z.reshape(N, K, P // 2, 2, Q // 2, 2).mean(axis=(3, 5))
 
 
-def fd(f, arrays, i):
-    x = arrays[i]
-    g = np.zeros_like(x)
-    for idx in np.ndindex(x.shape):
-        old = x[idx]
-        x[idx] = old + H
-        hi = f(*arrays)
-        x[idx] = old - H
-        lo = f(*arrays)
-        x[idx] = old
-        g[idx] = (hi - lo) / (2 * H)
-    return g
-
-
 def test_conv_block_gradients_against_float64(m):
     needs("conv2d_backward", "avg_pool2d_backward")
     from cuda_backend.cuda_ml import ConvolutionConfig
@@ -265,7 +252,7 @@ def test_conv_block_gradients_against_float64(m):
 
     def f(x_, w_, b_):
         return float((avgpool2(np.maximum(conv_ref(x_, w_, b_, 1), 0)) * R64).sum())
-    refs = [fd(f, [X64.copy(), W64.copy(), B64.copy()], i) for i in range(3)]
+    refs = [fd_grad(f, [X64.copy(), W64.copy(), B64.copy()], i, H) for i in range(3)]
     # the bound: z's rounding must not flip a ReLU, then gamma_n * sum|terms| per gradient
     z64 = conv_ref(X64, W64, B64, 1)
     z_err = gamma(3 * 9 + 1) * conv_ref(np.abs(X64), np.abs(W64), np.abs(B64), 1)
@@ -278,7 +265,8 @@ def test_conv_block_gradients_against_float64(m):
              lambda x_, w_, b_: float((conv_ref(0 * X64, 0 * w_, b_, 1) * gz).sum())]
     lengths = [4 * 9, 2 * 7 * 6, 2 * 7 * 6]                      # K R S; N P Q; N P Q
     for t, ref, fa, n, name in zip((x, w, b), refs, f_abs, lengths, ("dx", "dw", "db")):
-        mag = fd(fa, [X64.copy(), W64.copy(), B64.copy()], ("dx", "dw", "db").index(name))
+        mag = fd_grad(fa, [X64.copy(), W64.copy(), B64.copy()], ("dx", "dw", "db").index(name),
+                      H)
         bound = gamma(n) * np.abs(mag) + 1e-9
         err = np.abs(host(m, t.grad) - ref)
         assert np.all(err <= bound), (name, float((err / bound).max()))
@@ -327,7 +315,7 @@ def test_attention_gradients_against_float64(m, causal):
         return float((reference(q_, k_, v_, scale, causal) * R).sum())
     bounds = attention_bound(*arrays, R.astype(np.float64), scale, causal)
     for i, (t, bound) in enumerate(zip(leaves, bounds)):
-        ref = fd(f, [a.copy() for a in arrays], i)
+        ref = fd_grad(f, [a.copy() for a in arrays], i, H)
         err = np.abs(host(m, t.grad) - ref)
         assert np.all(err <= bound + 1e-9), ("dq dk dv".split()[i], float((err / bound).max()))
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import call_through_plan
+from helpers import (ATOL, EPS64, FLOATS, U_ACC, U_OUT, call_through_plan, check, make,
+                     misaligned)
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -35,56 +36,16 @@ from cuda_backend.cuda_ml import CudaML
 from cuda_backend.driver import load_driver
 from cuda_backend.ops import normalization_backward as nb
 from cuda_backend.performance import cases_ml
-from cuda_backend.tensor import CudaTensor
 
-FLOATS = [DT.FLOAT32, DT.FLOAT64, DT.FLOAT16, DT.BFLOAT16]
 GPU = load_driver()[0] is not None
 # odd row lengths, and 9000: longer than any register plan (8192; float64 4096): loop mode
 ROW_LENGTHS = [1, 7, 33, 1000, 4097, 9000]
-U_OUT = {DT.FLOAT32: 2.0**-24, DT.FLOAT64: 2.0**-53, DT.FLOAT16: 2.0**-11, DT.BFLOAT16: 2.0**-8}
-U_ACC = {DT.FLOAT32: 2.0**-24, DT.FLOAT64: 2.0**-53, DT.FLOAT16: 2.0**-24,
-         DT.BFLOAT16: 2.0**-24}
-# the absolute floor: half the spacing of float16's subnormals (its outputs round there),
-# else far below any value tested
-ATOL = {DT.FLOAT32: 1e-30, DT.FLOAT64: 1e-300, DT.FLOAT16: 2.0**-25, DT.BFLOAT16: 1e-30}
-EPS64 = 2.0**-52
 
 
 @pytest.fixture(scope="module")
 def apis(backend):
     m = CudaMath(backend)
     return m, CudaML(m)
-
-
-def host_dtype(dtype):
-    return np.float32 if dtype is DT.BFLOAT16 else dtype.numpy_dtype
-
-
-def make(m, values, dtype):
-    """(tensor, its stored values in float64)."""
-    t = m.from_numpy(np.asarray(values, np.float64).astype(host_dtype(dtype)), dtype=dtype)
-    return t, m.to_numpy(t).astype(np.float64)
-
-
-def misaligned(m, values, dtype):
-    """A view of values one element past a 16-byte aligned pointer (the element paths):
-    (view, base to free, stored values)."""
-    values = np.asarray(values, np.float64)
-    base, h = make(m, np.concatenate([[0.0], values.ravel()]), dtype)
-    v = CudaTensor(values.shape, dtype, base.device_id, base.ptr + dtype.itemsize, owner=base)
-    return v, base, h[1:].reshape(values.shape)
-
-
-def check(out, ref, bound, what=""):
-    """|out - ref| <= bound elementwise, NaN where ref is NaN."""
-    out = np.asarray(out, np.float64)
-    assert out.shape == ref.shape, (what, out.shape, ref.shape)
-    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref), err_msg=what)
-    ok = ~np.isnan(ref)
-    err = np.abs(out[ok] - ref[ok])
-    bad = ~(err <= bound[ok])
-    assert not bad.any(), (what, int(bad.sum()), float(np.max(err[bad] / bound[ok][bad])),
-                           out[ok][bad][:4], ref[ok][bad][:4])
 
 
 def row_depth(D):

@@ -18,7 +18,8 @@ import math
 
 import numpy as np
 import pytest
-from helpers import call_through_plan
+from helpers import (ATOL, EPS64, FLOATS, U_ACC, U_OUT, call_through_plan, check, host_dtype,
+                     make)
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -28,14 +29,7 @@ from cuda_backend.ops import pooling_backward as pb
 from cuda_backend.ops.pooling import fast_divisor, output_shape
 from cuda_backend.tensor import CudaTensor
 
-FLOATS = [DT.FLOAT32, DT.FLOAT64, DT.FLOAT16, DT.BFLOAT16]
 KINDS = ["max", "avg"]
-U_OUT = {DT.FLOAT32: 2.0**-24, DT.FLOAT64: 2.0**-53, DT.FLOAT16: 2.0**-11, DT.BFLOAT16: 2.0**-8}
-U_ACC = {DT.FLOAT32: 2.0**-24, DT.FLOAT64: 2.0**-53, DT.FLOAT16: 2.0**-24,
-         DT.BFLOAT16: 2.0**-24}
-# half the spacing of float16's subnormals (its outputs round there), else far below any value
-ATOL = {DT.FLOAT32: 1e-30, DT.FLOAT64: 1e-300, DT.FLOAT16: 2.0**-25, DT.BFLOAT16: 1e-30}
-EPS64 = 2.0**-52
 # (input shape, pool_size, stride, padding): odd sizes, overlapping windows (stride < window),
 # padding, windows that leave rows/columns out, 1-wide windows, the 2x2 layer
 CASES = [
@@ -59,16 +53,6 @@ CASES = [
 def apis(backend):
     m = CudaMath(backend)
     return m, CudaML(m)
-
-
-def host_dtype(dtype):
-    return np.float32 if dtype is DT.BFLOAT16 else dtype.numpy_dtype
-
-
-def make(m, values, dtype):
-    """(tensor, its stored values in float64)."""
-    t = m.from_numpy(np.asarray(values, np.float64).astype(host_dtype(dtype)), dtype=dtype)
-    return t, m.to_numpy(t).astype(np.float64)
 
 
 def triple(pool_size, stride, padding):
@@ -126,17 +110,6 @@ def bound(kind, g, x, pool_size, stride, padding, ref, dtype):
     S = brute(kind, np.abs(g), x, pool_size, stride, padding)
     t = terms(pool_size, stride, padding) - (kind == "max")
     return U_OUT[dtype] * np.abs(ref) + t * U_ACC[dtype] * S + ATOL[dtype]
-
-
-def check(out, ref, b, what=""):
-    """|out - ref| <= b elementwise, NaN where ref is NaN."""
-    out = np.asarray(out, np.float64)
-    assert out.shape == ref.shape, (what, out.shape, ref.shape)
-    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref), err_msg=what)
-    ok = ~np.isnan(ref)
-    err = np.abs(out[ok] - ref[ok])
-    bad = ~(err <= b[ok])
-    assert not bad.any(), (what, int(bad.sum()), out[ok][bad][:4], ref[ok][bad][:4])
 
 
 def backward(ml, kind, g, x, pool_size, stride=None, padding=(0, 0)):
@@ -236,6 +209,18 @@ def test_max_ties_nan_and_infinities(apis, dtype):
     np.testing.assert_array_equal(got, want)
 
 
+def special_operands(m, rng, shape, k, s, p, dtype, nan_share, inf_share=None):
+    """x with ties, NaN and +-inf (special_input) and g with a share of NaN (then, given
+    inf_share, of -inf) on the device: (x, its stored values, g, its stored values)."""
+    x, hx = make(m, special_input(rng, shape), dtype)
+    gv = rng.standard_normal(out_shape(shape, k, s, p))
+    gv.reshape(-1)[rng.random(gv.size) < nan_share] = np.nan
+    if inf_share is not None:
+        gv.reshape(-1)[rng.random(gv.size) < inf_share] = -np.inf
+    g, hg = make(m, gv, dtype)
+    return x, hx, g, hg
+
+
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
 @pytest.mark.parametrize("kind", KINDS)
 def test_special_values(apis, kind, dtype):
@@ -243,11 +228,7 @@ def test_special_values(apis, kind, dtype):
     m, ml = apis
     rng = np.random.default_rng(4)
     for shape, k, s, p in CASES:
-        x, hx = make(m, special_input(rng, shape), dtype)
-        gv = rng.standard_normal(out_shape(shape, k, s, p))
-        gv.reshape(-1)[rng.random(gv.size) < 0.03] = np.nan
-        gv.reshape(-1)[rng.random(gv.size) < 0.03] = -np.inf
-        g, hg = make(m, gv, dtype)
+        x, hx, g, hg = special_operands(m, rng, shape, k, s, p, dtype, 0.03, 0.03)
         ref = brute(kind, hg, hx, k, s, p)
         with np.errstate(invalid="ignore"):
             b = bound(kind, hg, hx, k, s, p, ref, dtype)
@@ -624,10 +605,7 @@ def test_gpu_special_values_every_mode(apis, kind, dtype):
     rng = np.random.default_rng(11)
     for shape, ps, st, pd in GPU_CASES:
         k, s, p = triple(ps, st, pd)
-        x, hx = make(m, special_input(rng, shape), dtype)
-        gv = rng.standard_normal(out_shape(shape, k, s, p))
-        gv.reshape(-1)[rng.random(gv.size) < 0.02] = np.nan
-        g, hg = make(m, gv, dtype)
+        x, hx, g, hg = special_operands(m, rng, shape, k, s, p, dtype, 0.02)
         ref = brute(kind, hg, hx, k, s, p)
         b = bound(kind, hg, hx, k, s, p, ref, dtype)
         for mode in pb.modes(kind, shape, k, s, p, dtype):

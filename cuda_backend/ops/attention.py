@@ -18,7 +18,7 @@ ops/attention_backward.py takes to recompute the probabilities.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -109,15 +109,7 @@ def check_inputs(q: Any, k: Any, v: Any) -> CudaDataType:
             raise InvalidArgumentError(
                 f"flash_attention needs 4-D (batch, heads, seq, head_dim) tensors, got {name} "
                 f"of shape {t.shape}")
-    shapes = f"q {q.shape}, k {k.shape}, v {v.shape}"
-    if k.shape != v.shape:
-        raise ShapeMismatchError(f"flash_attention: k and v must have the same shape; got {shapes}")
-    if q.shape[:2] != k.shape[:2]:
-        raise ShapeMismatchError(
-            f"flash_attention: q, k and v must share (batch, heads); got {shapes}")
-    if q.shape[3] != k.shape[3]:
-        raise ShapeMismatchError(
-            f"flash_attention: q and k must share head_dim; got {shapes}")
+    shapes = match_shapes(q, k, v, "flash_attention")
     dtype = common.same_dtype(q, k, v)
     common.require_dtype(q, DTYPES, "flash_attention")
     common.same_device(q, k, v)
@@ -126,6 +118,19 @@ def check_inputs(q: Any, k: Any, v: Any) -> CudaDataType:
             f"flash_attention supports head_dim up to {MAX_HEAD_DIM}, got head_dim "
             f"{q.shape[3]} ({shapes})")
     return dtype
+
+
+def match_shapes(q: CudaTensor, k: CudaTensor, v: CudaTensor, op: str) -> str:
+    """Raise ShapeMismatchError unless k and v have one shape sharing q's (batch, heads) and
+    head_dim (all 4-D); returns the shapes as the error messages name them."""
+    shapes = f"q {q.shape}, k {k.shape}, v {v.shape}"
+    if k.shape != v.shape:
+        raise ShapeMismatchError(f"{op}: k and v must have the same shape; got {shapes}")
+    if q.shape[:2] != k.shape[:2]:
+        raise ShapeMismatchError(f"{op}: q, k and v must share (batch, heads); got {shapes}")
+    if q.shape[3] != k.shape[3]:
+        raise ShapeMismatchError(f"{op}: q and k must share head_dim; got {shapes}")
+    return shapes
 
 
 def resolve_scale(scale: Any, d: int) -> float:
@@ -228,8 +233,8 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
     flag = int(causal)
     isfinite = math.isfinite
 
-    def run(q: CudaTensor, k: CudaTensor, v: CudaTensor,
-            scale: Optional[float]) -> Optional[CudaTensor]:
+    def run(q: CudaTensor, k: CudaTensor, v: CudaTensor, scale: Optional[float]) -> Any:
+        """out, or with_lse (out, lse) with the log-sum-exp written too."""
         pq, pk, pv = q._ptr, k._ptr, v._ptr
         if pq is None or pk is None or pv is None or q.stream is not None or \
                 k.stream is not None or v.stream is not None:
@@ -242,42 +247,20 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
             return None   # the general path's error
         out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
         po = out._ptr
+        lse = None
         try:
-            go(pq, pk, pv, po, 0, Sq, Skv, D, sc, flag,
+            if with_lse:
+                lse = pool_tensor(lse_shape, f32, dev, alloc(lse_nbytes), pool, lse_size,
+                                  lse_nbytes)
+            go(pq, pk, pv, po, 0 if lse is None else lse._ptr, Sq, Skv, D, sc, flag,
                int(d_vec and not (pq | pk | pv) & 15), int(d_pair and not po & 7))
         except BaseException:
             out.free()   # as the general path: nothing leaks from a failed launch
-            raise
-        return out
-
-    def run_lse(q: CudaTensor, k: CudaTensor, v: CudaTensor,
-                scale: Optional[float]) -> Optional[Tuple[CudaTensor, CudaTensor]]:
-        """run, also writing the log-sum-exp: (out, lse)."""
-        pq, pk, pv = q._ptr, k._ptr, v._ptr
-        if pq is None or pk is None or pv is None or q.stream is not None or \
-                k.stream is not None or v.stream is not None:
-            return None
-        if scale is None:
-            sc = scaled
-        elif isfinite(scale):
-            sc = scale * LOG2E
-        else:
-            return None
-        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
-        po = out._ptr
-        lse = None
-        try:
-            lse = pool_tensor(lse_shape, f32, dev, alloc(lse_nbytes), pool, lse_size,
-                              lse_nbytes)
-            go(pq, pk, pv, po, lse._ptr, Sq, Skv, D, sc, flag,
-               int(d_vec and not (pq | pk | pv) & 15), int(d_pair and not po & 7))
-        except BaseException:
-            out.free()
             if lse is not None:
                 lse.free()
             raise
-        return out, lse
-    return run_lse if with_lse else run
+        return (out, lse) if with_lse else out
+    return run
 
 
 def _compute(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor, out: CudaTensor,
@@ -328,13 +311,8 @@ def _bucket(x: int) -> int:
 
 
 def _kernel(m: Any, template: str, dev: int, params: Dict[str, Any]) -> Any:
-    """m.kernel(template, dev, **params), memoized on m by the parameter items."""
-    cache = m.__dict__.setdefault("_attention_kernels", {})
-    key = (template, dev, tuple(sorted(params.items())))
-    k = cache.get(key)
-    if k is None:
-        k = cache[key] = m.kernel(template, dev, **params)
-    return k
+    """m.kernel(template, dev, **params), memoized on m (ops/common.py memo_kernel)."""
+    return common.memo_kernel(m, "_attention_kernels", template, dev, params)
 
 
 def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:

@@ -138,13 +138,8 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
 
 
 def _kernel(m: Any, template: str, dev: int, params: Dict[str, Any]) -> Any:
-    """m.kernel(template, dev, **params), memoized on m by the parameter items."""
-    cache = m.__dict__.setdefault("_attention_bwd_kernels", {})
-    key = (template, dev, tuple(sorted(params.items())))
-    k = cache.get(key)
-    if k is None:
-        k = cache[key] = m.kernel(template, dev, **params)
-    return k
+    """m.kernel(template, dev, **params), memoized on m (ops/common.py memo_kernel)."""
+    return common.memo_kernel(m, "_attention_bwd_kernels", template, dev, params)
 
 
 def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
@@ -202,13 +197,7 @@ def check_inputs(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> C
             raise InvalidArgumentError(
                 f"{NAME} needs 4-D (batch, heads, seq, head_dim) tensors, got {name} of "
                 f"shape {t.shape}")
-    shapes = f"q {q.shape}, k {k.shape}, v {v.shape}"
-    if k.shape != v.shape:
-        raise ShapeMismatchError(f"{NAME}: k and v must have the same shape; got {shapes}")
-    if q.shape[:2] != k.shape[:2]:
-        raise ShapeMismatchError(f"{NAME}: q, k and v must share (batch, heads); got {shapes}")
-    if q.shape[3] != k.shape[3]:
-        raise ShapeMismatchError(f"{NAME}: q and k must share head_dim; got {shapes}")
+    shapes = attention.match_shapes(q, k, v, NAME)
     for name, t in (("grad_out", grad_out), ("out", out)):
         if t.shape != q.shape:
             raise ShapeMismatchError(

@@ -1,7 +1,7 @@
 """Helpers every op module uses: operand checks, broadcasting, launch sizing, host fallback."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -166,6 +166,17 @@ def compile_all(m: Any, jobs: Sequence[Tuple[str, dict]], device_id: Optional[in
     return len(jobs)
 
 
+def memo_kernel(m: Any, cache: str, template: str, dev: int, params: Dict[str, Any]) -> Any:
+    """m.kernel(template, dev, **params), memoized on m (in its attribute `cache`, one per op
+    module) by the parameter items: skips the generator's JSON key on the per-call path."""
+    memo = m.__dict__.setdefault(cache, {})
+    key = (template, dev, tuple(sorted(params.items())))
+    k = memo.get(key)
+    if k is None:
+        k = memo[key] = m.kernel(template, dev, **params)
+    return k
+
+
 # -- per-call plans -----------------------------------------------------------------------
 MAX_PLANS = 4096   # per CudaMath; the cache is cleared when it would grow past this
 
@@ -184,6 +195,15 @@ def remember_plan(m: Any, key: tuple, plan: Any) -> Any:
         plans.clear()
     plans[key] = plan
     return plan
+
+
+def plan_pointer(t: Any, shape: Tuple[int, ...], dtype: CudaDataType, dev: int) -> Optional[int]:
+    """t's device pointer when t is a live CudaTensor of this shape, dtype and device on the
+    default stream (an optional operand as a per-call plan was made for), else None."""
+    if type(t) is not CudaTensor or t.shape != shape or t.dtype is not dtype or \
+            t.device_id != dev or t.stream is not None:
+        return None
+    return t._ptr
 
 
 def is_scalar(x: Any) -> bool:

@@ -41,8 +41,9 @@ INT_MAX = 2**31 - 1
 _PRECISIONS = {None: None, "fp32": "fp32", "highest": "fp32", "ieee": "fp32", "tf32": "tf32"}
 
 
-def _simt(bm: int, bn: int, bk: int, tm: int, tn: int, slices: int, stages: int,
-          min_blocks: int) -> Dict[str, int]:
+def simt_config(bm: int, bn: int, bk: int, tm: int, tn: int, slices: int, stages: int,
+                min_blocks: int) -> Dict[str, int]:
+    """A CUDA-core implicit-GEMM tile config (also ops/conv2d_backward.py's dgrad's)."""
     return {"bm": bm, "bn": bn, "bk": bk, "tm": tm, "tn": tn, "slices": slices,
             "stages": stages, "min_blocks": min_blocks}
 
@@ -55,12 +56,12 @@ def _mma(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int,
 
 # -- tile configs ------------------------------------------------------------------------
 # SIMT: threads = (bm / tm) * (bn / tn) * slices; shared = slices * stages * bk * (bm + bn) * 4.
-S_128x128x8 = _simt(128, 128, 8, 8, 8, 1, 4, 2)     # 256 threads, 32 KB
-S_128x128x16 = _simt(128, 128, 16, 8, 8, 1, 3, 2)   # 256 threads, 48 KB
-S_128x64x8 = _simt(128, 64, 8, 8, 8, 1, 3, 3)       # 128 threads, 18 KB
-S_64x64x8s2 = _simt(64, 64, 8, 8, 8, 2, 3, 3)       # 64 threads x 2 k-slices, 24 KB
-S_64x32x8s2 = _simt(64, 32, 8, 4, 4, 2, 3, 4)       # 128 threads x 2 k-slices, 18 KB
-S_32x32x8s4 = _simt(32, 32, 8, 4, 4, 4, 3, 4)       # 64 threads x 4 k-slices, 24 KB
+S_128x128x8 = simt_config(128, 128, 8, 8, 8, 1, 4, 2)    # 256 threads, 32 KB
+S_128x128x16 = simt_config(128, 128, 16, 8, 8, 1, 3, 2)  # 256 threads, 48 KB
+S_128x64x8 = simt_config(128, 64, 8, 8, 8, 1, 3, 3)      # 128 threads, 18 KB
+S_64x64x8s2 = simt_config(64, 64, 8, 8, 8, 2, 3, 3)      # 64 threads x 2 k-slices, 24 KB
+S_64x32x8s2 = simt_config(64, 32, 8, 4, 4, 2, 3, 4)      # 128 threads x 2 k-slices, 18 KB
+S_32x32x8s4 = simt_config(32, 32, 8, 4, 4, 4, 3, 4)      # 64 threads x 4 k-slices, 24 KB
 SIMT_CONFIGS = (S_128x128x8, S_128x128x16, S_128x64x8, S_64x64x8s2, S_64x32x8s2, S_32x32x8s4)
 
 # mma.sync TF32 (4-byte elements): threads = (bm / wm) * (bn / wn) * 32.
@@ -336,13 +337,9 @@ def _fast_plan(m: Any, g: Geometry, dtype: CudaDataType, prec: Optional[str], de
         px, pw = x._ptr, w._ptr
         if px is None or pw is None or x.stream is not None or w.stream is not None:
             return None
-        pb = 0
-        if has_bias:
-            if type(bias) is not CudaTensor or bias.shape != kshape or \
-                    bias.dtype is not dtype or bias.device_id != dev or \
-                    bias.stream is not None or bias._ptr is None:
-                return None
-            pb = bias._ptr
+        pb = common.plan_pointer(bias, kshape, dtype, dev) if has_bias else 0
+        if pb is None:
+            return None
         out = pool_tensor(out_shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
         po = out._ptr
         try:
@@ -538,14 +535,8 @@ def _bucket(v: int) -> int:
 
 
 def _kernel(m: Any, template: str, dev: int, params: Dict[str, Any]) -> Any:
-    """m.kernel(template, dev, **params), memoized on m by the parameter items (skips the
-    generator's JSON key on the per-call path)."""
-    cache = m.__dict__.setdefault("_conv2d_kernels", {})
-    key = (template, dev, tuple(sorted(params.items())))
-    k = cache.get(key)
-    if k is None:
-        k = cache[key] = m.kernel(template, dev, **params)
-    return k
+    """m.kernel(template, dev, **params), memoized on m (ops/common.py memo_kernel)."""
+    return common.memo_kernel(m, "_conv2d_kernels", template, dev, params)
 
 
 def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8,

@@ -67,12 +67,6 @@ WORKSPACE_CAP = 256 << 20      # bytes of wgrad partials at most (fewer splits b
 MIN_SPLIT_TILES = 32           # k-tiles (of bk pixels) per wgrad split at least
 
 
-def _dg(bm: int, bn: int, bk: int, tm: int, tn: int, slices: int, stages: int,
-        min_blocks: int) -> Dict[str, int]:
-    return {"bm": bm, "bn": bn, "bk": bk, "tm": tm, "tn": tn, "slices": slices,
-            "stages": stages, "min_blocks": min_blocks}
-
-
 def _wg(bm: int, bn: int, bk: int, tm: int, tn: int, stages: int,
         min_blocks: int) -> Dict[str, int]:
     return {"bm": bm, "bn": bn, "bk": bk, "tm": tm, "tn": tn, "stages": stages,
@@ -80,7 +74,9 @@ def _wg(bm: int, bn: int, bk: int, tm: int, tn: int, stages: int,
 
 
 # -- tile configs ------------------------------------------------------------------------
-# dgrad: threads = (bm / tm) * (bn / tn) * slices over GEMM (pixels, C/groups).
+# dgrad (the forward's SIMT configs): threads = (bm / tm) * (bn / tn) * slices over GEMM
+# (pixels, C/groups).
+_dg = fwd.simt_config
 D_128x128x8 = _dg(128, 128, 8, 8, 8, 1, 4, 2)     # 256 threads, 33 KB
 D_128x128x16 = _dg(128, 128, 16, 8, 8, 1, 3, 2)   # 256 threads, 50 KB
 D_128x64x8 = _dg(128, 64, 8, 8, 8, 1, 4, 3)       # 128 threads, 25 KB
@@ -135,13 +131,8 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
 
 
 def _kernel(m: Any, template: str, dev: int, params: Dict[str, Any]) -> Any:
-    """m.kernel(template, dev, **params), memoized on m by the parameter items."""
-    cache = m.__dict__.setdefault("_conv2d_bwd_kernels", {})
-    key = (template, dev, tuple(sorted(params.items())))
-    k = cache.get(key)
-    if k is None:
-        k = cache[key] = m.kernel(template, dev, **params)
-    return k
+    """m.kernel(template, dev, **params), memoized on m (ops/common.py memo_kernel)."""
+    return common.memo_kernel(m, "_conv2d_bwd_kernels", template, dev, params)
 
 
 def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8,

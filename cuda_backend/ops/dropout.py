@@ -139,6 +139,22 @@ def _keep_prob(keep_prob: Any) -> float:
     return p
 
 
+def _planned(m: Any, key: tuple, x: CudaTensor, seed: Any) -> Any:
+    """The per-call plan of key (ops/common.py remember_plan) run on (x, seed); None when
+    there is none, launches are not direct, or it declines the call."""
+    fast = m.plans.get(key)
+    if fast is not None and m.backend.direct_launch(x.device_id):
+        return fast(x, seed)
+    return None
+
+
+def _checked(x: Any, name: str, op: str, keep_prob: Any) -> float:
+    """Check the tensor x (called name) and its dtype for op; returns keep_prob checked."""
+    common.check_tensor(x, name)
+    common.require_dtype(x, DTYPES, op)
+    return _keep_prob(keep_prob)
+
+
 def dropout(m: Any, x: CudaTensor, keep_prob: float = 0.5, seed: Optional[int] = None,
             return_mask: bool = False, out: Optional[CudaTensor] = None,
             mask: Optional[CudaTensor] = None) -> Union[CudaTensor, Tuple[CudaTensor, CudaTensor]]:
@@ -148,14 +164,11 @@ def dropout(m: Any, x: CudaTensor, keep_prob: float = 0.5, seed: Optional[int] =
             and type(return_mask) is bool:
         # the per-call plan (ops/common.py remember_plan): the seed is an argument of it,
         # not part of the key
-        fast = m.plans.get(("dropout", x.shape, x.dtype, x.device_id, keep_prob, return_mask))
-        if fast is not None and m.backend.direct_launch(x.device_id):
-            res = fast(x, seed)
-            if res is not None:
-                return res
-    common.check_tensor(x, "tensor")
-    common.require_dtype(x, DTYPES, "dropout")
-    p = _keep_prob(keep_prob)
+        res = _planned(m, ("dropout", x.shape, x.dtype, x.device_id, keep_prob, return_mask),
+                       x, seed)
+        if res is not None:
+            return res
+    p = _checked(x, "tensor", "dropout", keep_prob)
     s = _seed(seed)
     for t, name, dt in ((out, "out", x.dtype), (mask, "mask", CudaDataType.UINT8)):
         if t is not None:
@@ -179,15 +192,11 @@ def dropout_backward(m: Any, grad_out: CudaTensor, keep_prob: float, seed: int) 
     NaN or inf gradient stays NaN). The seed must be the int the forward used."""
     if type(grad_out) is CudaTensor and type(keep_prob) is float and type(seed) is int:
         # the per-call plan (ops/common.py remember_plan): the seed is an argument of it
-        fast = m.plans.get(("dropout_backward", grad_out.shape, grad_out.dtype,
-                            grad_out.device_id, keep_prob))
-        if fast is not None and m.backend.direct_launch(grad_out.device_id):
-            res = fast(grad_out, seed)
-            if res is not None:
-                return res
-    common.check_tensor(grad_out, "grad_out")
-    common.require_dtype(grad_out, DTYPES, "dropout_backward")
-    p = _keep_prob(keep_prob)
+        res = _planned(m, ("dropout_backward", grad_out.shape, grad_out.dtype,
+                           grad_out.device_id, keep_prob), grad_out, seed)
+        if res is not None:
+            return res
+    p = _checked(grad_out, "grad_out", "dropout_backward", keep_prob)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise InvalidArgumentError(
             f"dropout_backward needs the seed the forward dropout drew its mask with (an "

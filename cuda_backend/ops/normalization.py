@@ -251,7 +251,7 @@ def _bn_geometry(layout: str, N: int, C: int, S: int, vec_ok: int, vec: int,
     tail = (N, C, N * C * SW, *fast_divisor(SW), *fast_divisor(C)[1:], vec_ok)
     grid, block = _normalize_geometry(layout, N, C, S, w)
     if layout == "nc":
-        bx, by = _nc_block(C // w)
+        bx, by = nc_block(C // w)
         gx = -(-(C // w) // bx)
         splits = max(1, min(-(-N // by), -(-(sm * STATS_BLOCKS_PER_SM) // gx), 65535))
         stats_grid, stats_block = (gx, splits, 1), (bx, by, 1)
@@ -341,13 +341,13 @@ def _bn_plan(m: Any, x: CudaTensor, eps: float, momentum: float, training: bool,
     return run
 
 
-def _nc_block(columns: int) -> Tuple[int, int]:
-    """(bx, by) with bx*by = BLOCK: bx threads across the column vectors (a power of two,
-    at least a warp), by rows."""
+def nc_block(columns: int, block: int = BLOCK) -> Tuple[int, int]:
+    """(bx, by) with bx*by = block: bx threads across the column vectors (a power of two,
+    at least a warp), by rows (also ops/normalization_backward.py's)."""
     bx = 32
-    while bx < columns and bx < BLOCK:
+    while bx < columns and bx < block:
         bx *= 2
-    return bx, BLOCK // bx
+    return bx, block // bx
 
 
 def _normalize_geometry(layout: str, N: int, C: int, S: int,
@@ -356,7 +356,7 @@ def _normalize_geometry(layout: str, N: int, C: int, S: int,
     by * UNROLL rows); "ncs" one UNROLL-item step per thread. Many short blocks rather than
     a few long ones, so no partly filled last wave of long blocks."""
     if layout == "nc":
-        bx, by = _nc_block(C // w)
+        bx, by = nc_block(C // w)
         gx = -(-(C // w) // bx)
         gy = max(1, min(-(-N // (by * UNROLL)), 65535))
         return (gx, gy, 1), (bx, by, 1)
@@ -479,19 +479,10 @@ def _ln_plan(m: Any, x: CudaTensor, has_weight: bool, has_bias: bool, eps: float
         px = x._ptr
         if px is None or x.stream is not None:
             return None
-        pw = pb = 0
-        if has_weight:
-            if type(weight) is not CudaTensor or weight.shape != dshape or \
-                    weight.dtype is not dtype or weight.device_id != dev or \
-                    weight.stream is not None or weight._ptr is None:
-                return None
-            pw = weight._ptr
-        if has_bias:
-            if type(bias) is not CudaTensor or bias.shape != dshape or \
-                    bias.dtype is not dtype or bias.device_id != dev or \
-                    bias.stream is not None or bias._ptr is None:
-                return None
-            pb = bias._ptr
+        pw = common.plan_pointer(weight, dshape, dtype, dev) if has_weight else 0
+        pb = common.plan_pointer(bias, dshape, dtype, dev) if has_bias else 0
+        if pw is None or pb is None:
+            return None
         out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
         po = out._ptr
         go = variants.get(vec_rows and not (px | po | pw | pb) & 15)

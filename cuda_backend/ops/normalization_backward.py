@@ -68,10 +68,9 @@ from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..kernels import dtype_params
 from ..tensor import CudaTensor, pool_tensor
 from . import common
+from .normalization import DT, DTYPES, nc_block
 from .pooling import fast_divisor
 
-DT = CudaDataType
-DTYPES = common.FLOATS
 LN_TEMPLATE = "layer_norm_backward.cu.j2"
 BN_TEMPLATE = "batch_norm_backward.cu.j2"
 TEMPLATES = (LN_TEMPLATE, BN_TEMPLATE)
@@ -526,13 +525,9 @@ def _ln_plan(m: Any, x: CudaTensor, has_weight: bool, eps: float) -> Any:
                 g.device_id != dev or g.stream is not None or x.stream is not None or \
                 not direct(dev):
             return None
-        pw = 0
-        if has_weight:
-            if type(weight) is not CudaTensor or weight.shape != dshape or \
-                    weight.dtype is not dtype or weight.device_id != dev or \
-                    weight.stream is not None or weight._ptr is None:
-                return None
-            pw = weight._ptr
+        pw = common.plan_pointer(weight, dshape, dtype, dev) if has_weight else 0
+        if pw is None:
+            return None
         dx = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
         db = pool_tensor(dshape, dtype, dev, alloc(dbytes), pool, D, dbytes)
         dw = pool_tensor(dshape, dtype, dev, alloc(dbytes), pool, D, dbytes) \
@@ -558,15 +553,6 @@ def _ln_plan(m: Any, x: CudaTensor, has_weight: bool, eps: float) -> Any:
 
 
 # -- batch norm ------------------------------------------------------------------------------
-def _nc_block(columns: int) -> Tuple[int, int]:
-    """(bx, by) with bx * by = BN_BLOCK: bx threads across the column vectors (a power of
-    two, at least a warp), by rows."""
-    bx = 32
-    while bx < columns and bx < BN_BLOCK:
-        bx *= 2
-    return bx, BN_BLOCK // bx
-
-
 def bn_geometry(layout: str, N: int, C: int, S: int, vec_ok: int, vec: int,
                 sms: int) -> Dict[str, Any]:
     """Launch sizes of batch_norm_backward for one shape (count N * S > 0) and vec_ok: the
@@ -575,7 +561,7 @@ def bn_geometry(layout: str, N: int, C: int, S: int, vec_ok: int, vec: int,
     w = vec if vec_ok else 1
     SW = S // w if layout == "ncs" else 1
     if layout == "nc":
-        bx, by = _nc_block(C // w)
+        bx, by = nc_block(C // w, BN_BLOCK)
         gx = -(-(C // w) // bx)
         splits = max(1, min(-(-N // by), -(-(sms * BN_PASS_BLOCKS_PER_SM) // gx), 65535))
         gy = max(1, min(-(-N // (by * BN_UNROLL["nc"])), 65535))

@@ -61,6 +61,8 @@ def reference(x: Any, kind: str, pool_size: Pair, stride: Optional[Pair] = None,
 
 
 def pair(value: Any, name: str, minimum: int) -> Tuple[int, int]:
+    """An int or a pair of ints, each >= minimum, as a pair (also the backward's and
+    CudaML's rule and messages)."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         value = (value, value)
     try:

@@ -32,7 +32,7 @@ from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..kernels import dtype_params
 from ..tensor import CudaTensor, pool_tensor
 from . import common
-from .pooling import fast_divisor, output_shape
+from .pooling import fast_divisor, output_shape, pair
 
 TEMPLATE = "pool2d_backward.cu.j2"
 TEMPLATES = (TEMPLATE,)
@@ -73,29 +73,12 @@ def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
 
 
 # -- parameters ---------------------------------------------------------------------------
-def _pair(value: Any, name: str, minimum: int) -> Tuple[int, int]:
-    """An int or a pair of ints, each >= minimum (the forward's rule and messages)."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        value = (value, value)
-    try:
-        a, b = value
-        if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in (a, b)):
-            raise TypeError
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(
-            f"{name} must be an int or a pair of ints, got {value!r}") from None
-    a, b = int(a), int(b)
-    if a < minimum or b < minimum:
-        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {(a, b)}")
-    return a, b
-
-
 def window(pool_size: Pair, stride: Optional[Pair], padding: Pair,
            op: str) -> Tuple[Tuple[int, int], Tuple[int, int], Tuple[int, int]]:
     """(k, s, p) as pairs, checked as the forward checks them."""
-    k = _pair(pool_size, "pool_size", 1)
-    s = k if stride is None else _pair(stride, "stride", 1)
-    p = _pair(padding, "padding", 0)
+    k = pair(pool_size, "pool_size", 1)
+    s = k if stride is None else pair(stride, "stride", 1)
+    p = pair(padding, "padding", 0)
     if 2 * p[0] > k[0] or 2 * p[1] > k[1]:
         raise InvalidArgumentError(f"{op}: padding {p} must be at most half of pool_size {k}")
     return k, s, p
