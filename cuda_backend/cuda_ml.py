@@ -70,6 +70,9 @@ class OptimizerState:
     step: int = 0
     nesterov: bool = False
     decoupled: bool = False  # AdamW: weight decay applied to the weights, not the gradient
+    # a one-element int32 tensor holding the step being taken, read on the device instead of
+    # `step` (a CUDA graph of the update then replays later steps; ops/optimizers.py)
+    step_count: Optional[CudaTensor] = None
 
 
 class CudaML:
@@ -111,7 +114,8 @@ class CudaML:
                bias: Optional[CudaTensor] = None, precision: Optional[str] = None) -> CudaTensor:
         """2-D cross-correlation, NCHW ⊛ KCRS -> NKPQ, with stride/padding/dilation/groups.
 
-        float32 is true FP32 by default; precision="tf32" opts into TF32 tensor cores.
+        float32 is float32-accurate by default (CUDA cores or 3xTF32 tensor cores, the
+        autotuner's pick); precision="ieee" keeps CUDA cores, "tf32" opts into TF32.
         """
         try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
             op = CudaML._op_conv2d
@@ -125,8 +129,9 @@ class CudaML:
                         precision: Optional[str] = None) -> Any:
         """The gradients of conv2d(input, kernel, config, bias, precision) for grad_out (the
         output's shape): (grad_input, grad_kernel, grad_bias, or None without has_bias),
-        every stride/padding/dilation/groups the forward takes. float32 is true FP32 by
-        default; precision="tf32" lets the stride-1 input gradient use TF32 tensor cores."""
+        every stride/padding/dilation/groups the forward takes. float32 is float32-accurate
+        by default (the stride-1 input gradient may use 3xTF32 tensor cores, "ieee" keeps
+        CUDA cores); precision="tf32" lets it use TF32 tensor cores."""
         try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
             op = CudaML._op_conv2d_backward
         except AttributeError:

@@ -164,6 +164,7 @@ _ENTRIES: List[OpEntry] = [
     # conv2d gradients: dgrad / wgrad GEMMs and their auxiliary kernels; the forward's
     # kernels run the stride-1 data gradient as conv2d(grad_out, flipped filter)
     _ml("conv2d_backward", "conv2d_backward", ("conv2d_dgrad.cu.j2", "conv2d_wgrad.cu.j2",
+                                                "conv2d_wgrad_mma.cu.j2",
                                                 "conv2d_grad_aux.cu.j2") + _CONV,
         "tests/test_conv2d_backward.py", "ml/conv2d_backward"),
     # attention gradients: a prep kernel (delta, lse2, the dQ accumulator zeroed), the main

@@ -3,8 +3,16 @@
 GPU tests (marked `gpu`) compare against a float64 NumPy reference on fresh random inputs
 with the output poisoned (NaN) first, through the public CudaML.conv2d and through every
 tile config of every kernel family. The rest run anywhere: the error rules, the config
-lists, and the NumPy fallback (in-process where this process has no GPU, and in a
-subprocess with CUDA_BACKEND_FALLBACK=1 everywhere).
+lists, the launches a recording backend sees, and the NumPy fallback (in-process where this
+process has no GPU, and in a subprocess with CUDA_BACKEND_FALLBACK=1 everywhere).
+
+float32 at the default precision may run 3xTF32 (x3) or SIMT; its elementwise bound
+(`f32_bound`) is derived from the arithmetic: with u = 2^-24 and d = R*S*ceil(Cg/8)*8 the
+terms behind one output counted in mma k-steps of 8, |out - ref| <= (2d + 24) u (|x| ⊛ |w|
++ |b|): the tensor core's truncating float32 accumulation (at most 2u of the partial sum per
+add; the SIMT FMA chain's rounding, u per add, is inside it), 20u per 3xTF32 product (the
+dropped small x small, 2^-22, and the two small parts the mma truncates, 2^-21 each), and
+the last adds (the cross-term sum, the bias). TF32 (2^-11 per operand) exceeds it.
 """
 from __future__ import annotations
 
@@ -15,18 +23,21 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from fuzzing import examples
-from helpers import call_through_plan, poisoned, tuned_math
+from helpers import RecordingMath, call_through_plan, check_finite, poisoned, tuned_math
 from hypothesis import strategies as st
 
 from cuda_backend import (CudaDataType as DT, DTypeMismatchError, InvalidArgumentError,
                           ShapeMismatchError)
 from cuda_backend.cuda_ml import ConvolutionConfig, CudaML
+from cuda_backend.compiler import arg_format, kernel_signature
 from cuda_backend.kernels import KernelGenerator
+from cuda_backend.launch import normalize_dims
 from cuda_backend.ops import conv2d as cv
 
 gpu = pytest.mark.gpu
@@ -35,6 +46,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (dtype, precision) families.
 FAMILIES = {
     "fp32": (DT.FLOAT32, None),
+    "ieee": (DT.FLOAT32, "ieee"),
     "tf32": (DT.FLOAT32, "tf32"),
     "fp16": (DT.FLOAT16, None),
     "bf16": (DT.BFLOAT16, None),
@@ -43,7 +55,7 @@ FAMILIES = {
 
 def bound(fam: str, crs: int) -> float:
     """Norm-wise relative error bound: FP32 grows like sqrt(reduction length)."""
-    if fam == "fp32":
+    if fam in ("fp32", "ieee"):
         return 1e-5 * math.sqrt(max(crs, 1))
     return 1e-3 if fam == "tf32" else 1e-2
 
@@ -99,6 +111,18 @@ def rel_err(out, ref):
     assert np.isfinite(out).all(), "non-finite output (unwritten or NaN elements)"
     denom = np.linalg.norm(ref)
     return np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0)
+
+
+U = 2.0**-24
+
+
+def f32_bound(xh, wh, bh, case):
+    """Per-element bound of float32 at the default precision, SIMT or 3xTF32 (the module
+    docstring): (2d + 24) u (|x| ⊛ |w| + |b|), d = R*S*ceil(Cg/8)*8."""
+    _, ws, s, p, d, g = case
+    depth = ws[2] * ws[3] * -(-ws[1] // 8) * 8
+    mag = ref_conv(np.abs(xh), np.abs(wh), None if bh is None else np.abs(bh), s, p, d, g)
+    return (2 * depth + 24) * U * mag + 1e-30
 
 
 def make(m, rng, shape, dtype):
@@ -242,6 +266,148 @@ def test_every_tile_config(m, fam, cfg, case):
     assert err <= bound(fam, ws[1] * ws[2] * ws[3]), f"{fam} {cfg}: relative error {err:.3g}"
 
 
+# 3xTF32: odd shapes (M, Kg, Cg of no tile multiple) of every geometry class: the brief's
+# 3x3 pad 1 with C=5 (channels padded to 8, under one k-tile) and K=7, stride 2, dilation 2,
+# groups 2, 1x1, 1x3 with Kg past 128.
+X3_SHAPES = [
+    ((3, 5, 17, 17), (7, 5, 3, 3), (1, 1), (1, 1), (1, 1), 1),
+    ((2, 16, 15, 13), (20, 16, 3, 3), (2, 2), (1, 1), (1, 1), 1),
+    ((2, 13, 12, 11), (24, 13, 3, 3), (1, 1), (2, 2), (2, 2), 1),
+    ((2, 34, 9, 11), (40, 17, 3, 3), (1, 1), (1, 1), (1, 1), 2),
+    ((2, 24, 7, 9), (36, 24, 1, 1), (1, 1), (0, 0), (1, 1), 1),
+    ((1, 40, 17, 9), (136, 40, 1, 3), (1, 1), (0, 1), (1, 1), 1),
+]
+X3_IDS = ["c5k7", "stride2", "dilation2", "groups2", "1x1", "wide"]
+
+
+def _x3_id(c):
+    return "x3_{bm}x{bn}x{bk}_w{wm}x{wn}_s{stages}".format(**c)
+
+
+@gpu
+@pytest.mark.parametrize("cfg", cv.X3_CONFIGS, ids=_x3_id)
+def test_x3_every_config_odd_shapes(m, cfg):
+    """Each 3xTF32 config through run_config (the repacks, the kernel, the workspaces back
+    to the pool) into a poisoned output, with and without a bias, on every X3_SHAPES case:
+    every element within f32_bound."""
+    rng = np.random.default_rng(31)
+    dev = m.backend.current_device
+    pool = m.backend.memory_pools[dev]
+    for case in X3_SHAPES:
+        xs, ws, s, p, d, g = case
+        geom = cv.plan(xs, ws, config_of(case))
+        x, xh = make(m, rng, xs, DT.FLOAT32)
+        w, wh = make(m, rng, ws, DT.FLOAT32)
+        b, bh = make(m, rng, (ws[0],), DT.FLOAT32)
+        for bias, bias_h in ((b, bh), (None, None)):
+            out = poisoned(m, geom.out_shape, DT.FLOAT32)
+            before = pool.get_stats()["active_memory"]
+            cv.run_config(m, cfg, x, w, bias, geom, out, dev)
+            assert pool.get_stats()["active_memory"] == before
+            check_finite(m.to_numpy(out), ref_conv(xh, wh, bias_h, s, p, d, g),
+                         f32_bound(xh, wh, bias_h, case), (cfg, case, bias is not None))
+            out.free()
+        for t in (x, w, b):
+            t.free()
+
+
+@gpu
+def test_x3_bound_separates_tf32(m):
+    """f32_bound is tight enough to tell: the TF32 config of the same tile breaks it on
+    this data, its 3xTF32 twin keeps it."""
+    case = X3_SHAPES[3]
+    rng = np.random.default_rng(32)
+    xs, ws, s, p, d, g = case
+    geom = cv.plan(xs, ws, config_of(case))
+    x, xh = make(m, rng, xs, DT.FLOAT32)
+    w, wh = make(m, rng, ws, DT.FLOAT32)
+    ref, bd = ref_conv(xh, wh, None, s, p, d, g), f32_bound(xh, wh, None, case)
+    dev = m.backend.current_device
+    errs = {}
+    for cfg in (cv.T_64x64x16, cv.X_64x64x16):
+        out = poisoned(m, geom.out_shape, DT.FLOAT32)
+        cv.run_config(m, cfg, x, w, None, geom, out, dev)
+        errs[cfg["x3"]] = np.abs(m.to_numpy(out).astype(np.float64) - ref) / bd
+        out.free()
+    assert errs[True].max() <= 1 < errs[False].max(), (errs[True].max(), errs[False].max())
+
+
+@gpu
+@pytest.mark.parametrize("cfg", cv.X3_CONFIGS, ids=_x3_id)
+def test_x3_forced_through_candidates_and_plan(ml, cfg, monkeypatch):
+    """CudaML.conv2d at the default precision with the candidate list forced to one 3xTF32
+    config, on the X3_SHAPES cases where x3 fits: the first call takes the general path
+    (run_config), the second the per-call plan (its mma branch: the repacks into pool
+    blocks, the x3 kernel); both within f32_bound."""
+    m = ml.math
+    monkeypatch.setattr(cv, "candidates", lambda *args: [cfg])
+    picks = m.__dict__.setdefault("_conv2d_configs", {})
+    rng = np.random.default_rng(33)
+    try:
+        for case in X3_SHAPES:
+            xs, ws, s, p, d, g = case
+            conf = config_of(case)
+            if not cv.x3_fits(cv.plan(xs, ws, conf), DT.FLOAT32, None):
+                continue
+            picks.clear()
+            for with_bias in (True, False):
+                key = ("conv2d", xs, DT.FLOAT32, 0, ws, DT.FLOAT32, 0, ConvolutionConfig,
+                       conf.kernel_size, conf.stride, conf.padding, conf.dilation, conf.groups,
+                       not with_bias, None)
+                m.plans.pop(key, None)
+                for second in (False, True):
+                    x, xh = make(m, rng, xs, DT.FLOAT32)
+                    w, wh = make(m, rng, ws, DT.FLOAT32)
+                    b, bh = make(m, rng, (ws[0],), DT.FLOAT32) if with_bias else (None, None)
+                    call = lambda: ml.conv2d(x, w, conf, b)  # noqa: E731
+                    y = call_through_plan(m, key, call) if second else call()
+                    assert list(picks.values()) == [cfg]
+                    check_finite(m.to_numpy(y), ref_conv(xh, wh, bh, s, p, d, g),
+                                 f32_bound(xh, wh, bh, case), (cfg, case, with_bias, second))
+                m.plans.pop(key, None)
+    finally:
+        picks.clear()   # the forced picks are not the autotuner's
+
+
+@gpu
+def test_x3_infinities_and_nans(m):
+    """Infinite and NaN inputs reach the outputs as in float64 (NumPy's result): the split's
+    inf - inf does not turn an infinite output into NaN, and a NaN whose payload carries the
+    split's rounding add into the sign bit (0x7FFFFFFF, the GPU's own NaN) stays NaN; one
+    special value per image, so no output mixes them; the other outputs within f32_bound."""
+    case = X3_SHAPES[3]
+    xs, ws, s, p, d, g = case
+    rng = np.random.default_rng(34)
+    xh = rng.standard_normal((4,) + xs[1:]).astype(np.float32)
+    wh = rng.standard_normal(ws).astype(np.float32)
+    nan_gpu = np.array([0x7FFFFFFF], np.uint32).view(np.float32)[0]
+    xh[0, 3, 4, 5] = np.inf
+    xh[1, 20, 2, 2] = -np.inf
+    xh[2, 7, 8, 10] = nan_gpu
+    xh[3, 30, 0, 0] = np.nan
+    geom = cv.plan(xh.shape, ws, config_of(case))
+    x, w = m.from_numpy(xh), m.from_numpy(wh)
+    case4 = (xh.shape,) + case[1:]
+    with np.errstate(all="ignore"):
+        ref = ref_conv(xh, wh, None, s, p, d, g)
+    dev = m.backend.current_device
+    for cfg in (cv.X_128x64x32, cv.X_64x32x16):
+        out = poisoned(m, geom.out_shape, DT.FLOAT32)
+        cv.run_config(m, cfg, x, w, None, geom, out, dev)
+        got = m.to_numpy(out).astype(np.float64)
+        out.free()
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(ref), err_msg=str(cfg))
+        inf = np.isinf(ref)
+        assert inf.any() and np.isnan(ref).any()
+        np.testing.assert_array_equal(got[inf], ref[inf], err_msg=str(cfg))
+        fin = np.isfinite(ref)
+        clean = np.where(np.isfinite(xh), xh, 0).astype(np.float64)
+        bd = f32_bound(clean, wh.astype(np.float64), None, case4)
+        assert (np.abs(got[fin] - ref[fin]) <= bd[fin]).all(), cfg
+    x.free()
+    w.free()
+
+
 @gpu
 @pytest.mark.parametrize("fam", list(FAMILIES))
 def test_direct_kernel_every_dtype(m, fam):
@@ -270,12 +436,20 @@ def test_small_benchmark_shape(m, fam):
 
 @gpu
 def test_tf32_is_not_exact_and_fp32_is(m):
-    """precision='tf32' really rounds the operands; the default keeps FP32 accuracy."""
+    """precision='tf32' really rounds the operands; 'ieee' keeps FP32 accuracy on CUDA
+    cores, the default float32-level accuracy (SIMT or 3xTF32: within f32_bound; norm-wise
+    far below TF32's ~3e-4)."""
     rng = np.random.default_rng()
     case = ((2, 64, 16, 16), (64, 64, 3, 3), (1, 1), (1, 1), (1, 1), 1)
-    e32 = run_case(m, "fp32", case, rng)
+    eieee = run_case(m, "ieee", case, rng)
     etf = run_case(m, "tf32", case, rng)
-    assert e32 < 2e-6 < etf
+    assert eieee < 2e-6 < etf
+    x, xh = make(m, rng, case[0], DT.FLOAT32)
+    w, wh = make(m, rng, case[1], DT.FLOAT32)
+    y = cv.conv2d(m, x, w, config_of(case))
+    check_finite(m.to_numpy(y), ref_conv(xh, wh, None, *case[2:]),
+                 f32_bound(xh, wh, None, case), "default")
+    assert rel_err(m.to_numpy(y), ref_conv(xh, wh, None, *case[2:])) < etf / 20
 
 
 @gpu
@@ -412,8 +586,11 @@ def test_errors_name_shapes_and_leak_nothing(ml):
          lambda: ml.conv2d(x, w_f16, ConvolutionConfig(3))),
         (DTypeMismatchError, r"conv2d does not support float64",
          lambda: ml.conv2d(x64, w64, ConvolutionConfig(3))),
-        (InvalidArgumentError, r"precision must be",
+        (InvalidArgumentError,
+         r"precision must be None, 'fp32' \(alias 'highest'\), 'ieee' or 'tf32', got 'fp8'",
          lambda: ml.conv2d(x, w, ConvolutionConfig(3), precision="fp8")),
+        (InvalidArgumentError, r"precision must be .*'ieee'.*got 3",
+         lambda: ml.conv2d(x, w, ConvolutionConfig(3), precision=3)),
         (InvalidArgumentError, r"tf32.*float32 operands only",
          lambda: ml.conv2d(x16, w_f16, ConvolutionConfig(3), precision="tf32")),
         (ShapeMismatchError, r"spatial size \(3, 3\).*kernel_size is \(5, 5\)",
@@ -439,12 +616,17 @@ def test_config_lists_and_variants():
     variants = cv.template_variants()
     simt = variants[cv.SIMT_TEMPLATE]
     mma = variants[cv.MMA_TEMPLATE]
-    assert len(simt) == len(cv.SIMT_CONFIGS) and len(mma) == 3 * len(cv.TF32_CONFIGS)
+    assert len(simt) == len(cv.SIMT_CONFIGS)
+    assert len(mma) == len(cv.TF32_CONFIGS) + len(cv.X3_CONFIGS) + 2 * len(cv.F16_CONFIGS)
+    assert [p["x3"] for p in mma].count(True) == len(cv.X3_CONFIGS)
+    assert all(p["dtype"] == "float32" for p in mma if p["x3"])
     for cfg in cv.SIMT_CONFIGS:
         threads = cfg["bm"] // cfg["tm"] * (cfg["bn"] // cfg["tn"]) * cfg["slices"]
         assert threads % 32 == 0 and threads <= 256
-    for cfg in cv.TF32_CONFIGS + cv.F16_CONFIGS:
+    for cfg in cv.TF32_CONFIGS + cv.X3_CONFIGS + cv.F16_CONFIGS:
         assert cv.mma_shared_bytes(cfg, DT.FLOAT32) <= 227 * 1024
+    for cfg in cv.X3_CONFIGS:   # two accumulator sets: warp tiles of 2048 outputs at most
+        assert cfg["x3"] and cfg["wm"] * cfg["wn"] <= 2048
     # every candidate the chooser can return is a rendered variant
     for xs, ws, s, p, d, g in CASES + CONFIG_SHAPES:
         geom = cv.plan(xs, ws, ConvolutionConfig(ws[2:], s, p, d, g))
@@ -454,6 +636,8 @@ def test_config_lists_and_variants():
             for cfg in cv.candidates(geom, dtype, prec, 132):
                 table = cv.SIMT_CONFIGS if cv.family(geom, dtype, prec) == "simt" else (
                     cv.TF32_CONFIGS if dtype is DT.FLOAT32 else cv.F16_CONFIGS)
+                if cv.x3_fits(geom, dtype, prec):
+                    table += cv.X3_CONFIGS
                 assert cfg in table
 
 
@@ -462,11 +646,122 @@ def test_family_choice():
     assert cv.family(big, DT.FLOAT32, None) == "simt"
     assert cv.family(big, DT.FLOAT32, "tf32") == "mma"
     assert cv.family(big, DT.BFLOAT16, None) == "mma"
-    assert cv.candidates(big, DT.FLOAT32, None, 132)[0] == cv.S_128x128x8
+    assert cv.family(big, DT.FLOAT32, "ieee") == "simt"
+    default = cv.candidates(big, DT.FLOAT32, None, 132)
+    assert default[:3] == cv.candidates(big, DT.FLOAT32, "ieee", 132) == \
+        [cv.S_128x128x8, cv.S_128x128x16, cv.S_128x64x8]
+    assert default[3:] == [cv.X_128x128x32, cv.X_128x128x32s4, cv.X_128x64x32]
+    assert cv.candidates(big, DT.FLOAT32, "fp32", 132) == default
+    assert cv.candidates(big, DT.FLOAT32, "tf32", 132) == \
+        [cv.T_128x128x32, cv.T_128x128x32s3, cv.T_128x64x32]
     dw = cv.plan((2, 32, 8, 8), (32, 1, 3, 3), ConvolutionConfig(3, groups=32))
     assert cv.family(dw, DT.FLOAT16, None) == "direct"
     small = cv.plan((1, 32, 64, 64), (32, 32, 3, 3), ConvolutionConfig(3, padding=1))
-    assert all(c["bn"] == 32 for c in cv.candidates(small, DT.FLOAT32, None, 132))
+    assert all(c["bn"] == 32 for c in cv.candidates(small, DT.FLOAT32, "ieee", 132))
+
+
+def _recording_math():
+    """A RecordingMath on a device of compute capability 9.0 for conv2d. The mma kernels'
+    threads come from their THREADS define; conv2d_prep.cu.j2 has none (blocks of 256
+    threads, 32 x 8 for input_nhwc) and conv2d_simt.cu.j2's holds a C comment, so theirs
+    are set here (256; (bm / tm) * (bn / tn) * slices), and every block is compared
+    flattened."""
+    m = RecordingMath((9, 0))
+    kernel, launch = m.kernel, m.backend.launch_kernel
+
+    def kernel_of(template, device_id, **params):
+        if template == cv.MMA_TEMPLATE:
+            return kernel(template, device_id, **params)
+        name, src = m.generator.render_kernel(template, **params)
+        threads = 256 if template == cv.PREP_TEMPLATE else \
+            params["bm"] // params["tm"] * (params["bn"] // params["tn"]) * params["slices"]
+        k = SimpleNamespace(name=name, template=template, params=params, threads=threads,
+                            fmt=arg_format(src, name, kernel_signature(src, name)))
+        m.backend.kernels[name] = k
+        return k
+
+    def launch_flat(name, grid, *args, block_size=(256, 1, 1), **kwargs):
+        threads = math.prod(normalize_dims(block_size, "block"))
+        return launch(name, grid, *args, block_size=(threads, 1, 1), **kwargs)
+    m.kernel, m.backend.launch_kernel = kernel_of, launch_flat
+    return m
+
+
+def _recorded_conv(prec, case):
+    """cv.conv2d on _recording_math() into a given output: (the autotuner's op and
+    candidates, the launches of a call with the memoized pick, the geometry, the operands)."""
+    m = _recording_math()
+    xs, ws = case[0], case[1]
+    x, w = m.backend.empty(xs, DT.FLOAT32), m.backend.empty(ws, DT.FLOAT32)
+    geom = cv.plan(xs, ws, config_of(case))
+    out = m.backend.empty(geom.out_shape, DT.FLOAT32)
+    assert cv.conv2d(m, x, w, config_of(case), None, prec, out=out) is out
+    picked = m.picked
+    m.backend.launches.clear()
+    cv.conv2d(m, x, w, config_of(case), None, prec, out=out)   # the memoized pick
+    return picked, list(m.backend.launches), geom, (x, w, out)
+
+
+@pytest.mark.parametrize("prec", [None, "fp32", "HIGHEST", "ieee"])
+def test_x3_offered_at_the_default_precision_only(prec):
+    """float32 at the default precision ('fp32', 'highest') times the 3xTF32 configs beside
+    the SIMT ones, each run whole (an x3 candidate: the input and filter repacks, then the
+    x3 kernel with its threads, grid and dynamic shared memory); 'ieee' times SIMT only.
+    The recording backend checks every launch against its kernel's format and threads."""
+    case = ((2, 80, 9, 11), (160, 40, 3, 3), (1, 1), (1, 1), (1, 1), 2)
+    (op, cands), launches, geom, (x, w, out) = _recorded_conv(prec, case)
+    x3 = [c for c in cands if c.get("x3")]
+    if prec == "ieee":
+        assert op == "conv2d_simt" and not x3 and all("tm" in c for c in cands)
+        assert {k.template for k, *_ in launches} == {cv.PREP_TEMPLATE, cv.SIMT_TEMPLATE}
+        return
+    assert op == "conv2d_x3simt" and x3 == [cv.X_128x64x32, cv.X_64x64x16, cv.X_128x128x32]
+    assert cands[:len(cands) - len(x3)] == cv.candidates(geom, DT.FLOAT32, "ieee", 132)
+    # a call with an x3 config: what run_config launches
+    m = _recording_math()
+    cv.run_config(m, cv.X_128x64x32, x, w, None, geom, out, 0)
+    (ki, *_), (kw, *_), (k, grid, smem, values) = m.backend.launches
+    assert ki.params["kind"] == "input_nhwc" and kw.params["kind"] == "weight_krsc"
+    assert k.template == cv.MMA_TEMPLATE and k.params["x3"] is True
+    assert k.params == {**cv.dtype_params(DT.FLOAT32), **cv.X_128x64x32}
+    assert k.threads == 128 and smem == cv.mma_shared_bytes(cv.X_128x64x32, DT.FLOAT32)
+    assert grid == (-(-geom.M // 128), -(-geom.Kg // 64), 2)
+    cgp = cv.padded_channels(geom, DT.FLOAT32)
+    assert cgp == 40 and values[3:] == [out.ptr, 0, 9, 11, 2 * cgp, cgp, 80, 160, geom.P,
+                                        geom.Q, 3, 3, 1, 1, 1, 1, 1, 1, geom.M]
+    # channels padded to 20 (Cg = 17): the 32-deep k-tiles drop out, the 16-deep one stays
+    thin = cv.plan((2, 34, 9, 11), (160, 17, 3, 3), ConvolutionConfig(3, padding=1, groups=2))
+    assert [c for c in cv.candidates(thin, DT.FLOAT32, None, 132) if c.get("x3")] == \
+        [cv.X_64x64x16]
+
+
+def test_x3_fits_and_the_dgrad_routing():
+    """x3_fits: float32, precision None / 'fp32', the GEMM family, Cg >= 13. The stride-1
+    data gradient of float32 at the default precision runs through the forward where the
+    forward's x3 fits (its Cg is the layer's K/groups), else the dgrad kernel; 'ieee' keeps
+    the dgrad kernel; tf32 and the half types go through the forward as before."""
+    from cuda_backend.ops import conv2d_backward as cb
+    conf = ConvolutionConfig(3, padding=1)
+    big = cv.plan((32, 64, 128, 128), (128, 64, 3, 3), conf)
+    assert cv.x3_fits(big, DT.FLOAT32, None) and cv.x3_fits(big, DT.FLOAT32, "fp32")
+    for dtype, prec in ((DT.FLOAT32, "ieee"), (DT.FLOAT32, "tf32"), (DT.FLOAT16, None),
+                        (DT.BFLOAT16, None)):
+        assert not cv.x3_fits(big, dtype, prec)
+    assert not cv.x3_fits(cv.plan((1, 12, 8, 8), (16, 12, 3, 3), conf), DT.FLOAT32, None)
+    assert cv.x3_fits(cv.plan((1, 13, 8, 8), (16, 13, 3, 3), conf), DT.FLOAT32, None)
+    assert not cv.x3_fits(cv.plan((1, 32, 8, 8), (32, 1, 3, 3), ConvolutionConfig(
+        3, padding=1, groups=32)), DT.FLOAT32, None)          # depthwise: direct
+    assert cb.dgrad_path(big, DT.FLOAT32, None) == "forward"
+    assert cb.dgrad_path(big, DT.FLOAT32, "fp32") == "forward"
+    assert cb.dgrad_path(big, DT.FLOAT32, "ieee") == "simt"
+    assert cb.dgrad_path(big, DT.FLOAT32, "tf32") == "forward"
+    thin_k = cv.plan((2, 64, 9, 9), (12, 64, 3, 3), conf)      # forward's Cg = 12: no x3
+    assert cb.dgrad_path(thin_k, DT.FLOAT32, None) == "simt"
+    odd = cv.plan((2, 9, 9, 7), (26, 9, 3, 1), ConvolutionConfig((3, 1), padding=(2, 0),
+                                                                 dilation=(2, 1)))
+    assert cb.dgrad_path(odd, DT.FLOAT32, None) == "forward"
+    strided = cv.plan((2, 64, 9, 9), (128, 64, 3, 3), ConvolutionConfig(3, 2, 1))
+    assert cb.dgrad_path(strided, DT.FLOAT32, None) == "simt"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cuobjdump") is None,
@@ -475,6 +770,7 @@ def test_sass_tensor_cores_and_no_local_memory():
     """The mma variants assemble to HMMA; the large tiles keep everything in registers."""
     gen = KernelGenerator(backend=object())
     picks = [(cv.MMA_TEMPLATE, {**cv.dtype_params(DT.FLOAT32), **cv.T_128x128x32}),
+             (cv.MMA_TEMPLATE, {**cv.dtype_params(DT.FLOAT32), **cv.X_128x128x32}),
              (cv.MMA_TEMPLATE, {**cv.dtype_params(DT.BFLOAT16), **cv.H_128x128x64}),
              (cv.SIMT_TEMPLATE, {**cv.dtype_params(DT.FLOAT32), **cv.S_128x128x8})]
     with tempfile.TemporaryDirectory() as tmp:
@@ -501,7 +797,8 @@ FALLBACK_SCRIPT = textwrap.dedent(r'''
     data = np.load(sys.argv[1])
     cfg = ConvolutionConfig(3, stride=(2, 1), padding=1, dilation=(1, 2), groups=2)
     out = {}
-    for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT32, "tf32"), (DT.BFLOAT16, None)):
+    for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT32, "ieee"), (DT.FLOAT32, "tf32"),
+                     (DT.BFLOAT16, None)):
         args = [ml.math.from_numpy(data[k], dtype=dt) for k in ("x", "w", "b")]
         y = ml.conv2d(args[0], args[1], cfg, args[2], precision=prec)
         out[f"{dt.name_str}_{prec}"] = ml.math.to_numpy(y).astype(np.float32)
@@ -526,5 +823,6 @@ def test_fallback_mode_subprocess(tmp_path):
     ref = ref_conv(x, w, b, (2, 1), (1, 1), (1, 2), 2)
     assert res["float32_None"].shape == ref.shape == (2, 6, 5, 6)
     assert rel_err(res["float32_None"], ref) <= 1e-6
+    assert rel_err(res["float32_ieee"], ref) <= 1e-6
     assert rel_err(res["float32_tf32"], ref) <= 1e-3
     assert rel_err(res["bfloat16_None"], ref) <= 2e-2

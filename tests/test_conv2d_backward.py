@@ -11,6 +11,9 @@ nearest; 2 d u for the tensor-core paths, whose accumulation may truncate), TF32
 add 2^-10 (sum of |terms|) (each rounded with 2^-11 relative error), and the one rounding
 of the result to the dtype adds u_out |result|. The depth d: dgrad K/groups*R*S (+ 8 for the
 slices' sums), wgrad N*P*Q plus the splits (at most N*P*Q / 8 + 1), the bias N*P*Q + 16.
+float32 wgrad on tensor cores (3xTF32, conv2d_wgrad_mma.cu.j2) has its own coefficient,
+x3_depth: a split's truncating mma accumulation, the splits' adds and the split products'
+3.001 * 2^-22 each (test_x3_split_error).
 Small-integer operands make every product and partial sum exact, so there the result must
 equal the reference exactly: that catches a single misplaced term at any size.
 Tests marked `gpu` run every dgrad and wgrad config (wgrad with forced splits), the
@@ -23,12 +26,14 @@ import math
 
 import numpy as np
 import pytest
-from helpers import call_through_plan, check_finite as check, make, tuned_math
+from helpers import (RecordingMath, call_through_plan, check_finite as check, defined_int, make,
+                     tuned_math)
 
 from cuda_backend import (CudaDataType as DT, DTypeMismatchError, InvalidArgumentError,
                           ShapeMismatchError, TensorFreedError)
 from cuda_backend.cuda_ml import ConvolutionConfig, CudaML
 from cuda_backend.driver import load_driver
+from cuda_backend.kernels import KernelGenerator, dtype_params
 from cuda_backend.dtypes import from_bfloat16_bits, to_bfloat16_bits
 from cuda_backend.ops import conv2d as cv
 from cuda_backend.ops import conv2d_backward as cb
@@ -133,11 +138,29 @@ def sm_count():
     return get_cuda_backend().get_device_info(0).multiprocessor_count
 
 
-def wgrad_depth(g, cfgs=None):
-    """Sequential adds behind a grad_kernel element: a split's pixels, then the splits in
-    order; the largest over the configs (default: the autotuner's candidates)."""
-    cfgs = cfgs or cb.candidates(g, sm_count(), "wgrad")
-    return max(sum(cb.wgrad_split(g, c, sm_count())[::-1]) for c in cfgs)
+# 3xTF32: |ab - (a_b b_b + a_s b_b + a_b b_s)| <= (3 + 2^-10) 2^-22 |ab| (test_x3_split_error),
+# in units of u
+X3_PRODUCT = 3.001 * 2.0**-22 / U
+
+
+def x3_depth(g, cfg):
+    """The grad_kernel bound's coefficient of sum |terms| in units of u for a 3xTF32
+    config: a split's chunk pixels take chunk / 8 m16n8k8 mma per accumulator, each adding 9
+    terms (8 exact products and the accumulator) with truncation, at most 2u of the running
+    magnitude each: 2.25 chunk; the cross terms' accumulator, 2^-10 as large, 0.0044 chunk;
+    acc + acc_s one rounded add, splitk_sum one per split; X3_PRODUCT per product."""
+    splits, chunk = cb.wgrad_split(g, cfg, sm_count())
+    return 2.26 * chunk + splits + 1 + X3_PRODUCT
+
+
+def wgrad_depth(g, cfgs=None, dtype=DT.FLOAT32, prec=None):
+    """The grad_kernel bound's coefficient of sum |terms| in units of u, the largest over
+    the configs (default: the autotuner's candidates for dtype and precision): SIMT, the
+    sequential adds behind an element (a split's pixels, then the splits in order);
+    3xTF32, x3_depth."""
+    cfgs = cfgs or cb.candidates(g, sm_count(), "wgrad", dtype, prec)
+    return max(x3_depth(g, c) if cb.wgrad_is_x3(c) else
+               sum(cb.wgrad_split(g, c, sm_count())[::-1]) for c in cfgs)
 
 
 def bias_depth(g):
@@ -149,10 +172,10 @@ def bias_depth(g):
     return -(-chunk // 256) + 3 * rows + 10 + chunks
 
 
-def depths(g):
+def depths(g, dtype=DT.FLOAT32, prec=None):
     """Terms summed in sequence behind one output: dgrad (a slice's tiles, then the slices),
-    wgrad, bias (see the helpers above)."""
-    return g.Kg * g.R * g.S + 8, wgrad_depth(g), bias_depth(g)
+    wgrad (the candidates' for dtype and precision), bias (see the helpers above)."""
+    return g.Kg * g.R * g.S + 8, wgrad_depth(g, None, dtype, prec), bias_depth(g)
 
 
 def stored(values, dtype):
@@ -182,7 +205,7 @@ def bounds(go, x, w, case, dtype, prec, d_wg=None, mma=None):
     g = geometry(case)
     refs = ref_backward(go, x, w, *case[2:])
     mags = ref_backward(np.abs(go), np.abs(x), np.abs(w), *case[2:])
-    d_dg, d_wg_any, d_b = depths(g)
+    d_dg, d_wg_any, d_b = depths(g, dtype, prec)
     d_wg = d_wg or d_wg_any
     mma = uses_tensor_cores(g, dtype, prec) if mma is None else mma
     c_dg = (2 * d_dg * U + (TF32_PRODUCT if prec == "tf32" else 0.0)) if mma else d_dg * U
@@ -527,11 +550,376 @@ def test_dgrad_paths():
     g3 = geometry(CASES[10])                 # stride 1, 40 channels
     g4 = geometry(CASES[7])                  # padding 3 > dilation * (kernel - 1)
     assert cb.dgrad_path(g1, DT.FLOAT32, None) == "forward"     # the direct kernel
-    assert cb.dgrad_path(g3, DT.FLOAT32, None) == "simt"
+    assert cb.dgrad_path(g3, DT.FLOAT32, None) == "forward"    # the forward's 3xTF32 fits
+    assert cb.dgrad_path(g3, DT.FLOAT32, "ieee") == "simt"
     assert cb.dgrad_path(g3, DT.FLOAT32, "tf32") == "forward"
     assert cb.dgrad_path(g3, DT.BFLOAT16, None) == "forward"
     assert cb.dgrad_path(g2, DT.FLOAT16, None) == "simt"
     assert cb.dgrad_path(g4, DT.FLOAT16, None) == "simt"
+
+
+# -- 3xTF32 wgrad (conv2d_wgrad_mma.cu.j2): configs, split arithmetic, index math (CPU) -------
+# (input, kernel, stride, padding, dilation, groups): odd sizes, every kind the kernel gathers
+X3_CASES = [
+    ((3, 5, 17, 17), (7, 5, 3, 3), (1, 1), (1, 1), (1, 1), 1),     # P*Q = 289, Cg*R*S = 45
+    ((3, 5, 17, 17), (7, 5, 3, 3), (2, 2), (1, 1), (1, 1), 1),     # stride 2
+    ((3, 5, 17, 17), (7, 5, 3, 3), (1, 1), (2, 2), (2, 2), 1),     # dilation 2
+    ((3, 6, 17, 17), (8, 3, 3, 3), (1, 1), (1, 1), (1, 1), 2),     # groups 2
+    ((3, 5, 17, 17), (7, 5, 1, 1), (1, 1), (0, 0), (1, 1), 1),     # 1x1
+    ((2, 4, 9, 10), (9, 4, 3, 3), (1, 1), (1, 1), (1, 1), 1),      # P*Q = 90, Cg*R*S = 36
+    ((2, 3, 7, 9), (5, 3, 3, 3), (2, 2), (1, 1), (2, 2), 1),       # stride and dilation 2
+    ((1, 4, 10, 11), (4, 1, 3, 3), (3, 2), (3, 3), (1, 1), 4),     # Cg = 1, padding = extent
+    ((3, 33, 17, 15), (70, 33, 3, 3), (1, 1), (1, 1), (1, 1), 1),  # several row / column tiles
+    ((2, 24, 9, 7), (34, 12, 5, 3), (1, 1), (2, 1), (1, 1), 2),    # 5x3, groups 2
+]
+X3_IDS = [f"{x}x{w}s{s}p{p}d{d}g{g}" for x, w, s, p, d, g in X3_CASES]
+
+
+def x3_layout(cfg):
+    """The kernel's derived sizes (its #defines) of a 3xTF32 config."""
+    bm, bn, bk, wm, wn = (cfg[k] for k in ("bm", "bn", "bk", "wm", "wn"))
+    nwarps = (bm // wm) * (bn // wn)
+    rpw = 32 // bk
+    row_step = nwarps * rpw
+    period = 1 if row_step >= 8 else 8 // row_step
+    return dict(nwarps=nwarps, threads=32 * nwarps, rb=4 * bk, rpw=rpw, row_step=row_step,
+                a_iters=bm // row_step, b_iters=bn // row_step, period=period,
+                period_bytes=period * row_step * 4 * bk)
+
+
+def x3_swz(bk, r, c):
+    """The template's swz(): physical 16-byte chunk of logical chunk c in shared row r."""
+    return c ^ (r & 7) if bk == 32 else c ^ ((r >> 1) & 3)
+
+
+def test_x3_configs_and_candidates():
+    """Every 3xTF32 config meets its template's static_asserts and the shared-memory limit,
+    its rendered THREADS is wgrad_threads; float32 at None / fp32 / tf32 offers the 3xTF32
+    configs first, then the SIMT ones; 'ieee', the 16-bit dtypes and geometries whose
+    offsets would leave int32 get the SIMT list; the splits cover the pixels with chunks of
+    at most X3_MAX_CHUNK pixels (unless the workspace cap needs longer ones)."""
+    gen = KernelGenerator(backend=object())
+    variants = cb.template_variants()[cb.WGRAD_X3_TEMPLATE]
+    assert len(variants) == len(cb.WGRAD_X3_CONFIGS)
+    for cfg in cb.WGRAD_X3_CONFIGS:
+        lay = x3_layout(cfg)
+        assert cb.wgrad_is_x3(cfg) and cb.wgrad_template(cfg) == cb.WGRAD_X3_TEMPLATE
+        assert cfg["bk"] in (16, 32) and cfg["stages"] >= 2
+        assert cfg["bm"] % cfg["wm"] == 0 and cfg["bn"] % cfg["wn"] == 0
+        assert cfg["wm"] % 16 == 0 and cfg["wn"] % 16 == 0
+        assert cfg["bm"] % lay["row_step"] == 0 and cfg["bn"] % lay["row_step"] == 0
+        assert lay["row_step"] % 8 == 0 or 8 % lay["row_step"] == 0
+        assert lay["a_iters"] <= 32 and lay["threads"] <= 1024
+        assert cb.wgrad_shared_bytes(cfg) + 16 * cfg["bn"] <= 227 * 1024
+        assert cb.wgrad_shared_bytes(cfg) == \
+            cfg["stages"] * (cfg["bm"] + cfg["bn"]) * cfg["bk"] * 4
+        _, src = gen.render_kernel(cb.WGRAD_X3_TEMPLATE, **{**dtype_params(DT.FLOAT32), **cfg})
+        assert defined_int(src, "THREADS") == cb.wgrad_threads(cfg) == lay["threads"]
+    for case in CASES + X3_CASES + [((32, 64, 128, 128), (128, 64, 3, 3), (1, 1), (1, 1),
+                                     (1, 1), 1)]:
+        g = geometry(case)
+        L = g.N * g.P * g.Q
+        for sms in (1, 7, 132):
+            simt = cb.candidates(g, sms, "wgrad")
+            for dtype, prec in ((DT.FLOAT32, None), (DT.FLOAT32, "fp32"), (DT.FLOAT32, "tf32")):
+                cands = cb.candidates(g, sms, "wgrad", dtype, prec)
+                x3 = [c for c in cands if cb.wgrad_is_x3(c)]
+                assert x3 and cands == x3 + simt
+                for c in x3:
+                    assert {k: v for k, v in c.items() if k != "waves"} in cb.WGRAD_X3_CONFIGS
+                    splits, chunk = cb.wgrad_split(g, c, sms)
+                    assert chunk % c["bk"] == 0 and splits * chunk >= L > (splits - 1) * chunk
+                    assert chunk <= max(cb.X3_MAX_CHUNK, c["bk"])
+            for dtype, prec in ((DT.FLOAT32, "ieee"), (DT.FLOAT16, None), (DT.BFLOAT16, None)):
+                assert cb.candidates(g, sms, "wgrad", dtype, prec) == simt
+    big = cv.plan((1, 2, 40000, 40000), (4, 2, 3, 3), ConvolutionConfig(3, padding=1))
+    assert not cb.wgrad_x3_fits(big, DT.FLOAT32, None)       # 2 * 1.6e9 elements
+    assert cb.wgrad_x3_fits(geometry(X3_CASES[0]), DT.FLOAT32, None)
+
+
+def split_tf32(v):
+    """The template's split_tf32 in NumPy: (big, small) float32, big = rna(v) (TF32),
+    small = rna(v - big) with the float32 subtraction."""
+    v = np.ascontiguousarray(v, np.float32)
+    big = ((v.view(np.uint32) + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+    rest = v - big
+    small = ((rest.view(np.uint32) + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+    return big, small
+
+
+def test_x3_split_error():
+    """The product error model behind X3_PRODUCT: with a = a_b + r_a (exact), |r_a| <= 2^-11
+    |a|, a_s = rna(r_a) within 2^-22 |a| of it, ab - (a_b b_b + a_s b_b + a_b b_s) =
+    a_b (r_b - b_s) + b_b (r_a - a_s) + r_a r_b, at most (3 + 2^-10) 2^-22 |ab|; the three
+    TF32 products are exact in float32 (11-bit significands). Random operands over 60
+    binades, and small integers and 16-bit values, which split exactly (small = 0)."""
+    rng = np.random.default_rng(12)
+    a = (rng.standard_normal(200000) * 2.0 ** rng.uniform(-30, 30, 200000)).astype(np.float32)
+    b = (rng.standard_normal(200000) * 2.0 ** rng.uniform(-30, 30, 200000)).astype(np.float32)
+    (ab, as_), (bb, bs) = split_tf32(a), split_tf32(b)
+    for v, big, small in ((a, ab, as_), (b, bb, bs)):
+        for part in (big, small):   # TF32: the low 13 bits are zero
+            assert not (part.view(np.uint32) & np.uint32(0x1FFF)).any()
+        v64 = v.astype(np.float64)
+        assert (np.abs(v64 - big) <= 2.0**-11 * np.abs(v64)).all()
+        assert (np.abs(v64 - big - small) <= 2.0**-22 * np.abs(v64)).all()
+    exact = a.astype(np.float64) * b
+    terms = [ab.astype(np.float64) * bb, as_.astype(np.float64) * bb, ab.astype(np.float64) * bs]
+    for t in terms:
+        assert (t.astype(np.float32).astype(np.float64) == t).all()   # exact in float32
+    err = np.abs(exact - sum(terms))
+    assert (err <= X3_PRODUCT * U * np.abs(exact)).all()
+    ints = np.arange(-300, 301, dtype=np.float32)
+    half = rng.standard_normal(1000).astype(np.float16).astype(np.float32)
+    for v in (ints, half):
+        big, small = split_tf32(v)
+        assert (big == v).all() and not small.any()
+
+
+def emulate_wgrad_x3(go, x, g, cfg, splits, chunk):
+    """conv2d_wgrad_mma.cu.j2 transcribed: per block (split z, row tile, column tile, group),
+    the B-row table, each thread's pixel (n, p, q) advanced by bk with carries, its copies'
+    shared offsets (dst[i % SWZ_PERIOD] + (i / SWZ_PERIOD) * PERIOD_BYTES) and sources, the
+    zero-fills; every shared slot of a k-tile written once, each warp's copy instruction on
+    32 distinct banks; the logical tiles read back through the swizzle multiplied in
+    float64 into the block's partial tile, stored through the mma C layout (c0..c3 of each
+    16 x 8 tile of each warp); the partials summed over the splits. Returns grad_kernel."""
+    lay = x3_layout(cfg)
+    bm, bn, bk, wm, wn = (cfg[k] for k in ("bm", "bn", "bk", "wm", "wn"))
+    rb, row_step, period = lay["rb"], lay["row_step"], lay["period"]
+    G, Cg, Kg, K, P, Q, H, W = g.groups, g.Cg, g.Kg, g.K, g.P, g.Q, g.H, g.W
+    RS, PQ, HW = g.R * g.S, P * Q, H * W
+    CRS, L = Cg * RS, g.N * P * Q
+    mtiles, ntiles = -(-Kg // bm), -(-CRS // bn)
+    gof, xf = np.asarray(go, np.float64).ravel(), np.asarray(x, np.float64).ravel()
+    tid = np.arange(lay["threads"])
+    lane, warp = tid & 31, tid >> 5
+    ll, row0 = lane & (bk - 1), warp * lay["rpw"] + lane // bk
+    dst = [(row0 + k * row_step) * rb + x3_swz(bk, row0 + k * row_step, ll >> 2) * 16 +
+           (ll & 3) * 4 for k in range(period)]
+    dn = bk // PQ
+    dp = (bk - dn * PQ) // Q
+    dq = bk - dn * PQ - dp * Q
+    # logical (row, k) -> float index in a stage: A rows first, then B rows
+    rows = np.arange(bm + bn)[:, None]
+    kk = np.arange(bk)[None, :]
+    phys = (rows * rb + x3_swz(bk, rows, kk >> 2) * 16 + (kk & 3) * 4) // 4
+    # the epilogue's thread -> (row, col) map of the block tile (the mma C layout)
+    er, ec = [], []
+    for i in range(wm // 16):
+        for j in range(wn // 8):
+            for h in range(2):
+                for q in range(2):
+                    er.append((warp // (bn // wn)) * wm + i * 16 + (lane >> 2) + h * 8)
+                    ec.append((warp % (bn // wn)) * wn + j * 8 + (lane & 3) * 2 + q)
+    er, ec = np.concatenate(er), np.concatenate(ec)
+    assert len(set(zip(er.tolist(), ec.tolist()))) == bm * bn == len(er)   # a bijection
+    ws = np.full((splits, K * CRS), np.nan)
+    for gg in range(G):
+        for z in range(splits):
+            l_begin = z * chunk
+            l_len = min(L - l_begin, chunk)
+            iters = -(-l_len // bk) if l_len > 0 else 0
+            for mt in range(mtiles):
+                for nt in range(ntiles):
+                    m0, n0 = mt * bm, nt * bn
+                    col = n0 + np.arange(bn)
+                    c, rs = col // RS, col % RS
+                    r, s = rs // g.S, rs % g.S
+                    inside = col < CRS
+                    dr = np.where(inside, r * g.dh - g.ph, -2**30)
+                    ds = np.where(inside, s * g.dw - g.pw, 0)
+                    off = np.where(inside, c * HW + (r * g.dh - g.ph) * W + ds, 0)
+                    a_left = Kg - m0 - row0      # copies i < a_rows are inside Kg
+                    a_rows = np.where(a_left <= 0, 0,
+                                      np.minimum(lay["a_iters"], -(-a_left // row_step)))
+                    l0 = l_begin + ll
+                    ln = np.where(l0 < L, l0 // PQ, 0)
+                    pq = np.where(l0 < L, l0 % PQ, 0)
+                    lp, lq = pq // Q, pq % Q
+                    l_left = l_len - ll
+                    a_base = (gg * Kg + m0 + row0) * PQ
+                    acc = np.zeros((bm, bn))
+                    for _ in range(iters):
+                        sm = np.zeros((bm + bn) * bk)
+                        seen = np.zeros((bm + bn) * bk, int)
+                        lv = l_left > 0
+                        ap = a_base + ln * K * PQ + lp * Q + lq
+                        ihb, iwb = lp * g.sh, lq * g.sw
+                        xp = gg * Cg * HW + ln * g.C * HW + ihb * W + iwb
+                        copies = []
+                        a_lim = np.where(lv, a_rows, 0)
+                        iwc = np.where(lv, iwb, 2**30)
+                        for i in range(lay["a_iters"]):
+                            ok = i < a_lim
+                            copies.append((0, i, ok, ap + i * row_step * PQ, gof))
+                        for i in range(lay["b_iters"]):
+                            j = row0 + i * row_step
+                            ok = (ihb + dr[j] >= 0) & (ihb + dr[j] < H) & \
+                                (iwc + ds[j] >= 0) & (iwc + ds[j] < W)
+                            copies.append((bm * rb, i, ok, xp + off[j], xf))
+                        for base, i, ok, src, mem in copies:
+                            assert ((src >= 0) & (src < mem.size))[ok].all(), "read outside"
+                            d = base + dst[i % period] + (i // period) * lay["period_bytes"]
+                            assert (d % 4 == 0).all()
+                            banks = np.sort((d // 4 % 32).reshape(-1, 32), axis=1)
+                            assert (np.diff(banks, axis=1) > 0).all(), "bank conflict"
+                            sm[d // 4] = np.where(ok, mem[np.where(ok, src, 0)], 0.0)
+                            seen[d // 4] += 1
+                        assert (seen == 1).all()
+                        tile = sm[phys]
+                        acc += tile[:bm] @ tile[bm:].T
+                        l_left = l_left - bk
+                        lq, lp, ln = lq + dq, lp + dp, ln + dn
+                        lp, lq = np.where(lq >= Q, lp + 1, lp), np.where(lq >= Q, lq - Q, lq)
+                        ln, lp = np.where(lp >= P, ln + 1, ln), np.where(lp >= P, lp - P, lp)
+                    keep = (m0 + er < Kg) & (n0 + ec < CRS)
+                    rk, ck = er[keep], ec[keep]
+                    ws[z, (gg * Kg + m0 + rk) * CRS + n0 + ck] = acc[rk, ck]
+    assert not np.isnan(ws).any(), "a partial element no block wrote"
+    return ws.sum(axis=0).reshape(K, Cg, g.R, g.S)
+
+
+def test_x3_fragment_layout():
+    """The ldmatrix.x4 addresses of the template (A rows wm0 + i*16 + (lane & 15), chunk
+    2 ks + (lane >> 4); B rows wn0 + jp*16 + (lane & 7) + 8 (lane >> 4), chunk 2 ks +
+    ((lane >> 3) & 1)) on the swizzled tiles give exactly the m16n8k8 TF32 fragments:
+    a0..a3 = A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4], b0, b1 = B[k=t][n=g], B[k=t+4][n=g]
+    (g = lane / 4, t = lane % 4), and each 8-lane phase reads 8 distinct 16-byte bank
+    groups (conflict-free). Each shared float holds its own (row, k) code here."""
+    for cfg in cb.WGRAD_X3_CONFIGS:
+        lay = x3_layout(cfg)
+        bm, bn, bk, wm, wn = (cfg[k] for k in ("bm", "bn", "bk", "wm", "wn"))
+        rb = lay["rb"]
+        sm = np.zeros((bm + bn) * bk, np.int64)
+        rows = np.arange(bm + bn)[:, None]
+        kk = np.arange(bk)[None, :]
+        sm[(rows * rb + x3_swz(bk, rows, kk >> 2) * 16 + (kk & 3) * 4) // 4] = rows * 1000 + kk
+        lane = np.arange(32)
+        gq, tq = lane // 4, lane % 4
+
+        def ldsm_x4(addr):
+            """Registers r0..r3 of each lane: word (T % 4) of row T / 4 of matrix q, whose
+            rows lanes 8q..8q+7 address (16 bytes each)."""
+            assert (addr % 16 == 0).all()
+            for q in range(4):   # one phase per matrix: 8 distinct bank groups
+                assert len(set((addr[8 * q:8 * q + 8] // 16 % 8).tolist())) == 8
+            return [sm[addr[8 * q + gq] // 4 + tq] for q in range(4)]
+        for warp in range(lay["nwarps"]):
+            wm0, wn0 = (warp // (bn // wn)) * wm, (warp % (bn // wn)) * wn
+            ar = wm0 + (lane & 15)
+            br = wn0 + (lane & 7) + ((lane >> 4) << 3)
+            for ks in range(bk // 8):
+                a_off = ar * rb + x3_swz(bk, ar, ks * 2 + (lane >> 4)) * 16
+                b_off = bm * rb + br * rb + x3_swz(bk, br, ks * 2 + ((lane >> 3) & 1)) * 16
+                for i in range(wm // 16):
+                    a = ldsm_x4(a_off + i * 16 * rb)
+                    r_, k_ = wm0 + i * 16 + gq, ks * 8 + tq
+                    want = [r_ * 1000 + k_, (r_ + 8) * 1000 + k_, r_ * 1000 + k_ + 4,
+                            (r_ + 8) * 1000 + k_ + 4]
+                    for got, exp in zip(a, want):
+                        np.testing.assert_array_equal(got, exp)
+                for jp in range(wn // 16):
+                    b = ldsm_x4(b_off + jp * 16 * rb)
+                    for half in range(2):
+                        n_ = bm + wn0 + jp * 16 + half * 8 + gq
+                        np.testing.assert_array_equal(b[2 * half], n_ * 1000 + ks * 8 + tq)
+                        np.testing.assert_array_equal(b[2 * half + 1],
+                                                      n_ * 1000 + ks * 8 + tq + 4)
+
+
+@pytest.mark.parametrize("case", X3_CASES, ids=X3_IDS)
+def test_x3_kernel_index_math_emulated(case, monkeypatch):
+    """emulate_wgrad_x3 (every 3xTF32 config, the candidates' splits and splits of one or
+    two k-tiles: chunks ending inside a k-tile and inside an image) rebuilds the reference's
+    grad_kernel."""
+    rng = np.random.default_rng(13)
+    g = geometry(case)
+    go, x, w = (rng.standard_normal(s) for s in (g.out_shape, case[0], case[1]))
+    ref = ref_backward(go, x, w, *case[2:])[1]
+    for cfg in cb.WGRAD_X3_CONFIGS:
+        for cap in (cb.X3_MAX_CHUNK, 24):
+            monkeypatch.setattr(cb, "X3_MAX_CHUNK", cap)
+            splits, chunk = cb.wgrad_split(g, {**cfg, "waves": 2}, 132)
+            L = g.N * g.P * g.Q
+            assert splits == -(-L // chunk) and (cap > 100 or L <= max(cap, cfg["bk"]) or
+                                                  splits > 1)
+            got = emulate_wgrad_x3(go, x, g, cfg, splits, chunk)
+            np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12,
+                                       err_msg=f"{cfg} cap {cap}")
+
+
+def recording_math():
+    """A RecordingMath (tests/helpers.py) that also takes what conv2d_backward's general path
+    touches: per-call plans, prepared launches (not used), no direct launches; the
+    auxiliary kernels (no THREADS define) with their AUX_BLOCK threads."""
+    m = RecordingMath()
+    m.plans = {}
+    m.backend.prepare_launch = lambda *args: None
+    m.backend.direct_launch = lambda device_id: False
+    kernel = m.kernel
+
+    def with_aux_block(template, device_id, **params):
+        if template == cb.AUX_TEMPLATE:
+            params = {**params, "block_size": cb.AUX_BLOCK}
+        return kernel(template, device_id, **params)
+    m.kernel = with_aux_block
+    return m
+
+
+@pytest.mark.parametrize("case", X3_CASES, ids=X3_IDS)
+def test_x3_launches_recorded(case):
+    """On a recording backend: each 3xTF32 config's wgrad program launches its kernel with
+    the kernel's parameter formats and THREADS (the backend checks both) and these values:
+    go, x, the partials (grad_kernel itself for one split), out_vec (Cg*R*S % 4 == 0 and an
+    aligned output), the geometry, chunk, the tile counts and the split stride K*Cg*R*S; a
+    grid of splits * row tiles * column tiles blocks over the groups, covering Kg, Cg*R*S
+    and the pixels; then splitk_sum over the splits. conv2d_backward's float32 path asks the
+    autotuner about the 3xTF32 configs first ('conv2d_wgrad_x3'), 'ieee' and bfloat16 about
+    the SIMT ones alone ('conv2d_wgrad')."""
+    m = recording_math()
+    g = geometry(case)
+    CRS, L = g.Cg * g.R * g.S, g.N * g.P * g.Q
+    go, x, w = (m.backend.empty(s, DT.FLOAT32) for s in (g.out_shape, case[0], case[1]))
+    for cfg in cb.WGRAD_X3_CONFIGS:
+        for waves in (1, 2, 4):
+            wcfg = {**cfg, "waves": waves}
+            m.backend.launches.clear()
+            prog = cb.build_program(m, g, DT.FLOAT32, None, 0, ("wgrad",), None, wcfg)
+            _, gw, _ = prog.run(m, go, x, w, direct=False)
+            splits, chunk = cb.wgrad_split(g, wcfg, 132)
+            mt, nt = -(-g.Kg // cfg["bm"]), -(-CRS // cfg["bn"])
+            assert mt * cfg["bm"] >= g.Kg and nt * cfg["bn"] >= CRS
+            assert splits * chunk >= L > (splits - 1) * chunk
+            (k, grid, smem, values), *rest = m.backend.launches
+            assert k.template == cb.WGRAD_X3_TEMPLATE
+            assert {p: k.params[p] for p in cfg} == cfg
+            assert grid == (splits * mt * nt, 1, g.groups)
+            assert smem == cb.wgrad_shared_bytes(cfg)
+            out = values[2]
+            assert values[:2] == [go.ptr, x.ptr] and (out == gw.ptr) == (splits == 1)
+            assert values[3:] == [int(CRS % 4 == 0), g.N, g.C, g.H, g.W, g.Cg, g.Kg, g.K,
+                                  g.P, g.Q, g.R, g.S, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw,
+                                  chunk, mt, nt, g.K * CRS]
+            if splits == 1:
+                assert rest == []
+            else:
+                (k2, _, _, v2), = rest
+                assert k2.params["kind"] == "splitk_sum" and v2 == [out, gw.ptr, g.K * CRS,
+                                                                    splits]
+    cfg = config_of(case)
+    for dtype, prec, op in ((DT.FLOAT32, None, "conv2d_wgrad_x3"),
+                            (DT.FLOAT32, "tf32", "conv2d_wgrad_x3"),
+                            (DT.FLOAT32, "ieee", "conv2d_wgrad"),
+                            (DT.BFLOAT16, None, "conv2d_wgrad")):
+        go, x, w = (m.backend.empty(s, dtype) for s in (g.out_shape, case[0], case[1]))
+        m.picked = None
+        _, gw, _ = cb.conv2d_backward(m, go, x, w, cfg, False, prec, (False, True, False))
+        assert gw.shape == case[1] and gw.dtype is dtype
+        name, cands = m.picked
+        assert name == op and cb.wgrad_is_x3(cands[0]) == (op == "conv2d_wgrad_x3")
+        k = next(k for k, *_ in m.backend.launches[::-1] if k.template.startswith("conv2d_wgrad"))
+        assert k.template == (cb.WGRAD_X3_TEMPLATE if op.endswith("x3") else cb.WGRAD_TEMPLATE)
 
 
 # -- GPU ----------------------------------------------------------------------------------------
@@ -645,3 +1033,116 @@ def test_gpu_recovers_after_bad_input(apis):
     for got, ref in zip(res, ref_backward(hgo, hx, hw, *case[2:])):
         np.testing.assert_array_equal(m.to_numpy(got).astype(np.float64), ref)
     free(go, x, w, bad, *res)
+
+
+@gpu
+@pytest.mark.parametrize("case", X3_CASES, ids=X3_IDS)
+def test_gpu_every_x3_wgrad_config(apis, case, monkeypatch):
+    """Each 3xTF32 wgrad config with waves 1, 2, 4 (splits allowed down to one k-tile), with
+    the default chunk cap and with splits of at most 24 pixels: exact on small integers
+    (their TF32 splits are exact), within U_OUT |ref| + x3_depth u (sum of |terms|) on
+    normal draws, every element written (finite)."""
+    m, _ = apis
+    monkeypatch.setattr(cb, "MIN_SPLIT_TILES", 1)
+    rng = np.random.default_rng(14)
+    g = geometry(case)
+    caps = (cb.X3_MAX_CHUNK, 24)
+    for ints in (True, False):
+        (go, hgo), (x, hx), (w, hw) = operands(m, rng, case, DT.FLOAT32, ints)
+        ref = ref_backward(hgo, hx, hw, *case[2:])[1]
+        mag = ref_backward(np.abs(hgo), np.abs(hx), np.abs(hw), *case[2:])[1]
+        for cfg in cb.WGRAD_X3_CONFIGS:
+            for waves in (1, 2, 4):
+                for cap in caps:
+                    monkeypatch.setattr(cb, "X3_MAX_CHUNK", cap)
+                    wcfg = {**cfg, "waves": waves}
+                    prog = cb.build_program(m, g, DT.FLOAT32, None, 0, ("wgrad",), None, wcfg)
+                    _, gw, _ = prog.run(m, go, x, w, direct=False)
+                    got = m.to_numpy(gw).astype(np.float64)
+                    what = f"{wcfg} cap {cap} ints={ints}"
+                    if ints:
+                        np.testing.assert_array_equal(got, ref, err_msg=what)
+                    else:
+                        bound = U * np.abs(ref) + x3_depth(g, wcfg) * U * mag + \
+                            ATOL[DT.FLOAT32]
+                        check(got, ref, bound, what)
+                    free(gw)
+        free(go, x, w)
+
+
+@gpu
+def test_gpu_x3_wgrad_infinities(apis):
+    """Infinite and NaN operands: every 3xTF32 config gives float32's answer (the big
+    products' sum where it is not finite: inf, -inf or NaN as the float64 reference has
+    them), the other elements exact (small integers)."""
+    m, _ = apis
+    case = X3_CASES[0]
+    g = geometry(case)
+    rng = np.random.default_rng(15)
+    hgo = rng.integers(-1, 2, g.out_shape).astype(np.float64)
+    hx = rng.integers(-2, 3, case[0]).astype(np.float64)
+    hx[0, 1, 3, 4], hx[1, 2, 9, 9], hx[2, 4, 16, 0] = np.inf, -np.inf, np.nan
+    hgo[2, 5, 8, 8] = np.inf
+    go, x, w = (m.from_numpy(a.astype(np.float32)) for a in (hgo, hx, np.ones(case[1])))
+    with np.errstate(invalid="ignore"):
+        ref = ref_backward(hgo, hx, np.ones(case[1]), *case[2:])[1]
+    assert np.isinf(ref).any() and np.isnan(ref).any() and np.isfinite(ref).any()
+    for cfg in cb.WGRAD_X3_CONFIGS:
+        prog = cb.build_program(m, g, DT.FLOAT32, None, 0, ("wgrad",), None,
+                                {**cfg, "waves": 2})
+        _, gw, _ = prog.run(m, go, x, w, direct=False)
+        got = m.to_numpy(gw).astype(np.float64)
+        np.testing.assert_array_equal(got, ref, err_msg=str(cfg))   # NaN where ref is NaN
+        free(gw)
+    free(go, x, w)
+
+
+X3_DGRAD_CASES = [  # stride 1, K/groups >= 13 (the forward's 3xTF32 fits), odd sizes
+    CASES[10], CASES[11], CASES[12],
+    ((3, 9, 11, 10), (14, 9, 3, 3), (1, 1), (1, 1), (1, 1), 1),
+    ((2, 10, 13, 12), (20, 10, 3, 3), (1, 1), (2, 2), (2, 2), 1),
+    ((1, 8, 9, 11), (16, 8, 3, 2), (1, 1), (0, 1), (1, 1), 1),
+]
+
+
+@gpu
+@pytest.mark.parametrize("forced", [False, True], ids=["tuned", "x3"])
+def test_gpu_dgrad_default_precision_3xtf32(backend, tmp_path_factory, monkeypatch, forced):
+    """float32 at the default precision, stride 1, where the forward's 3xTF32 configs fit:
+    the data gradient runs through the forward (dgrad_path 'forward'), with the config the
+    autotuner picks (tuned) or with the forward's candidates cut to its 3xTF32 ones (x3).
+    Bound: the tensor-core paths' 2 d u (sum of |terms|) plus 3xTF32's 20 u per product and
+    the last adds, (2 d + 24) u, with d = R*S*ceil(K/groups/8)*8 (the mma k-steps of 8);
+    precision='ieee' runs the dgrad kernel, within its d u. Small integers: exact in both.
+    A CudaMath of its own: the forced picks stay in its memos."""
+    m = tuned_math(backend, tmp_path_factory)
+    cv.warm_up(m, workers=16, dtypes=(DT.FLOAT32,))
+    if forced:
+        every = cv.candidates
+        monkeypatch.setattr(cv, "candidates",
+                            lambda *args: [c for c in every(*args) if c.get("x3")])
+    rng = np.random.default_rng(11)
+    for case in X3_DGRAD_CASES:
+        g = geometry(case)
+        assert cb.dgrad_path(g, DT.FLOAT32, None) == "forward"
+        assert cb.dgrad_path(g, DT.FLOAT32, "ieee") == "simt"
+        depth = g.R * g.S * -(-g.Kg // 8) * 8
+        for ints in (False, True):
+            (go, hgo), (x, hx), (w, hw) = operands(m, rng, case, DT.FLOAT32, ints)
+            ref = ref_backward(hgo, hx, hw, *case[2:])[0]
+            mag = ref_backward(np.abs(hgo), np.abs(hx), np.abs(hw), *case[2:])[0]
+            for prec in (None, "ieee"):
+                gi, _, _ = cb.conv2d_backward(m, go, x, w, config_of(case), False, prec,
+                                              output_mask=(True, False, False))
+                got = m.to_numpy(gi).astype(np.float64)
+                if ints:
+                    np.testing.assert_array_equal(got, ref, err_msg=f"{case} {prec} ints")
+                else:
+                    c = (2 * depth + 24) * U if prec is None else depths(g)[0] * U
+                    check(got, ref, U * np.abs(ref) + c * mag + ATOL[DT.FLOAT32],
+                          f"{case} {prec}")
+                free(gi)
+            free(go, x, w)
+    if forced:
+        picks = m.__dict__["_conv2d_configs"]
+        assert picks and all(c.get("x3") for c in picks.values())

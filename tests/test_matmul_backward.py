@@ -17,10 +17,20 @@ the recomputed z, the second term GELU''s own evaluation: exp of an argument |s|
 relative error 8 u, T the magnitudes of its two terms), and the later GEMMs carry that error
 through |W| and |x|. Column and batch sums add gamma(rows) of their terms' magnitudes.
 
+float32's default GEMMs (precision None / "fp32": matmul, matmul_nt, matmul_tn) may run
+3xTF32 on tensor cores: each operand x = big + small (two TF32 roundings to nearest, 2^-11
+each, x - big exact), the products big·big + big·small + small·big exact in float32; the
+dropped small·small and the small parts' roundings leave |ab - computed| <= 3 2^-22 |a||b|
+(u_prod), the float32 accumulation of the mma may truncate (u = 2^-23, over at most
+depth(K) additions with the final acc + acc_s and the split-K partials), so `arith` gives
+the recompute's pair (2^-23, 3 2^-22) for every float32 default GEMM; "ieee" (CUDA cores)
+keeps (2^-24, 0).
+
 Tests marked `gpu` run every candidate config of the new kernel modes (a_trans with split-K,
-aligned and not, batched and broadcast; the bias_gelu_grad epilogue of every linear config
-and the skinny split-K reduce) and the per-call plans; the rest run in whatever mode the
-backend is in (NumPy fallback without a GPU).
+aligned and not, batched and broadcast; the 3xTF32 GEMMs NN / NT / TN with split-K; the
+bias_gelu_grad epilogue of every linear config and the skinny split-K reduce) and the
+per-call plans; the rest run in whatever mode the backend is in (NumPy fallback without a
+GPU).
 """
 from __future__ import annotations
 
@@ -55,15 +65,16 @@ ATOL = {DT.FLOAT32: 1e-37, DT.FLOAT64: 1e-300, DT.FLOAT16: 2.0**-25, DT.BFLOAT16
 
 
 def arith(dtype, prec, recompute=False):
-    """(u_acc, u_prod) of a GEMM of the family: the matmul / a_trans / b_trans GEMMs (float32:
-    CUDA cores, rounding FMA), or with recompute=True the linear layer's recompute (float32:
-    3xTF32 or CUDA cores)."""
+    """(u_acc, u_prod) of a GEMM of the family: the matmul / a_trans / b_trans GEMMs and
+    (recompute=True) the linear layer's recompute; float32's default (None / "fp32") may run
+    3xTF32 in either (the module docstring's derivation), "ieee" (CUDA cores, rounding FMA)
+    is exact in the products."""
     if dtype is DT.FLOAT64:
         return 2.0**-53, 0.0
     if dtype is DT.FLOAT32 and prec == "tf32":
         return 2.0**-23, 2.0**-10 + 2.0**-11 + 2.0**-21
     if dtype is DT.FLOAT32:
-        return (2.0**-23, 3 * 2.0**-22) if recompute else (2.0**-24, 0.0)
+        return (2.0**-24, 0.0) if prec == "ieee" and not recompute else (2.0**-23, 3 * 2.0**-22)
     return 2.0**-23, 0.0
 
 
@@ -561,7 +572,11 @@ def test_template_variants_are_the_configs_launched():
         family, _ = mm.family(dt, prec)
         for vec in (True, False):
             for c in mm.tn_configs(dt, prec, vec):
-                want.add((family, tuple(sorted(mm.tn_params(family, dt, c, vec).items()))))
+                t = mm.config_template(c, family)   # (float32's x3 configs: mma, vec only)
+                assert vec or not c.get("x3")
+                want.add((t, tuple(sorted(mm.tn_params(t, dt, c, vec).items()))))
+    assert any(c.get("x3") for c in mm.tn_configs(DT.FLOAT32, None, True))
+    assert not any(c.get("x3") for c in mm.tn_configs(DT.FLOAT32, "ieee", True))
     for dt, prec in mb.LINEAR_FAMILIES:
         family, _ = mm.family(dt, prec, linear=True)
         for vec in (True, False):
@@ -581,8 +596,12 @@ def test_template_variants_are_the_configs_launched():
             assert declared_kernels(src) == [name] and "#error" not in src
             if p.get("a_trans"):
                 assert "a_trans" in p and p["b_trans"] is False and p["epilogue"] == "none"
-                assert "ldsm_x4_t(sa + a_off[i]" in src if t == mm.MMA_TEMPLATE else \
-                    "a_col_ok" in src
+                if t == mm.SIMT_TEMPLATE:
+                    assert "a_col_ok" in src
+                elif p["dtype"] == "float32":   # (x3: m permuted, 16-byte fragment loads)
+                    assert "sap + a_off[q]" in src and "int batch, int k_chunk" in src
+                else:
+                    assert "ldsm_x4_t(sa + a_off[i]" in src
             names.add(name)
     from cuda_backend.kernels import template_variants
     others = {GEN.render_kernel(t, **dict(p))[0] for t, sets in template_variants().items()
@@ -590,12 +609,20 @@ def test_template_variants_are_the_configs_launched():
     assert len(names) == len(got) and names <= others
 
 
-def test_a_trans_excludes_b_trans_and_tf32():
+def test_a_trans_excludes_b_trans():
+    """a_trans with b_trans is an #error in both templates; the mma template's float32
+    a_trans (TF32 or x3) renders, with m permuted (EROW) and A's fragments 16-byte loads."""
     cfg = mm.S_64x64x8_q2
     bad = {**mm.tn_params(mm.SIMT_TEMPLATE, DT.FLOAT32, cfg, True), "b_trans": True}
     assert "#error" in GEN.render_kernel(mm.SIMT_TEMPLATE, **bad)[1]
-    bad = {**mm.tn_params(mm.MMA_TEMPLATE, DT.FLOAT32, mm.T_64x64x16, True)}
-    assert "#error" in GEN.render_kernel(mm.MMA_TEMPLATE, **bad)[1]
+    for c in (mm.T_64x64x16, mm.X_64x128x32_w32x64):
+        for vec in (True, False):
+            ok = mm.tn_params(mm.MMA_TEMPLATE, DT.FLOAT32, c, vec)
+            src = GEN.render_kernel(mm.MMA_TEMPLATE, **ok)[1]
+            assert "#error" not in src and "#define EROW(i, h) (er + 2 * (i) + (h))" in src
+            assert ("int batch, int k_chunk" in src) is bool(c.get("x3"))
+            bad = {**ok, "b_trans": True}
+            assert "#error" in GEN.render_kernel(mm.MMA_TEMPLATE, **bad)[1]
     plain = mm.simt_params(DT.FLOAT32, cfg, True)
     assert "a_trans" not in plain and "a_trans" not in mm.kernel_params(
         mm.SIMT_TEMPLATE, DT.FLOAT32, cfg, True)
@@ -621,8 +648,8 @@ def test_gelu_grad_kernels_take_g_after_bias():
                                    (3, 131, 7, 5)])
 def test_matmul_tn_launches_the_a_trans_kernel(fam, shape):
     """aᵀ b launches a_trans kernels of the GEMM's configs with a, b, out, M, N, K, the
-    batch strides (a's K M, b's 0 when broadcast) and, for SIMT, split-K when chosen; the
-    alignment class reads M, not K."""
+    batch strides (a's K M, b's 0 when broadcast) and, for SIMT and 3xTF32, the batch and
+    K chunk (split-K when chosen); the alignment class reads M, not K."""
     dtype, prec = FAMILIES[fam]
     m = RecordingMath()
     batch, (K, M, N) = (shape[0], shape[1:]) if len(shape) == 4 else (1, shape)
@@ -643,9 +670,11 @@ def test_matmul_tn_launches_the_a_trans_kernel(fam, shape):
     assert k.params["a_trans"] is True and k.params["vec"] is (M % vw == 0 and N % vw == 0)
     assert values[0] == a.ptr and values[1] == b.ptr and values[3:6] == [M, N, K]
     assert values[6:8] == [K * M if batch > 1 else 0, 0]
-    if k.template == mm.SIMT_TEMPLATE:
+    if k.template == mm.SIMT_TEMPLATE or k.params.get("x3"):
         assert grid[2] % batch == 0 and values[8] == batch
         assert values[2] == out.ptr or grid[2] > batch   # split-K: a workspace, then reduce
+    else:
+        assert len(values) == 8
 
 
 def test_matmul_nt_launches_the_linear_kernel_without_bias():
@@ -661,7 +690,7 @@ def test_matmul_nt_launches_the_linear_kernel_without_bias():
         assert k.params["b_trans"] is True and k.params["epilogue"] == "bias"
         assert values[:7] == [a.ptr, b.ptr, out.ptr, 0, 70, 40, 33]
         assert values[7:9] == [70 * 33, 0] and grid[2] == 3
-        if dtype is DT.FLOAT32:   # true FP32 by default: CUDA cores ('ieee')
+        if dtype is DT.FLOAT32:   # K = 33: element loads, so no 3xTF32 config (CUDA cores)
             assert k.template == mm.SIMT_TEMPLATE
 
 
@@ -826,3 +855,414 @@ def test_gpu_tf32_transposes_a_first(apis):
     tb, b = make(m, rng.standard_normal((300, 129)), DT.FLOAT32)
     out = mm.matmul_tn(m, ta, tb, "tf32")
     check(stored(m, out), a.T @ b, gemm_bound(np.abs(a.T), np.abs(b), 300, DT.FLOAT32, "tf32"))
+
+
+# -- 3xTF32 GEMMs (float32's default): NN (matmul), NT (matmul_nt), TN (matmul_tn) ------------
+X3_LAYOUTS = ("nn", "nt", "tn")
+# (batch or 0, M, K, N): element loads (odd K, M, N) and 16-byte loads (K, M and N multiples of
+# 4 but of no tile; a small output over a long K, where split-K matters)
+X3_ODD = [(0, 129, 131, 127), (0, 1000, 1001, 999), (3, 65, 67, 63)]
+X3_ALIGNED = [(0, 132, 1000, 996), (3, 68, 260, 60), (0, 36, 4100, 20)]
+HOPPER = (9, 0)
+
+
+def x3_call(layout):
+    return {"nn": mm.matmul, "nt": mm.matmul_nt, "tn": mm.matmul_tn}[layout]
+
+
+def x3_shapes(layout, batch, M, K, N):
+    """(a's shape, b's shape) of the layout's call for a (batch of) M x K @ K x N."""
+    lead = (batch,) if batch else ()
+    return lead + ((K, M) if layout == "tn" else (M, K)), \
+        lead + ((N, K) if layout == "nt" else (K, N))
+
+
+def x3_plan(layout, a_shape, b_shape):
+    swap = lambda s: s[:-2] + (s[-1], s[-2])   # noqa: E731
+    return mm.plan_shapes(swap(a_shape) if layout == "tn" else a_shape,
+                          swap(b_shape) if layout == "nt" else b_shape)
+
+
+def x3_reference(layout, a, b):
+    """(A @ B, its elementwise bound: the float32 default's arithmetic) of stored operands."""
+    A = np.swapaxes(a, -1, -2) if layout == "tn" else a
+    B = np.swapaxes(b, -1, -2) if layout == "nt" else b
+    return np.matmul(A, B), gemm_bound(np.abs(A), np.abs(B), A.shape[-1], DT.FLOAT32, None)
+
+
+def _recording_runs(cc=HOPPER):
+    """A RecordingMath whose autotuner runs every candidate (each launch packed with its
+    kernel's parameter format, its threads the rendered THREADS) and keeps each one's
+    launches in `runs`; it picks the first candidate."""
+    import types
+    m = RecordingMath(cc)
+    m.runs = []
+
+    def pick(op, key, cands, run, device_id=0, repeats=3):
+        m.picked = (op, list(cands))
+        for c in cands:
+            n0 = len(m.backend.launches)
+            run(c)
+            m.runs.append((dict(c), m.backend.launches[n0:]))
+        return dict(cands[0])
+    m.autotuner = types.SimpleNamespace(pick=pick)
+    return m
+
+
+@pytest.mark.parametrize("layout", X3_LAYOUTS)
+@pytest.mark.parametrize("prec", [None, "fp32", "ieee", "tf32"])
+@pytest.mark.parametrize("shape", [(0, 1000, 1004, 996), (3, 260, 516, 200),
+                                   (0, 3072, 8192, 768), (0, 4096, 4096, 1024),
+                                   (0, 300, 301, 299)], ids=lambda s: "x".join(map(str, s)))
+def test_float32_default_offers_x3(layout, prec, shape):
+    """On a recording sm_90 device: float32's default (None / "fp32") offers the 3xTF32
+    configs beside the SIMT ones where the operands allow 16-byte loads (matmul, matmul_tn:
+    X3_GEMM at x3_split_options' counts; matmul_nt: the linear layer's), "ieee" and "tf32"
+    none; every candidate's launches pack their kernel's format. An x3 candidate of NN / TN
+    is one launch of the mma kernel (a_trans for TN) with a, b, out, M, N, K, the batch
+    strides, the batch and K, or with split > 1 its K slices into a workspace that
+    splitk_reduce sums into out; of NT one launch of the b_trans kernel, a null bias."""
+    batch, M, K, N = shape
+    if prec == "tf32" and layout == "tn":   # (a transposed first: test_gpu_tf32_transposes_a_first)
+        assert not mm.has_tn_kernel(DT.FLOAT32, "tf32")
+        return
+    # (TF32 on sm_90 would time wgmma, whose B transpose this recording backend cannot
+    # render: the TF32 list is checked on sm_80)
+    m = _recording_runs((8, 0) if prec == "tf32" else HOPPER)
+    a_shape, b_shape = x3_shapes(layout, batch, M, K, N)
+    a, b = m.backend.empty(a_shape, DT.FLOAT32), m.backend.empty(b_shape, DT.FLOAT32)
+    out = x3_call(layout)(m, a, b, prec)
+    p = x3_plan(layout, a_shape, b_shape)
+    vec = (M if layout == "tn" else K) % 4 == 0 and N % 4 == 0
+    op, cands = m.picked or ("", [])   # (one candidate: no autotuning)
+    x3 = [c for c in cands if c.get("x3")]
+    if prec not in (None, "fp32") or not vec:
+        assert not x3 and not any(k.params.get("x3") for k, *_ in m.backend.launches)
+        return
+    assert x3 and op == ("linear" if layout == "nt" else "matmul") + "_x3simt_float32" + \
+        ("_at" if layout == "tn" else "")
+    assert any(c.get("bm") and not c.get("x3") for c in cands)   # the SIMT ones too
+    sa = M * K if batch else 0
+    sb = K * N if batch else 0
+    nb = max(batch, 1)
+    for c, launches in m.runs:
+        if not c.get("x3"):
+            continue
+        cfg = {k: v for k, v in c.items() if k != "split"}
+        k, grid, smem, values = launches[0]
+        assert k.template == mm.MMA_TEMPLATE
+        assert smem == cfg["stages"] * (cfg["bm"] + cfg["bn"]) * cfg["bk"] * 4
+        assert k.threads == (cfg["bm"] // cfg["wm"]) * (cfg["bn"] // cfg["wn"]) * 32
+        tiles = -(-M // cfg["bm"]) * -(-N // cfg["bn"])
+        if layout == "nt":
+            assert cfg in mm.LINEAR_MMA_F32X3 and len(launches) == 1
+            assert k.params == mm.linear_params(mm.MMA_TEMPLATE, DT.FLOAT32, cfg, True, "bias")
+            assert grid == (tiles, 1, nb)
+            assert values == [a.ptr, b.ptr, out.ptr, 0, M, N, K, sa, sb]
+            continue
+        assert cfg in mm.X3_GEMM
+        assert k.params == mm.kernel_params(mm.MMA_TEMPLATE, DT.FLOAT32, cfg, True,
+                                             a_trans=layout == "tn")
+        splits = [s for d, s in ((dict(x), x["split"]) for x in x3) if
+                  {q: v for q, v in d.items() if q != "split"} == cfg]
+        assert splits == mm.x3_split_options(cfg, p, 132)
+        chunk = -(-K // c["split"])
+        chunk = -(-chunk // cfg["bk"]) * cfg["bk"]
+        eff = -(-K // chunk)
+        if eff == 1:
+            assert len(launches) == 1 and grid == (tiles, 1, nb)
+            assert values == [a.ptr, b.ptr, out.ptr, M, N, K, sa, sb, nb, K]
+            continue
+        kr, _, _, values_r = launches[1]
+        assert len(launches) == 2 and grid == (tiles, 1, nb * eff)
+        assert values[:2] == [a.ptr, b.ptr] and values[3:] == [M, N, K, sa, sb, nb, chunk]
+        assert kr.params["kind"] == "splitk_reduce"
+        assert values_r == [values[2], out.ptr, nb * M * N, eff]
+    if layout != "nt":   # split-K offered except where the output fills the SMs
+        assert any(c["split"] > 1 for c in x3) is (shape[1:] != (4096, 4096, 1024))
+
+
+def test_x3_split_options_model():
+    """x3_split_options: 1 first, then at most two counts >= 3 % faster by the model, whose
+    K slices are >= 256 and whose split x batch fits the grid's z; none where the output
+    fills the SMs (4096 x 1024 over K = 4096), some for the GPT-2 dW shapes (3072 x 768 and
+    768 x 768 over 8192 rows: 144 and 36 tiles of 128 x 128 on 132 SMs)."""
+    for cfg in mm.X3_GEMM:
+        for (M, N, K, batch), many in (((4096, 1024, 4096, 1), False),
+                                       ((3072, 768, 8192, 1), True),
+                                       ((768, 768, 8192, 1), True),
+                                       ((768, 768, 8192, 40000), False),
+                                       ((768, 768, 300, 1), False)):
+            p = mm.Plan(batch, M, N, K, M * K, K * N, (M, N))
+            opts = mm.x3_split_options(cfg, p, 132)
+            assert opts[0] == 1 and (len(opts) > 1) is many, (cfg, M, N, K, opts)
+            t1 = mm.x3_split_time(cfg, p, 132, 1)
+            for s in opts[1:]:
+                assert K // s >= mm.X3_MIN_CHUNK - cfg["bk"] and s * batch <= 65535
+                assert mm.effective_split(cfg, K, s) == s
+                assert mm.x3_split_time(cfg, p, 132, s) < 0.97 * t1
+            assert len(set(opts)) == len(opts) <= 3
+
+
+@pytest.mark.parametrize("cfg", mm.X3_GEMM + [mm.T_64x64x16, mm.T_128x128x32],
+                         ids=lambda c: "{}{bm}x{bn}x{bk}_w{wm}x{wn}".format(
+                             "x3_" if c.get("x3") else "tf32_", **c))
+def test_a_trans_tf32_tile_math_against_numpy(cfg):
+    """The float32 a_trans kernel's A (K, M) tile, emulated: both loaders (16-byte chunks,
+    rows A_RSTEP apart with the first row's swizzle; 4-byte elements, each at its own) put
+    A[k][m] at the same place; each lane's 16-byte fragment loads give a0..a3 of m-tile i
+    the values of rows EROW(i, 0) and EROW(i, 1) (the epilogue's rows) at k = t and t + 4,
+    so that the mma's rows g and g + 8 of every m-tile cover the warp tile once; and the
+    eight loads of each quarter warp fall in eight different 16-byte bank groups."""
+    bm, bn, bk, wm, wn = (cfg[k] for k in ("bm", "bn", "bk", "wm", "wn"))
+    threads = (bm // wm) * (bn // wn) * 32
+    src = GEN.render_kernel(mm.MMA_TEMPLATE, **mm.tn_params(mm.MMA_TEMPLATE, DT.FLOAT32, cfg,
+                                                          True))[1]
+    cpt = wm // 32
+    body = src[src.index("int swz_at(int r, int c) {"):]
+    body = body[:body.index("}")]
+    swz = {1: lambda r, c: c ^ ((r & 3) << 1), 2: lambda r, c: c ^ ((r & 1) | ((r & 2) << 1)),
+           4: lambda r, c: c ^ (r & 3)}[cpt]
+    expr = {1: "c ^ ((r & 3) << 1)", 2: "c ^ ((r & 1) | ((r & 2) << 1))", 4: "c ^ (r & 3)"}[cpt]
+    assert f"return {expr};" in body   # the emulated swizzle is the rendered one
+    assert "#define EROW(i, h) (er + 2 * (i) + (h))" in src
+    assert "const int er = m0 + wrow + (lane >> 2) * 2 * MT;" in src
+    epc, row = 4, bm * 4
+    a_cpr = bm // epc
+    rstep = threads // a_cpr
+    assert threads % a_cpr == 0 and rstep % 4 == 0
+    tile = np.random.default_rng(7).standard_normal((bk, bm))
+    vec_smem = np.full(bk * bm, np.nan)
+    for tid in range(threads):
+        ch, r0 = tid % a_cpr, tid // a_cpr
+        dst = r0 * row + swz(r0, ch) * 16
+        for i in range(-(-bk * a_cpr // threads)):
+            r = r0 + i * rstep
+            if r < bk:
+                d = (dst + i * rstep * row) // 4
+                vec_smem[d:d + 4] = tile[r, ch * epc:(ch + 1) * epc]
+    elem_smem = np.full(bk * bm, np.nan)
+    for idx in range(bk * bm):
+        r, c = divmod(idx, bm)
+        elem_smem[(r * row + swz(r, c // epc) * 16 + (c % epc) * 4) // 4] = tile[r, c]
+    np.testing.assert_array_equal(vec_smem, elem_smem)
+    mt = wm // 16
+    for warp in range(threads // 32):
+        wrow = (warp // (bn // wn)) * wm
+        for kk in range(bk // 8):
+            covered = np.zeros((8, wm), int)   # (k, m) pairs the warp's fragments supply
+            for q in range(mt // 2):
+                for hi in (0, 1):
+                    groups = []
+                    for lane in range(32):
+                        g, t = lane >> 2, lane & 3
+                        off = t * row + swz(t, (wrow + g * 2 * mt) // epc + q) * 16
+                        addr = kk * 8 * row + off + hi * 4 * row
+                        groups.append((addr // 16) % 8)
+                        vals = vec_smem[addr // 4:addr // 4 + 4]
+                        # (x, y) -> m-tile 2q, rows h = 0, 1; (z, w) -> m-tile 2q + 1
+                        for e in range(4):
+                            i, h = 2 * q + e // 2, e % 2
+                            m_row = wrow + g * 2 * mt + 2 * i + h    # EROW(i, h) - m0
+                            k = kk * 8 + t + 4 * hi
+                            assert vals[e] == tile[k, m_row], (warp, lane, q, e)
+                            covered[t + 4 * hi, m_row - wrow] += 1
+                    for quarter in range(4):
+                        assert len(set(groups[8 * quarter:8 * quarter + 8])) == 8
+            assert (covered == 1).all()
+
+
+def test_x3_variants_are_listed_and_split_k():
+    """The x3 GEMM kernels (16-byte loads only) are in matmul's and matmul_backward's
+    variants, render without #error with batch and k_chunk after the strides (matmul_nt's
+    b_trans x3 kernels, with the bias epilogue, do not split K); the mma variants other than
+    x3 keep their 5-stride signature."""
+    nn = [p for p in mm.template_variants()[mm.MMA_TEMPLATE]
+          if p.get("x3") and "epilogue" not in p]   # (not the linear layer's)
+    tn = [p for p in mb.template_variants()[mm.MMA_TEMPLATE]
+          if p.get("x3") and p.get("a_trans")]
+    assert {tuple(sorted(p.items())) for p in nn} == {
+        tuple(sorted(mm.kernel_params(mm.MMA_TEMPLATE, DT.FLOAT32, c, True).items()))
+        for c in mm.X3_GEMM}
+    assert {tuple(sorted(p.items())) for p in tn} == {
+        tuple(sorted(mm.tn_params(mm.MMA_TEMPLATE, DT.FLOAT32, c, True).items()))
+        for c in mm.X3_GEMM}
+    for p in nn + tn:
+        name, src = GEN.render_kernel(mm.MMA_TEMPLATE, **p)
+        sig = [re.split(r"[\s*]+", s.strip())[-1] for s in kernel_signature(src, name)]
+        assert sig[-4:] == ["stride_a", "stride_b", "batch", "k_chunk"] and "#error" not in src
+        assert "const int k_begin = (blockIdx.z / batch) * k_chunk;" in src
+    for c in mm.LINEAR_MMA_F32X3:
+        for epilogue in ("bias", "none"):
+            p = {**mm.linear_params(mm.MMA_TEMPLATE, DT.FLOAT32, c, True, "bias"),
+                 "epilogue": epilogue}
+            name, src = GEN.render_kernel(mm.MMA_TEMPLATE, **p)
+            sig = [re.split(r"[\s*]+", s.strip())[-1] for s in kernel_signature(src, name)]
+            assert "#error" not in src and ("k_chunk" in sig) is (epilogue == "none")
+    p = mm.kernel_params(mm.MMA_TEMPLATE, DT.FLOAT32, mm.T_128x128x32, True)
+    name, src = GEN.render_kernel(mm.MMA_TEMPLATE, **p)
+    assert [re.split(r"[\s*]+", s.strip())[-1] for s in kernel_signature(src, name)][-2:] == \
+        ["stride_a", "stride_b"] and "const int k_begin = 0;" in src
+
+
+@gpu
+@pytest.mark.parametrize("layout", X3_LAYOUTS)
+def test_gpu_every_x3_config(apis, layout):
+    """Every 3xTF32 config of the layout (NN, TN: X3_GEMM at split counts 1, 3 and
+    x3_split_options'; NT: the linear layer's x3 configs with a null bias) through
+    run_config into a poisoned output: element loads on odd shapes (129x131x127,
+    1000x1001x999, a batch of 3 65x67x63), 16-byte loads on aligned ones, against float64
+    within the 3xTF32 bound (the module docstring)."""
+    m, _ = apis
+    dev = m.backend.current_device
+    rng = np.random.default_rng(seed("x3", layout))
+    cfgs = mm.LINEAR_MMA_F32X3 if layout == "nt" else mm.X3_GEMM
+    for vec, shapes in ((False, X3_ODD), (True, X3_ALIGNED)):
+        for batch, M, K, N in shapes:
+            a_shape, b_shape = x3_shapes(layout, batch, M, K, N)
+            ta, a = make(m, rng.standard_normal(a_shape), DT.FLOAT32)
+            tb, b = make(m, rng.standard_normal(b_shape), DT.FLOAT32)
+            ref, bound = x3_reference(layout, a, b)
+            p = x3_plan(layout, a_shape, b_shape)
+            for cfg in cfgs:
+                splits = [None] if layout == "nt" else \
+                    sorted({1, 3} | set(mm.x3_split_options(cfg, p, 132)))
+                for s in splits:
+                    out = poisoned(m, ref.shape, DT.FLOAT32)
+                    assert mm.is_vec_ok(ta, tb, out, p, a_trans=layout == "tn") is vec
+                    mm.run_config(m, mm.MMA_TEMPLATE, cfg, ta, tb, out, p, DT.FLOAT32, vec,
+                                  dev, splits=s, epilogue="bias" if layout == "nt" else None,
+                                  a_trans=layout == "tn")
+                    check(stored(m, out), ref, bound, f"{layout} {cfg} {shape_id(p)} split {s}")
+                    out.free()
+            for t in (ta, tb):
+                t.free()
+
+
+def shape_id(p):
+    return f"{p.batch}x{p.M}x{p.K}x{p.N}"
+
+
+@gpu
+@pytest.mark.parametrize("layout", X3_LAYOUTS)
+def test_gpu_x3_through_the_autotuner(backend, layout, monkeypatch):
+    """The public matmul / matmul_nt / matmul_tn (float32 default) on a CudaMath whose
+    autotuner runs every candidate of the call into the call's output, poisoned first, and
+    checks each result against float64 (the x3 ones among them where the operands allow
+    16-byte loads), then picks an x3 one (the largest split); the call's result, and two
+    more calls through the per-call plan (run_config made to raise), within the same
+    bound."""
+    import types
+    from cuda_backend.cuda_math import CudaMath
+    m = CudaMath(backend)
+    rng = np.random.default_rng(seed("x3 tune", layout))
+    for batch, M, K, N in ((0, 1000, 1004, 996), (3, 260, 516, 200), (0, 129, 131, 127)):
+        a_shape, b_shape = x3_shapes(layout, batch, M, K, N)
+        ta, a = make(m, rng.standard_normal(a_shape), DT.FLOAT32)
+        tb, b = make(m, rng.standard_normal(b_shape), DT.FLOAT32)
+        ref, bound = x3_reference(layout, a, b)
+        out = poisoned(m, ref.shape, DT.FLOAT32)
+        seen = []
+
+        def pick(op, key, cands, run, device_id=0, repeats=3):
+            for c in cands:
+                m.backend.copy_to_device(np.full(ref.shape, np.nan, np.float32), out)
+                run(c)
+                check(stored(m, out), ref, bound, f"{layout} {c} {a_shape} {b_shape}")
+                seen.append(c)
+            x3 = sorted((c for c in cands if c.get("x3")), key=lambda c: c.get("split", 1))
+            return dict(x3[-1] if x3 else cands[0])
+        m._autotuner = types.SimpleNamespace(pick=pick)
+        assert x3_call(layout)(m, ta, tb, out=out) is out
+        check(stored(m, out), ref, bound, f"{layout} chosen")
+        assert any(c.get("x3") for c in seen) is (M != 129), seen
+        for _ in range(2):
+            with monkeypatch.context() as mp:
+                res = x3_call(layout)(m, ta, tb)   # makes the plan, or takes it
+                mp.setattr(mm, "run_config", _no_general_path)
+                again = x3_call(layout)(m, ta, tb)
+            check(stored(m, res), ref, bound, f"{layout} general")
+            check(stored(m, again), ref, bound, f"{layout} plan")
+            res.free()
+            again.free()
+        for t in (ta, tb, out):
+            t.free()
+
+
+def _no_general_path(*args, **kwargs):
+    raise AssertionError("the general path ran where the per-call plan should have")
+
+
+@gpu
+@pytest.mark.large
+@pytest.mark.parametrize("case", ["linear_backward", "gpt2_fc1_dW", "gpt2_fc2_dW",
+                                  "gpt2_proj_dW", "gpt2_fc1_dX"])
+def test_gpu_issue_shapes_float32(apis, case):
+    """float32 default at the issue's shapes: linear_backward 4096x1024 -> 4096 (no bias) and
+    GPT-2-small's gradient GEMMs over 8192 tokens (dW = Gᵀ X through matmul_tn, dX = G W
+    through matmul), checked against float64 on 64 sampled output rows; the time (L2 flushed,
+    CUDA events, median of 15, after the autotuner's first call) printed with PyTorch's
+    float32 (TF32 off) where torch imports. Predictions (H100): linear_backward 1.00-1.10 ms
+    (PyTorch 1.33); dW 3072x768 / 768x3072 over 8192: 0.62-0.70 ms, 768x768: 0.17-0.20 ms;
+    dX 8192x768 from 3072: 0.56-0.62 ms (floors at 71 TFLOP/s: 0.544 / 0.136 / 0.544)."""
+    from cuda_backend.performance.timing import DeviceTimer
+    m, ml = apis
+    dev = m.backend.current_device
+    rng = np.random.default_rng(seed("issue", case))
+    if case == "linear_backward":
+        (tg, tx, tw, _), (g, x, w, _) = layer_inputs(m, rng, DT.FLOAT32, (4096, 1024), 4096,
+                                                     bias=False)
+        call = lambda: ml.linear_backward(tg, tx, tw, has_bias=False)   # noqa: E731
+        rows = rng.choice(4096, 64, replace=False)
+        refs = ((g[rows] @ w, x.shape), (g.T[rows] @ x, w.shape))
+        bounds = (gemm_bound(np.abs(g[rows]), np.abs(w), 4096, DT.FLOAT32, None),
+                  gemm_bound(np.abs(g.T[rows]), np.abs(x), 4096, DT.FLOAT32, None))
+        flops = 4.0 * 4096 * 1024 * 4096
+        torch_args = (g, x, w)
+    else:
+        out_f, in_f = {"gpt2_fc1_dW": (3072, 768), "gpt2_fc2_dW": (768, 3072),
+                       "gpt2_proj_dW": (768, 768), "gpt2_fc1_dX": (3072, 768)}[case]
+        tg, g = make(m, rng.standard_normal((8192, out_f)), DT.FLOAT32)
+        if case.endswith("dW"):
+            tx, x = make(m, rng.standard_normal((8192, in_f)), DT.FLOAT32)
+            call = lambda: (mm.matmul_tn(m, tg, tx),)   # noqa: E731
+            rows = rng.choice(out_f, 64, replace=False)
+            refs = ((g.T[rows] @ x, (out_f, in_f)),)
+            bounds = (gemm_bound(np.abs(g.T[rows]), np.abs(x), 8192, DT.FLOAT32, None),)
+        else:
+            tx, x = make(m, rng.standard_normal((out_f, in_f)) / np.sqrt(out_f), DT.FLOAT32)
+            call = lambda: (mm.matmul(m, tg, tx),)   # noqa: E731
+            rows = rng.choice(8192, 64, replace=False)
+            refs = ((g[rows] @ x, (8192, in_f)),)
+            bounds = (gemm_bound(np.abs(g[rows]), np.abs(x), out_f, DT.FLOAT32, None),)
+        flops = 2.0 * 8192 * out_f * in_f
+        torch_args = None
+    res = call()
+    for got, (ref, shape), bound in zip(res, refs, bounds):
+        assert got.shape == shape
+        check(stored(m, got)[rows], ref, bound, case)
+    for r in res:
+        if r is not None:
+            r.free()
+    timer = DeviceTimer(m.backend, dev, flush_l2=True)
+    try:
+        ms = float(np.median(timer.time(call, 2, 15, release=lambda r: [
+            t.free() for t in r if t is not None])))
+        line = f"{case} float32: {ms * 1e3:.1f} us, {flops / ms / 1e9:.1f} TFLOP/s"
+        try:
+            import torch
+        except ImportError:
+            print(line)
+            return
+        torch.backends.cuda.matmul.allow_tf32 = False
+        if torch_args is not None:
+            G, X, W = (torch.tensor(v, device="cuda", dtype=torch.float32) for v in torch_args)
+            theirs = lambda: (G @ W, G.t() @ X)   # noqa: E731
+        else:
+            G = torch.tensor(g, device="cuda", dtype=torch.float32)
+            X = torch.tensor(x, device="cuda", dtype=torch.float32)
+            theirs = (lambda: G.t() @ X) if case.endswith("dW") else (lambda: G @ X)
+        tms = float(np.median(timer.time(theirs, 2, 15)))
+        print(f"{line}; torch {tms * 1e3:.1f} us: torch / ours time {tms / ms:.2f}")
+    finally:
+        timer.close()

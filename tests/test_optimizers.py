@@ -2,8 +2,26 @@
 without momentum, Nesterov, weight decay; Adam and AdamW with bias correction), half-precision
 parameters with float32 buffers against a reference that rounds like them, sizes around the
 vector width, misaligned tensors, the step counter, errors. GPU tests are marked `gpu`; the
-rest run in whatever mode the backend is in (fallback here)."""
+rest run in whatever mode the backend is in (fallback here).
+
+Device step counts (state.step_count, advance_steps, optim's per-parameter counts): the same
+steps as the host count. SGD's first-step flag is the same either way: bit-identical. Adam's
+bias corrections are computed on the device in double by the host's formula; CUDA's pow is
+within 2 ulp of the exact beta^t and the host's (glibc) within 1, so 1 - beta^t differs by
+at most 3 ulp(beta^t) + ulp(1 - beta^t) (Sterbenz: exact subtraction above 1/2, else one
+rounding each), the division and square root add one rounding each: step_size within
+d1 = (3 ulp(b1^t) + ulp(1 - b1^t)) / (1 - b1^t) + 2^-52 relative of the host's and
+inv_bc2_sqrt within d2 = (3 ulp(b2^t) + ulp(1 - b2^t)) / (2 (1 - b2^t)) + 2^-51
+(`correction_bounds`). Rounded to float32 (float32, float16 and bfloat16 parameters) they are
+the host's exactly whenever no float32 rounding boundary lies within those intervals, which
+holds for every configuration and step below (checked by the test): bit-identical results.
+float64 parameters: the update u = step_size m / (sqrt(v) inv_bc2_sqrt + eps) then differs
+by at most |u| (d1 + d2) to first order, and the parameter's rounding by 1 ulp more; a
+carried difference feeds back only through wd * p (a factor 1 + O(lr wd)), so after K steps
+|dp| <= sum_k 2 (|u_k| (d1 + d2) + ulp(max |p|)), the 2 covering the second-order terms."""
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -13,10 +31,13 @@ from helpers import call_through_plan
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
+from cuda_backend import autograd as ag
+from cuda_backend import nn, optim
 from cuda_backend.cuda_math import CudaMath
 from cuda_backend.cuda_ml import CudaML, OptimizerState
 from cuda_backend.dtypes import from_bfloat16_bits, to_bfloat16_bits
 from cuda_backend.ops import optimizers as opt
+from cuda_backend.ops.shape import make_view
 from cuda_backend.tensor import CudaTensor
 
 SIZES = [1, 3, 4, 5, 7, 8, 9, 1023, 4097, (1 << 20) + 5]
@@ -354,6 +375,310 @@ def test_half_params_api(m, dtype):
 
 def test_template_variants():
     v = opt.template_variants()["optimizers.cu.j2"]
-    assert len(v) == 8
-    for p in v:
+    assert len(v) == 9
+    assert v[-1] == {"opt": "count", "block_size": opt.BLOCK}
+    for p in v[:-1]:
         assert p["state_ctype"] == ("double" if p["dtype"] == "float64" else "float")
+
+
+# -- device step counts ------------------------------------------------------------------------
+def correction_bounds(b1, b2, t):
+    """(d1, d2): how far, relatively, the device's step_size and inv_bc2_sqrt of step t may be
+    from the host's (the module docstring's derivation)."""
+    p1, p2 = b1 ** t, b2 ** t
+    bc1, bc2 = 1.0 - p1, 1.0 - p2
+    d1 = (3 * math.ulp(p1) + math.ulp(bc1)) / bc1 + 2.0**-52
+    d2 = (3 * math.ulp(p2) + math.ulp(bc2)) / (2 * bc2) + 2.0**-51
+    return d1, d2
+
+
+def float32_scalars_fixed(lr, b1, b2, t):
+    """Whether every value within correction_bounds rounds to the host's float32 scalars."""
+    d1, d2 = correction_bounds(b1, b2, t)
+    step_size, inv = lr / (1.0 - b1 ** t), 1.0 / math.sqrt(1.0 - b2 ** t)
+    return all(np.float32(x * (1 - d)) == np.float32(x) == np.float32(x * (1 + d))
+               for x, d in ((step_size, d1), (inv, d2)))
+
+
+def adam_float64_bound(p0, grads, cfg, lr):
+    """The float64 bound of the module docstring on |p (device count) - p (host count)|,
+    from the float64 reference's updates."""
+    b1, b2, eps, wd, decoupled = cfg
+    p, mb, vb = p0.copy(), np.zeros_like(p0), np.zeros_like(p0)
+    bound = 0.0
+    for t, g in enumerate(grads, 1):
+        before = p * (1 - lr * wd) if decoupled else p
+        p, mb, vb = ref_adam(p, g, mb, vb, t, lr, b1, b2, eps, wd, decoupled)
+        d1, d2 = correction_bounds(b1, b2, t)
+        bound += 2 * (np.abs(before - p).max() * (d1 + d2) + np.spacing(np.abs(p).max()))
+    return bound
+
+
+@pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT64, DT.BFLOAT16],
+                         ids=lambda d: d.name_str)
+def test_device_count_takes_the_host_counts_steps(m, dtype):
+    """Adam (every ADAM_CONFIGS) and SGD (every SGD_CONFIGS) for 12 steps through a device
+    count (advance_steps, then the update reads it) and through the host's state.step, from
+    the same values: bit for bit in fallback mode (the same arithmetic) and on the GPU for
+    SGD and float32-computed Adam (the rounded scalars are the host's: checked per step);
+    float64 Adam within the derived bound. state.step stays 0 with a device count."""
+    rng = np.random.default_rng(71)
+    sdt = opt.state_dtype(dtype)
+    K, lr = 12, 1e-2
+    for n in (7, 1001):
+        p0 = rng.standard_normal(n)
+        grads = [rng.standard_normal(n) for _ in range(K)]
+        for kind, cfg in [("adam", c) for c in ADAM_CONFIGS] + [("sgd", c) for c in SGD_CONFIGS]:
+            out = []
+            for device in (False, True):
+                pt, _ = tensor(m, p0, dtype)
+                b1t = m.from_numpy(np.full(n, np.nan if kind == "sgd" else 0.0, sdt.numpy_dtype))
+                b2t = m.from_numpy(np.zeros(n, sdt.numpy_dtype))
+                count = m.from_numpy(np.zeros(1, np.int32)) if device else None
+                if kind == "adam":
+                    b1, b2, eps, wd, decoupled = cfg
+                    state = OptimizerState(learning_rate=lr, beta1=b1, beta2=b2, epsilon=eps,
+                                           weight_decay=wd, decoupled=decoupled,
+                                           step_count=count)
+                else:
+                    has_buf, momentum, wd, nesterov = cfg
+                    state = OptimizerState(learning_rate=lr, momentum=momentum,
+                                           weight_decay=wd, nesterov=nesterov,
+                                           step_count=count)
+                for g in grads:
+                    gt, _ = tensor(m, g, dtype)
+                    if device:
+                        opt.advance_steps(m, count)
+                    if kind == "adam":
+                        opt.adam_update(m, pt, gt, b1t, b2t, state)
+                    else:
+                        opt.sgd_update(m, pt, gt, b1t if cfg[0] else None, state)
+                    gt.free()
+                assert state.step == (0 if device else K)
+                if device:
+                    assert m.to_numpy(count).tolist() == [K]
+                out.append([m.to_numpy(t) for t in (pt, b1t, b2t)])
+            what = (n, kind, cfg)
+            if m.gpu and kind == "adam" and dtype is DT.FLOAT64:
+                bound = adam_float64_bound(p0, grads, cfg, lr)
+                err = np.abs(out[0][0].astype(np.float64) - out[1][0]).max()
+                assert err <= bound, (what, err, bound)
+                continue
+            if m.gpu and kind == "adam":
+                assert all(float32_scalars_fixed(lr, cfg[0], cfg[1], t)
+                           for t in range(1, K + 1)), what
+            for a, b in zip(*out):
+                np.testing.assert_array_equal(a, b, err_msg=str(what))
+
+
+def test_advance_steps(m):
+    """Every element of an int32 tensor of any size advanced by one per call; a view
+    advances only its run; errors name what was wrong."""
+    for n in (1, 5, 257, 1000):
+        counts = m.from_numpy(np.arange(n, dtype=np.int32))
+        for _ in range(3):
+            opt.advance_steps(m, counts)
+        np.testing.assert_array_equal(m.to_numpy(counts), np.arange(n) + 3)
+    base = m.from_numpy(np.zeros(10, np.int32))
+    opt.advance_steps(m, make_view(base, (4,), 3))
+    assert m.to_numpy(base).tolist() == [0, 0, 0, 1, 1, 1, 1, 0, 0, 0]
+    opt.advance_steps(m, m.from_numpy(np.zeros(0, np.int32)))
+    with pytest.raises(cb.DTypeMismatchError, match="float32, expected int32"):
+        opt.advance_steps(m, m.from_numpy(np.zeros(3, np.float32)))
+    with pytest.raises(cb.InvalidArgumentError, match="step counts must be a CudaTensor"):
+        opt.advance_steps(m, np.zeros(3, np.int32))
+    gone = m.from_numpy(np.zeros(3, np.int32))
+    gone.free()
+    with pytest.raises(cb.TensorFreedError):
+        opt.advance_steps(m, gone)
+    assert m.to_numpy(base).tolist() == [0, 0, 0, 1, 1, 1, 1, 0, 0, 0]
+
+
+def test_step_count_errors(m):
+    """A step_count that is not one live int32 element raises before anything runs; in
+    fallback mode a count below 1 (advance_steps not called) raises too."""
+    p, g = (m.from_numpy(np.ones(5, np.float32)) for _ in range(2))
+    mb, vb = (m.from_numpy(np.zeros(5, np.float32)) for _ in range(2))
+    gone = m.from_numpy(np.ones(1, np.int32))
+    gone.free()
+    bad = [(m.from_numpy(np.ones(1, np.float32)), cb.DTypeMismatchError,
+            "step_count has dtype float32, expected int32"),
+           (m.from_numpy(np.ones(2, np.int32)), cb.ShapeMismatchError,
+            r"step_count has shape \(2,\), expected one element"),
+           (3, cb.InvalidArgumentError, "step_count must be a CudaTensor"),
+           (gone, cb.TensorFreedError, "freed")]
+    for count, err, match in bad:
+        state = OptimizerState(learning_rate=0.1, momentum=0.9, step_count=count)
+        with pytest.raises(err, match=match):
+            opt.adam_update(m, p, g, mb, vb, state)
+        with pytest.raises(err, match=match):
+            opt.sgd_update(m, p, g, mb, state)
+        assert state.step == 0
+    if not m.gpu:   # (the device's count is not read back on a GPU)
+        zero = m.from_numpy(np.zeros(1, np.int32))
+        for call in (lambda s: opt.adam_update(m, p, g, mb, vb, s),
+                     lambda s: opt.sgd_update(m, p, g, mb, s)):
+            with pytest.raises(cb.InvalidArgumentError, match="holds 0.*advance_steps"):
+                call(OptimizerState(learning_rate=0.1, step_count=zero))
+    np.testing.assert_array_equal(m.to_numpy(p), 1.0)
+    np.testing.assert_array_equal(m.to_numpy(mb), 0.0)
+
+
+# -- optim: per-parameter device counts, state save and load -----------------------------------
+def make_optimizer(kind, params, lr=0.05):
+    if kind == "sgd":
+        return optim.SGD(params, lr, momentum=0.9, weight_decay=0.01, nesterov=True)
+    if kind == "sgd_plain":
+        return optim.SGD(params, lr, weight_decay=0.01)
+    return (optim.Adam if kind == "adam" else optim.AdamW)(params, lr, weight_decay=0.1)
+
+
+SHAPES = [(3, 5), (7,), (2, 1, 3)]
+SKIPS = {1: (2, 4), 2: (0,)}     # parameter index -> steps (0-based) it has no gradient in
+
+
+def train(om, kind, values, grads, steps, opt_=None):
+    """steps optimizer steps over float64 parameters from values with grads[step][i] (None
+    where SKIPS says so); returns (params, optimizer)."""
+    params = [nn.Parameter(om.from_numpy(v.copy())) for v in values] if opt_ is None \
+        else opt_.params
+    opt_ = opt_ or make_optimizer(kind, params)
+    for s in steps:
+        for i, p in enumerate(params):
+            p.grad = None if s in SKIPS.get(i, ()) else om.from_numpy(grads[s][i])
+        opt_.step()
+    return params, opt_
+
+
+@pytest.mark.parametrize("kind", ["sgd", "sgd_plain", "adam", "adamw"])
+def test_optimizer_counts_follow_each_parameters_steps(kind):
+    """A parameter without a gradient in a step keeps its count (PyTorch's per-parameter
+    step): every parameter against the float64 reference at its own step, its count read
+    back (steps(p)), state.step left at 0 (the count is on the device)."""
+    om = ag.apis()[0]
+    rng = np.random.default_rng(72)
+    values = [rng.standard_normal(s) for s in SHAPES]
+    grads = [[rng.standard_normal(s) for s in SHAPES] for _ in range(6)]
+    params, o = train(om, kind, values, grads, range(6))
+    for i, p in enumerate(params):
+        ref, bufs, taken = values[i].copy(), None, 0
+        for s in range(6):
+            if s in SKIPS.get(i, ()):
+                continue
+            st = OptimizerState(learning_rate=0.05, momentum=o.state[id(p)][0].momentum,
+                                beta1=0.9, beta2=0.999, epsilon=1e-8,
+                                weight_decay=0.01 if kind.startswith("sgd") else 0.1,
+                                nesterov=kind == "sgd", decoupled=kind == "adamw", step=taken)
+            if kind.startswith("sgd"):
+                ref, bufs = opt.reference("sgd", st, ref, grads[s][i],
+                                          *(() if kind == "sgd_plain" else
+                                            (np.zeros_like(ref) if bufs is None else bufs,)))
+            else:
+                bufs = bufs or (np.zeros_like(ref), np.zeros_like(ref))
+                ref, m1, v1 = opt.reference("adam", st, ref, grads[s][i], *bufs)
+                bufs = (m1, v1)
+            taken += 1
+        assert o.steps(p) == taken == 6 - len(SKIPS.get(i, ()))
+        assert o.state[id(p)][0].step == 0
+        assert prel(m_host(om, p), ref) < TOL[DT.FLOAT64], (kind, i)
+    with pytest.raises(cb.InvalidArgumentError, match="not a parameter of this optimizer"):
+        o.steps(nn.Parameter(om.from_numpy(np.ones(2))))
+
+
+def m_host(om, p):
+    return np.asarray(om.to_numpy(p.data), np.float64)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "sgd_plain", "adam", "adamw"])
+def test_optimizer_state_save_and_load(kind, tmp_path):
+    """state_dict names each updated parameter's step and buffers; 3 steps, save(), a fresh
+    optimizer over copies of the parameters load()s it, and 3 more steps on both give the
+    same parameters and state bit for bit as 6 steps in one run."""
+    om = ag.apis()[0]
+    rng = np.random.default_rng(73)
+    values = [rng.standard_normal(s) for s in SHAPES]
+    grads = [[rng.standard_normal(s) for s in SHAPES] for _ in range(6)]
+    whole, o_whole = train(om, kind, values, grads, range(6))
+    half, o_half = train(om, kind, values, grads, range(3))
+    sd = o_half.state_dict()
+    names = {"sgd": ("momentum_buffer",), "sgd_plain": (), "adam": ("exp_avg", "exp_avg_sq"),
+             "adamw": ("exp_avg", "exp_avg_sq")}[kind]
+    assert set(sd) == {f"state.{i}.{n}" for i in range(3) for n in ("step",) + names}
+    assert [int(sd[f"state.{i}.step"]) for i in range(3)] == [3, 2, 2]
+    path = str(tmp_path / "opt.npz")
+    o_half.save(path)
+    copies = [nn.Parameter(om.from_numpy(m_host(om, p))) for p in half]
+    o_new = make_optimizer(kind, copies)
+    o_new.load(path)
+    assert [o_new.steps(p) for p in copies] == [3, 2, 2]
+    for o in (o_half, o_new):
+        train(om, kind, values, grads, range(3, 6), o)
+    want = o_whole.state_dict()
+    for o in (o_half, o_new):
+        for p, w in zip(o.params, whole):
+            np.testing.assert_array_equal(m_host(om, p), m_host(om, w))
+        got = o.state_dict()
+        assert set(got) == set(want)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_optimizer_load_errors_leave_the_state():
+    """Keys it does not know, entries without a step or a buffer, a buffer of another shape
+    and steps that are not integers in [0, 2**31) raise before anything is copied."""
+    om = ag.apis()[0]
+    rng = np.random.default_rng(74)
+    values = [rng.standard_normal(s) for s in SHAPES]
+    grads = [[rng.standard_normal(s) for s in SHAPES] for _ in range(2)]
+    params, o = train(om, "adam", values, grads, range(2))
+    good = o.state_dict()
+    before = [m_host(om, p) for p in params]
+    z = np.zeros((3, 5))
+    bad = [({**good, "state.9.step": np.int64(1)}, cb.InvalidArgumentError, "unexpected key"),
+           ({**good, "lr": np.float64(0.1)}, cb.InvalidArgumentError, "unexpected key"),
+           ({**good, "state.0.momentum_buffer": z}, cb.InvalidArgumentError, "unexpected key"),
+           ({"state.0.exp_avg": z, "state.0.exp_avg_sq": z}, cb.InvalidArgumentError,
+            "state.0.step must be one integer"),
+           ({"state.0.step": np.int64(2), "state.0.exp_avg": z}, cb.InvalidArgumentError,
+            r"missing \['exp_avg_sq'\]"),
+           ({**good, "state.0.step": np.int64(7),          # valid, and not copied either
+             "state.2.exp_avg_sq": np.zeros(18)}, cb.ShapeMismatchError,
+            r"state.2.exp_avg_sq has shape \(18,\), the parameter \(2, 1, 3\)")]
+    for step in (-1, 1.5, 2**31, np.nan):
+        bad.append(({**good, "state.1.step": np.float64(step)}, cb.InvalidArgumentError,
+                    "state.1.step must be one integer"))
+    for state, err, match in bad:
+        with pytest.raises(err, match=match):
+            o.load_state_dict(state)
+        after = o.state_dict()
+        for k in good:
+            np.testing.assert_array_equal(after[k], good[k], err_msg=k)
+    for p, b in zip(params, before):
+        np.testing.assert_array_equal(m_host(om, p), b)
+    plain = make_optimizer("sgd_plain", params)
+    with pytest.raises(cb.InvalidArgumentError, match="unexpected key"):
+        plain.load_state_dict({"state.0.step": np.int64(1), "state.0.exp_avg": z})
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+def test_optimizers_match_pytorch_with_skipped_gradients(kind):
+    """optim's SGD / Adam / AdamW against torch.optim's on float64 parameters, some without a
+    gradient in some steps (their own step counts in both)."""
+    torch = pytest.importorskip("torch")
+    om = ag.apis()[0]
+    rng = np.random.default_rng(75)
+    values = [rng.standard_normal(s) for s in SHAPES]
+    grads = [[rng.standard_normal(s) for s in SHAPES] for _ in range(6)]
+    params, _ = train(om, kind, values, grads, range(6))
+    tparams = [torch.nn.Parameter(torch.from_numpy(v.copy())) for v in values]
+    if kind == "sgd":
+        topt = torch.optim.SGD(tparams, 0.05, momentum=0.9, weight_decay=0.01, nesterov=True)
+    else:
+        topt = (torch.optim.Adam if kind == "adam" else torch.optim.AdamW)(
+            tparams, 0.05, weight_decay=0.1)
+    for s in range(6):
+        for i, p in enumerate(tparams):
+            p.grad = None if s in SKIPS.get(i, ()) else torch.from_numpy(grads[s][i].copy())
+        topt.step()
+    for p, tp in zip(params, tparams):
+        assert prel(m_host(om, p), tp.detach().numpy()) < TOL[DT.FLOAT64], kind

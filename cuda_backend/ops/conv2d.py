@@ -1,16 +1,21 @@
 """2-D convolution (PyTorch's F.conv2d: cross-correlation), NCHW input, KCRS filters.
 
 Three kernel families, all templated:
-- `conv2d_simt.cu.j2`: true FP32 (the float32 default) as a register-tiled implicit GEMM on
-  CUDA cores (GEMM M = N*P*Q, N = K/groups, K = Cg*R*S), the input patches gathered on the
-  fly from NCHW, the filter repacked once per call by `conv2d_prep.cu.j2` (weight_rsck).
+- `conv2d_simt.cu.j2`: true FP32 as a register-tiled implicit GEMM on CUDA cores (GEMM
+  M = N*P*Q, N = K/groups, K = Cg*R*S), the input patches gathered on the fly from NCHW, the
+  filter repacked once per call by `conv2d_prep.cu.j2` (weight_rsck).
 - `conv2d_mma.cu.j2`: tensor cores through mma.sync with float32 accumulators: TF32 for
-  float32 with precision="tf32", float16 / bfloat16. The input is repacked to NHWC (each
-  group's channels padded to 16 bytes) and the filter to [K][R*S][Cgp] so that every k-tile
-  row is whole 16-byte cp.async chunks; the workspaces go back to the pool after the launch.
+  float32 with precision="tf32", 3xTF32 (x3: float32-level accuracy) for float32 at the
+  default precision, float16 / bfloat16. The input is repacked to NHWC (each group's
+  channels padded to 16 bytes) and the filter to [K][R*S][Cgp] so that every k-tile row is
+  whole 16-byte cp.async chunks; the workspaces go back to the pool after the launch.
 - `conv2d_direct.cu.j2`: depthwise and thin grouped convolutions (fewer than 8 output
   channels per group, or one input channel per group), where a GEMM tile would be mostly
   zeros; also float16 / bfloat16 with float32 accumulation.
+
+float32 precisions: None / "fp32" / "highest" (the default): float32-level accuracy, the
+autotuner timing the SIMT configs and, where the 3xTF32 ones fit (`x3_fits`), those too, each
+with its repacks; "ieee": CUDA cores only (SIMT); "tf32": TF32 tensor cores.
 
 Tile configs per family are short lists; the Autotuner times them once per (device, shape
 class) and keeps the fastest. `conv2d(..., out=...)` (internal) writes into a given tensor.
@@ -38,7 +43,10 @@ DTYPES = (DT.FLOAT32, DT.FLOAT16, DT.BFLOAT16)
 DIRECT_VQ = 4
 INT_MAX = 2**31 - 1
 
-_PRECISIONS = {None: None, "fp32": "fp32", "highest": "fp32", "ieee": "fp32", "tf32": "tf32"}
+# None / "fp32": float32-level accuracy (SIMT or 3xTF32, the autotuner's pick); "ieee": CUDA
+# cores only; "tf32": TF32 tensor cores (float32 only)
+_PRECISIONS = {None: None, "fp32": "fp32", "highest": "fp32", "ieee": "ieee", "tf32": "tf32"}
+PRECISION_NAMES = "None, 'fp32' (alias 'highest'), 'ieee' or 'tf32'"
 
 
 def simt_config(bm: int, bn: int, bk: int, tm: int, tn: int, slices: int, stages: int,
@@ -48,10 +56,10 @@ def simt_config(bm: int, bn: int, bk: int, tm: int, tn: int, slices: int, stages
             "stages": stages, "min_blocks": min_blocks}
 
 
-def _mma(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int,
-         min_blocks: int) -> Dict[str, int]:
+def _mma(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int, min_blocks: int,
+         x3: bool = False) -> Dict[str, Any]:
     return {"bm": bm, "bn": bn, "bk": bk, "wm": wm, "wn": wn, "stages": stages,
-            "min_blocks": min_blocks}
+            "min_blocks": min_blocks, "x3": x3}
 
 
 # -- tile configs ------------------------------------------------------------------------
@@ -71,6 +79,16 @@ T_128x64x32 = _mma(128, 64, 32, 64, 32, 4, 2)    # 128 threads, 96 KB
 T_64x64x16 = _mma(64, 64, 16, 32, 32, 4, 4)      # 128 threads, 32 KB
 T_64x32x16 = _mma(64, 32, 16, 32, 32, 4, 4)      # 64 threads, 24 KB
 TF32_CONFIGS = (T_128x128x32, T_128x128x32s3, T_128x64x32, T_64x64x16, T_64x32x16)
+# mma.sync 3xTF32 (float32 at the default precision): two accumulator sets, so warp tiles of
+# 64 x 32 or 32 x 64 at most and register-limited occupancy. ptxas sm_90 (CUDA 13.0), no
+# spills: registers in the comments.
+X_128x128x32 = _mma(128, 128, 32, 64, 32, 3, 1, True)    # 256 threads, 96 KB, 232 regs
+X_128x128x32s4 = _mma(128, 128, 32, 32, 64, 4, 1, True)  # 256 threads, 128 KB, 232 regs
+X_128x64x32 = _mma(128, 64, 32, 64, 32, 3, 2, True)      # 128 threads, 72 KB, 244 regs
+X_64x64x16 = _mma(64, 64, 16, 32, 32, 4, 3, True)        # 128 threads, 32 KB, 144 regs
+X_64x32x16 = _mma(64, 32, 16, 32, 32, 4, 4, True)        # 64 threads, 24 KB, 152 regs
+X3_CONFIGS = (X_128x128x32, X_128x128x32s4, X_128x64x32, X_64x64x16, X_64x32x16)
+X3_MIN_CHANNELS = 13   # x3 is offered from Cgp = 16 (one whole k-tile of the 16-deep configs)
 # mma.sync float16 / bfloat16.
 H_128x128x64 = _mma(128, 128, 64, 64, 32, 3, 2)  # 256 threads, 96 KB, 2 blocks/SM
 H_128x128x32 = _mma(128, 128, 32, 64, 32, 4, 2)  # 256 threads, 64 KB
@@ -84,7 +102,7 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     """Every parameter set this module renders (CI renders and compiles each)."""
     f32 = dtype_params(DT.FLOAT32)
     simt = [{**f32, **cfg} for cfg in SIMT_CONFIGS]
-    mma = [{**f32, **cfg} for cfg in TF32_CONFIGS]
+    mma = [{**f32, **cfg} for cfg in TF32_CONFIGS + X3_CONFIGS]
     for dt in (DT.FLOAT16, DT.BFLOAT16):
         mma += [{**dtype_params(dt), **cfg} for cfg in F16_CONFIGS]
     prep = [{**f32, "kind": "weight_rsck"}]
@@ -197,11 +215,12 @@ def plan(x_shape: Tuple[int, ...], w_shape: Tuple[int, ...], config: Any,
 
 
 def normalize_precision(precision: Any, dtype: CudaDataType) -> Optional[str]:
-    """None / 'fp32' / 'highest' -> exact arithmetic of the dtype; 'tf32' -> TF32 (float32 only)."""
+    """None / 'fp32' / 'highest' -> float32-level accuracy (float32: SIMT or 3xTF32);
+    'ieee' -> CUDA cores only for float32; 'tf32' -> TF32 (float32 only)."""
     key = precision.lower() if isinstance(precision, str) else precision
     if not (key is None or isinstance(key, str)) or key not in _PRECISIONS:
         raise InvalidArgumentError(
-            f"precision must be None, 'fp32' (alias 'highest') or 'tf32', got {precision!r}")
+            f"precision must be {PRECISION_NAMES}, got {precision!r}")
     prec = _PRECISIONS[key]
     if prec == "tf32" and dtype is not DT.FLOAT32:
         raise InvalidArgumentError(
@@ -215,8 +234,9 @@ def conv2d(m: Any, x: CudaTensor, w: CudaTensor, config: Any,
            out: Optional[CudaTensor] = None) -> CudaTensor:
     """F.conv2d(x, w, bias, stride, padding, dilation, groups) -> (N, K, P, Q).
 
-    float32 is true FP32 on CUDA cores unless precision='tf32'; float16 / bfloat16 use
-    tensor cores (or the direct kernel) with float32 accumulation. out= receives the result.
+    float32 is float32-accurate (SIMT or 3xTF32, the autotuner's pick; 'ieee': SIMT only)
+    unless precision='tf32'; float16 / bfloat16 use tensor cores (or the direct kernel) with
+    float32 accumulation. out= receives the result.
     """
     if out is None and type(x) is CudaTensor and type(w) is CudaTensor:
         try:  # the per-call plan (ops/common.py remember_plan)
@@ -289,6 +309,9 @@ def _fast_plan(m: Any, g: Geometry, dtype: CudaDataType, prec: Optional[str], de
     hb = int(has_bias)
     geo = (g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.M)
     fam = family(g, dtype, prec)
+    if fam != "direct":
+        assert cfg is not None
+        fam = config_family(cfg)   # float32's candidates hold both (x3_fits)
     args: Tuple[int, ...]
     wargs: Tuple[int, ...]
     if fam == "direct":
@@ -484,12 +507,26 @@ def _write_host(m: Any, out: CudaTensor, values: np.ndarray) -> None:
 
 # -- GPU ------------------------------------------------------------------------------------
 def family(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> str:
-    """'direct', 'simt' or 'mma' for this convolution."""
+    """'direct', 'simt' or 'mma' for this convolution ('simt': float32 except TF32, whose
+    candidates include the 3xTF32 mma configs where `x3_fits`)."""
     if g.Kg < 8 or g.Cg <= 1 or g.H * g.W == 0:
         return "direct"
     if dtype is DT.FLOAT32 and prec != "tf32":
         return "simt"
     return "mma"
+
+
+def x3_fits(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> bool:
+    """Whether the autotuner also times the 3xTF32 configs: float32 at the default precision
+    (not 'ieee', not 'tf32'), the GEMM kernels (not direct), and Cg >= X3_MIN_CHANNELS (with
+    fewer, the channel padding of the mma's k-tiles would multiply 3x the work again)."""
+    return (dtype is DT.FLOAT32 and prec in (None, "fp32") and
+            family(g, dtype, prec) == "simt" and g.Cg >= X3_MIN_CHANNELS)
+
+
+def config_family(cfg: Dict[str, Any]) -> str:
+    """'mma' or 'simt': which kernel (and repacks) a tile config runs."""
+    return "mma" if "wm" in cfg else "simt"
 
 
 def padded_channels(g: Geometry, dtype: CudaDataType) -> int:
@@ -503,19 +540,31 @@ def _tiles(g: Geometry, cfg: Dict[str, int]) -> int:
 
 
 def candidates(g: Geometry, dtype: CudaDataType, prec: Optional[str],
-               sm_count: int) -> List[Dict[str, int]]:
+               sm_count: int) -> List[Dict[str, Any]]:
     """The tile configs the autotuner chooses from: by output channels per group, then by
-    how many blocks the large tile would give (two waves or more keep the large tiles)."""
+    how many blocks the large tile would give (two waves or more keep the large tiles);
+    float32 at the default precision: the SIMT configs, then where `x3_fits` the 3xTF32
+    ones (each timed with its own repacks: the fastest wins)."""
     fam = family(g, dtype, prec)
     if fam == "simt":
         if g.Kg <= 32:
-            return [S_64x32x8s2, S_32x32x8s4]
-        if g.Kg <= 64:
-            return [S_128x64x8, S_64x64x8s2, S_64x32x8s2]
-        if _tiles(g, S_128x128x8) >= 2 * sm_count:
-            return [S_128x128x8, S_128x128x16, S_128x64x8]
-        return [S_128x64x8, S_64x64x8s2, S_128x128x8]
-    table = TF32_CONFIGS if dtype is DT.FLOAT32 else F16_CONFIGS
+            simt = [S_64x32x8s2, S_32x32x8s4]
+        elif g.Kg <= 64:
+            simt = [S_128x64x8, S_64x64x8s2, S_64x32x8s2]
+        elif _tiles(g, S_128x128x8) >= 2 * sm_count:
+            simt = [S_128x128x8, S_128x128x16, S_128x64x8]
+        else:
+            simt = [S_128x64x8, S_64x64x8s2, S_128x128x8]
+        return simt + (_mma_candidates(g, dtype, X3_CONFIGS, sm_count)
+                       if x3_fits(g, dtype, prec) else [])
+    return _mma_candidates(g, dtype, TF32_CONFIGS if dtype is DT.FLOAT32 else F16_CONFIGS,
+                           sm_count)
+
+
+def _mma_candidates(g: Geometry, dtype: CudaDataType, table: Sequence[Dict[str, Any]],
+                    sm_count: int) -> List[Dict[str, Any]]:
+    """The mma configs of one table (big, big2, mid, small, thin) for this geometry, those
+    whose k-tile fits the padded channels (else the shallowest)."""
     big, big2, mid, small, thin = table
     if g.Kg <= 32:
         cands = [thin, small]
@@ -557,7 +606,7 @@ def shape_key(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> List[Any
 
 def _launch(m: Any, x: CudaTensor, w: CudaTensor, bias: Optional[CudaTensor], g: Geometry,
             dtype: CudaDataType, prec: Optional[str], out: CudaTensor,
-            dev: int) -> Optional[Dict[str, int]]:
+            dev: int) -> Optional[Dict[str, Any]]:
     """The launches of one convolution; returns the tile config used (None: direct)."""
     fam = family(g, dtype, prec)
     if fam == "direct":
@@ -566,6 +615,14 @@ def _launch(m: Any, x: CudaTensor, w: CudaTensor, bias: Optional[CudaTensor], g:
     memo = m.__dict__.setdefault("_conv2d_configs", {})
     mkey = (g, dtype, prec, dev)
     cfg = memo.get(mkey)
+    if fam == "simt" and x3_fits(g, dtype, prec):
+        # SIMT and 3xTF32 configs: each timed whole, with the repacks its kernel needs
+        def run_any(c: Dict[str, Any]) -> None:
+            run_config(m, c, x, w, bias, g, out, dev)
+        if cfg is None:
+            cfg = memo[mkey] = _choose(m, "conv2d_x3simt", g, dtype, prec, run_any, dev)
+        run_any(cfg)
+        return cfg
     if fam == "simt":
         wt = prepare_weight_simt(m, w, g, dev)
         try:
@@ -593,8 +650,30 @@ def _launch(m: Any, x: CudaTensor, w: CudaTensor, bias: Optional[CudaTensor], g:
     return cfg
 
 
+def run_config(m: Any, cfg: Dict[str, Any], x: CudaTensor, w: CudaTensor,
+               bias: Optional[CudaTensor], g: Geometry, out: CudaTensor, dev: int) -> None:
+    """One tile config (SIMT or mma, any dtype it renders for) over the whole output, with
+    the repacks its kernel needs; the workspaces go back to the pool after the launch."""
+    if config_family(cfg) == "simt":
+        wt = prepare_weight_simt(m, w, g, dev)
+        try:
+            run_simt(m, cfg, x, wt, bias, g, out, dev)
+        finally:
+            wt.free()
+        return
+    xt = prepare_input_mma(m, x, g, dev)
+    try:
+        wt = prepare_weight_mma(m, w, g, dev)
+        try:
+            run_mma(m, cfg, xt, wt, bias, g, out, dev)
+        finally:
+            wt.free()
+    finally:
+        xt.free()
+
+
 def _choose(m: Any, op: str, g: Geometry, dtype: CudaDataType, prec: Optional[str],
-            run: Any, dev: int) -> Dict[str, int]:
+            run: Any, dev: int) -> Dict[str, Any]:
     """The tile config for this geometry: the autotuner's pick among the candidates."""
     info = m.backend.get_device_info(dev)
     if g.groups > info.max_grid_dims[2] or -(-g.Kg // 32) > info.max_grid_dims[1]:

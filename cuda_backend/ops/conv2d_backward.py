@@ -10,13 +10,20 @@ forward accepts; float32, float16 and bfloat16.
   are split into the sh*sw stride phases so that each block runs over the filter taps that
   reach its phase only (no zero-upsampled tensor, no predicated-off multiply-adds).
   Where the forward's tensor-core kernels fit (stride 1 with float16 / bfloat16, or
-  precision="tf32") or its direct kernel does (fewer than 8 input channels per group), the
-  data gradient at stride 1 is conv2d(grad_out, flipped filter) with padding
-  dilation*(kernel - 1) - padding, run by ops/conv2d.py.
+  precision="tf32", or float32 at the default precision where its 3xTF32 configs fit:
+  conv2d.x3_fits, the autotuner choosing between them and its SIMT ones) or its direct
+  kernel does (fewer than 8 input channels per group), the data gradient at stride 1 is
+  conv2d(grad_out, flipped filter) with padding dilation*(kernel - 1) - padding, run by
+  ops/conv2d.py; precision="ieee" keeps the dgrad kernel.
 - wgrad, `conv2d_wgrad.cu.j2`: an implicit GEMM (K/groups) x ((C/groups)*R*S) with
   reduction N*P*Q, true FP32; the long reduction is split over blocks (float32 partial tiles)
   and `conv2d_grad_aux.cu.j2` (splitk_sum) adds the splits in a fixed order: deterministic,
-  no float atomics.
+  no float atomics. float32 at precision None / "fp32" / "tf32" where `wgrad_x3_fits`: the
+  same GEMM on tensor cores, `conv2d_wgrad_mma.cu.j2` (3xTF32, float32-level accuracy, both
+  operands gathered from NCHW; configs WGRAD_X3_CONFIGS), timed by the autotuner beside the
+  SIMT configs; its splits are at most X3_MAX_CHUNK pixels (the mma's accumulation
+  truncates: shorter sums in the accumulators, the rest in splitk_sum's rounded adds).
+  precision="ieee" and float16 / bfloat16 keep the SIMT kernel.
 - grad_bias: the sum of grad_out over N, P, Q, in float32 partials per (channel, chunk)
   (bias_partial) added in order by splitk_sum.
 float16 / bfloat16 operands go to the CUDA-core GEMMs as float32 copies (to_float, and the
@@ -35,7 +42,11 @@ dgrad and wgrad is 2*N*K*C*R*S*P*Q = 77.3 GFLOP; at the measured FP32 peak of ab
 TFLOP/s on the H100's CUDA cores (about 60 on the H200) that is 1.52 ms (1.29 ms on the
 H200), and the target is 0.8x cuDNN's float32 time for each. Extra memory traffic on that
 shape: wgrad's partials (about 105 splits x 295 KB written and read once) and the bias sum
-(one read of grad_out, 268 MB, about 0.1 ms).
+(one read of grad_out, 268 MB, about 0.1 ms). 3xTF32 wgrad there: 3 mma per product, 232
+GFLOP of TF32 mma.sync: 0.47 ms at the H100's dense TF32 peak (~495 TFLOP/s), 1.09 ms at the
+~213 TFLOP/s mma.sync rate the 3xTF32 linear layer measured (perf/NOTES.md); with the
+gather's integer work and 128 splits of 4096 pixels (38 MB of partials) predicted 1.2-1.4 ms,
+target <= 1.87 ms (0.8x cuDNN's 1.498).
 """
 from __future__ import annotations
 
@@ -56,20 +67,28 @@ from .conv2d import Geometry
 DT = CudaDataType
 DGRAD_TEMPLATE = "conv2d_dgrad.cu.j2"
 WGRAD_TEMPLATE = "conv2d_wgrad.cu.j2"
+WGRAD_X3_TEMPLATE = "conv2d_wgrad_mma.cu.j2"
 AUX_TEMPLATE = "conv2d_grad_aux.cu.j2"
 # the forward's templates run the stride-1 data gradient on tensor cores (see above)
-TEMPLATES = (DGRAD_TEMPLATE, WGRAD_TEMPLATE, AUX_TEMPLATE) + fwd.TEMPLATES
+TEMPLATES = (DGRAD_TEMPLATE, WGRAD_TEMPLATE, WGRAD_X3_TEMPLATE, AUX_TEMPLATE) + fwd.TEMPLATES
 DTYPES = fwd.DTYPES
 HALF = (DT.FLOAT16, DT.BFLOAT16)
 INT_MAX = 2**31 - 1
 AUX_BLOCK = 256
 WORKSPACE_CAP = 256 << 20      # bytes of wgrad partials at most (fewer splits beyond)
 MIN_SPLIT_TILES = 32           # k-tiles (of bk pixels) per wgrad split at least
+X3_MAX_CHUNK = 4096            # pixels per 3xTF32 wgrad split at most (workspace cap first)
 
 
 def _wg(bm: int, bn: int, bk: int, tm: int, tn: int, stages: int,
         min_blocks: int) -> Dict[str, int]:
     return {"bm": bm, "bn": bn, "bk": bk, "tm": tm, "tn": tn, "stages": stages,
+            "min_blocks": min_blocks}
+
+
+def _wx(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int,
+        min_blocks: int) -> Dict[str, int]:
+    return {"bm": bm, "bn": bn, "bk": bk, "wm": wm, "wn": wn, "stages": stages,
             "min_blocks": min_blocks}
 
 
@@ -93,6 +112,17 @@ W_64x64x8 = _wg(64, 64, 8, 8, 8, 4, 4)            # 64 threads, 17 KB
 W_32x64x8 = _wg(32, 64, 8, 4, 8, 4, 4)            # 64 threads, 14 KB
 W_16x64x8 = _wg(16, 64, 8, 4, 4, 4, 4)            # 64 threads, 12 KB
 WGRAD_CONFIGS = (W_128x128x8, W_128x64x8, W_64x128x8, W_64x64x8, W_32x64x8, W_16x64x8)
+# wgrad on tensor cores, 3xTF32 (conv2d_wgrad_mma.cu.j2): threads = (bm / wm) * (bn / wn) *
+# 32; two accumulator sets, so warp tiles of 64 x 32 or 32 x 64 at most. ptxas sm_90 (CUDA
+# 13.0), no spills: registers in the comments; shared = stages * (bm + bn) * bk * 4 + bn * 16.
+WX_128x128x32 = _wx(128, 128, 32, 64, 32, 3, 1)   # 256 threads, 234 regs, 98 KB
+WX_128x128x16 = _wx(128, 128, 16, 64, 32, 4, 1)   # 256 threads, 230 regs, 66 KB
+WX_128x64x32 = _wx(128, 64, 32, 64, 32, 3, 2)     # 128 threads, 238 regs, 73 KB
+WX_64x128x32 = _wx(64, 128, 32, 32, 64, 3, 2)     # 128 threads, 228 regs, 74 KB
+WX_64x64x32 = _wx(64, 64, 32, 32, 32, 4, 2)       # 128 threads, 160 regs, 66 KB
+WX_32x64x32 = _wx(32, 64, 32, 32, 32, 4, 4)       # 64 threads, 162 regs, 50 KB
+WGRAD_X3_CONFIGS = (WX_128x128x32, WX_128x128x16, WX_128x64x32, WX_64x128x32, WX_64x64x32,
+                    WX_32x64x32)
 AUX_KINDS = ("weight_rskc", "weight_flip", "to_float", "splitk_sum", "bias_partial")
 
 
@@ -107,7 +137,25 @@ def dgrad_shared_bytes(cfg: Dict[str, int]) -> int:
     return 4 * max(ring, red)
 
 
-def wgrad_shared_bytes(cfg: Dict[str, int]) -> int:
+def wgrad_is_x3(cfg: Dict[str, Any]) -> bool:
+    """Whether a wgrad config (or candidate) is a 3xTF32 one (conv2d_wgrad_mma.cu.j2)."""
+    return "wm" in cfg
+
+
+def wgrad_template(cfg: Dict[str, Any]) -> str:
+    return WGRAD_X3_TEMPLATE if wgrad_is_x3(cfg) else WGRAD_TEMPLATE
+
+
+def wgrad_threads(cfg: Dict[str, Any]) -> int:
+    if wgrad_is_x3(cfg):
+        return (cfg["bm"] // cfg["wm"]) * (cfg["bn"] // cfg["wn"]) * 32
+    return (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"])
+
+
+def wgrad_shared_bytes(cfg: Dict[str, Any]) -> int:
+    """Dynamic shared memory of a wgrad config (the 3xTF32 kernel's table is static)."""
+    if wgrad_is_x3(cfg):
+        return 4 * cfg["stages"] * cfg["bk"] * (cfg["bm"] + cfg["bn"])
     return 4 * cfg["stages"] * cfg["bk"] * (cfg["bm"] + cfg["bn"] + 8)
 
 
@@ -118,16 +166,19 @@ def _tile_params(cfg: Dict[str, Any]) -> Dict[str, int]:
 
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     """Every parameter set this module renders: dgrad per grad_input dtype and config, wgrad
-    per config (float32 operands and partials), the auxiliary kernels per dtype."""
+    per config, SIMT and 3xTF32 (float32 operands and partials), the auxiliary kernels per
+    dtype."""
     dgrad = [{**dtype_params(dt), **cfg} for dt in DTYPES for cfg in DGRAD_CONFIGS]
     wgrad = [{**dtype_params(DT.FLOAT32), **cfg} for cfg in WGRAD_CONFIGS]
+    wgrad_x3 = [{**dtype_params(DT.FLOAT32), **cfg} for cfg in WGRAD_X3_CONFIGS]
     aux = []
     for dt in DTYPES:
         for kind in AUX_KINDS:
             if kind == "to_float" and dt not in HALF:
                 continue
             aux.append({**dtype_params(dt), "kind": kind})
-    return {DGRAD_TEMPLATE: dgrad, WGRAD_TEMPLATE: wgrad, AUX_TEMPLATE: aux}
+    return {DGRAD_TEMPLATE: dgrad, WGRAD_TEMPLATE: wgrad, WGRAD_X3_TEMPLATE: wgrad_x3,
+            AUX_TEMPLATE: aux}
 
 
 def _kernel(m: Any, template: str, dev: int, params: Dict[str, Any]) -> Any:
@@ -206,7 +257,9 @@ def dgrad_grid(g: Geometry, cfg: Dict[str, int]) -> Tuple[int, int, int]:
 def wgrad_split(g: Geometry, cfg: Dict[str, Any], sm_count: int) -> Tuple[int, int]:
     """(splits, chunk): the pixels N*P*Q in `splits` chunks of `chunk` (a multiple of bk),
     enough blocks for cfg["waves"] waves of min_blocks blocks per SM, at least
-    MIN_SPLIT_TILES k-tiles per split and at most WORKSPACE_CAP bytes of partials."""
+    MIN_SPLIT_TILES k-tiles per split and at most WORKSPACE_CAP bytes of partials; a 3xTF32
+    config also takes enough splits for at most X3_MAX_CHUNK pixels each, as far as the
+    workspace cap allows."""
     bk = cfg["bk"]
     L = g.N * g.P * g.Q
     if L == 0:
@@ -216,6 +269,8 @@ def wgrad_split(g: Geometry, cfg: Dict[str, Any], sm_count: int) -> Tuple[int, i
     by_len = L // (bk * MIN_SPLIT_TILES)
     by_mem = WORKSPACE_CAP // max(1, 4 * g.K * g.Cg * g.R * g.S)
     splits = max(1, min(want, by_len, by_mem))
+    if wgrad_is_x3(cfg):
+        splits = max(splits, min(-(-L // X3_MAX_CHUNK), by_mem))
     chunk = -(-L // (splits * bk)) * bk
     return -(-L // chunk), chunk
 
@@ -243,6 +298,12 @@ def dgrad_path(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> str:
         return "simt"
     if dtype is not DT.FLOAT32 or prec == "tf32" or g.Cg < 8:
         return "forward"
+    # float32 at the default precision: the forward's autotuner may pick 3xTF32 ("ieee":
+    # the dgrad kernel); g2 is the forward's geometry (grad_out in, the flipped filter)
+    g2 = Geometry(g.N, g.K, g.P, g.Q, g.C, g.R, g.S, g.groups, 1, 1, ph2, pw2, g.dh, g.dw,
+                  g.H, g.W)
+    if fwd.x3_fits(g2, dtype, prec):
+        return "forward"
     return "simt"
 
 
@@ -250,10 +311,23 @@ def _bucket(v: int) -> int:
     return max(0, int(v) - 1).bit_length()
 
 
-def candidates(g: Geometry, sm_count: int, kind: str = "dgrad") -> List[Dict[str, Any]]:
+def wgrad_x3_fits(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> bool:
+    """Whether the 3xTF32 wgrad configs are candidates: float32 at precision None / "fp32" /
+    "tf32" (not "ieee"), with the kernel's int32 offsets in range (its B-row table holds
+    c*H*W + dr*W + ds, |dr| <= H + ph)."""
+    return (dtype is DT.FLOAT32 and prec in (None, "fp32", "tf32") and
+            g.Cg * g.H * g.W + (g.H + g.ph + 1) * g.W + g.pw + 1 <= INT_MAX and
+            g.H + 2 * g.ph + 1 <= 2**30 and g.W + 2 * g.pw + 1 <= 2**30)
+
+
+def candidates(g: Geometry, sm_count: int, kind: str = "dgrad",
+               dtype: Optional[CudaDataType] = None,
+               prec: Optional[str] = None) -> List[Dict[str, Any]]:
     """The configs the autotuner chooses from. dgrad: by input channels per group (GEMM N),
     then by how many blocks the large tile gives (two waves or more keep it). wgrad: by
-    output channels per group (GEMM M), each with the waves its splits aim at."""
+    output channels per group (GEMM M), each with the waves its splits aim at; given the
+    dtype and precision, the 3xTF32 configs first where `wgrad_x3_fits` (without them: the
+    SIMT list alone)."""
     if kind == "dgrad":
         if g.Cg <= 32:
             return [D_64x32x8s2, D_32x32x8s4]
@@ -273,8 +347,17 @@ def candidates(g: Geometry, sm_count: int, kind: str = "dgrad") -> List[Dict[str
         cfgs = [W_64x128x8, W_64x64x8, W_128x64x8]
     else:
         cfgs = [W_128x128x8, W_128x64x8, W_64x128x8]
-    return [{**cfgs[0], "waves": 2}, {**cfgs[0], "waves": 4}] + \
+    simt = [{**cfgs[0], "waves": 2}, {**cfgs[0], "waves": 4}] + \
         [{**c, "waves": 2} for c in cfgs[1:]]
+    if dtype is None or not wgrad_x3_fits(g, dtype, prec):
+        return simt
+    if g.Kg <= 32:
+        x3 = [WX_32x64x32, WX_64x64x32]
+    elif g.Kg <= 64:
+        x3 = [WX_64x128x32, WX_64x64x32]
+    else:
+        x3 = [WX_128x128x32, WX_128x64x32, WX_128x128x16]
+    return [{**c, "waves": 2} for c in x3] + simt
 
 
 def shape_key(g: Geometry, dtype: CudaDataType, kind: str) -> List[Any]:
@@ -509,8 +592,8 @@ def build_program(m: Any, g: Geometry, dtype: CudaDataType, prec: Optional[str],
                   parts: Sequence[str], dcfg: Any = None,
                   wcfg: Optional[Dict[str, Any]] = None) -> Program:
     """The program of `parts` ("dgrad", "wgrad", "bias"): dcfg is a dgrad config or
-    "forward", wcfg a wgrad candidate (with its waves). The autotuner times these per
-    candidate; the tests run every config through them."""
+    "forward", wcfg a wgrad candidate (SIMT or 3xTF32, with its waves). The autotuner
+    times these per candidate; the tests run every config through them."""
     p = Program(m, g, dtype, prec, dev)
     G, Cg, Kg, K, RS = g.groups, g.Cg, g.Kg, g.K, g.R * g.S
     CRS = Cg * RS
@@ -564,9 +647,8 @@ def build_program(m: Any, g: Geometry, dtype: CudaDataType, prec: Optional[str],
         out = "gw" if direct_out else p.tensor("ws", (splits * K * CRS,), DT.FLOAT32)
         cfg = _tile_params(wcfg)
         mt, nt = -(-Kg // cfg["bm"]), -(-CRS // cfg["bn"])
-        p.launch(WGRAD_TEMPLATE, {**dtype_params(DT.FLOAT32), **cfg},
-                 wgrad_grid(g, cfg, splits), ((cfg["bm"] // cfg["tm"]) *
-                                              (cfg["bn"] // cfg["tn"]), 1, 1),
+        p.launch(wgrad_template(cfg), {**dtype_params(DT.FLOAT32), **cfg},
+                 wgrad_grid(g, cfg, splits), (wgrad_threads(cfg), 1, 1),
                  wgrad_shared_bytes(cfg), gof, xf, out, ("vec", out, CRS % 4 == 0), g.N,
                  g.C, g.H, g.W, Cg, Kg, K, g.P, g.Q, g.R, g.S, *geo, chunk, mt, nt, K * CRS)
         if not direct_out:
@@ -604,8 +686,9 @@ def _program(m: Any, go: CudaTensor, x: CudaTensor, w: CudaTensor, g: Geometry,
             dcfg = _choose(m, "conv2d_dgrad", g, dtype, "dgrad", cands, go, x, w, dev,
                            prec) if work else cands[0]
     if "wgrad" in parts:
-        cands = candidates(g, sms, "wgrad")
-        wcfg = _choose(m, "conv2d_wgrad", g, dtype, "wgrad", cands, go, x, w, dev,
+        cands = candidates(g, sms, "wgrad", dtype, prec)
+        op = "conv2d_wgrad_x3" if wgrad_is_x3(cands[0]) else "conv2d_wgrad"
+        wcfg = _choose(m, op, g, dtype, "wgrad", cands, go, x, w, dev,
                        prec) if work else cands[0]
     prog = build_program(m, g, dtype, prec, dev, parts, dcfg, wcfg)
     if len(memo) >= 1024:

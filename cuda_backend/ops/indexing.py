@@ -336,6 +336,17 @@ def check_grid(n: int) -> int:
     return max(1, min(-(-n // (CHECK_BLOCK * CHECK_UNROLL)), CHECK_MAX_BLOCKS))
 
 
+def refuse_capture(what: str, dev: int, check_bounds: bool) -> None:
+    """GraphCaptureError when a bounds-checked call is made inside a capture (the host waits
+    for its check); called before anything is allocated, so the capture's pool is untouched."""
+    if check_bounds:
+        from ..streams import capturing
+        if capturing(dev):
+            raise GraphCaptureError(
+                f"{what} with check_bounds=True cannot be recorded into a CUDA graph (the host "
+                f"waits for its bounds check); pass check_bounds=False inside the capture")
+
+
 class BoundsCheck:
     """The bounds check of one call, before its main kernel (see the module doc): the check
     kernel writes a flag word per block, an asynchronous copy brings them to page-locked host
@@ -347,12 +358,9 @@ class BoundsCheck:
     def __init__(self, m: Any, idx: CudaTensor, size: int, what: str,
                  prepared: Any = None) -> None:
         from ..driver import load_driver
-        from ..streams import capturing, current_stream
+        from ..streams import current_stream
         dev = self.device_id = idx.device_id
-        if capturing(dev):
-            raise GraphCaptureError(
-                f"{what} with check_bounds=True cannot be recorded into a CUDA graph (the host "
-                f"waits for its bounds check); pass check_bounds=False inside the capture")
+        refuse_capture(what, dev, True)
         backend = m.backend
         n = idx.size
         grid = check_grid(n)
@@ -475,6 +483,7 @@ def take(m: Any, x: CudaTensor, indices: Any, axis: Optional[int] = 0,
     shape = x.shape[:ax] + idx.shape + x.shape[ax + 1:]
     if size == 0 and idx.size:
         raise IndexOutOfRangeError(f"take: cannot take from axis {ax} of size 0")
+    refuse_capture("take", x.device_id, check_bounds)
     out = m.backend.empty(shape, x.dtype, x.device_id)
     if out.size == 0:
         return out
@@ -571,6 +580,7 @@ def _take_plan(m: Any, x: CudaTensor, idx: CudaTensor, ax: int, check_bounds: bo
         if px is None or pi is None or indices.device_id != dev or x.stream is not None or \
                 indices.stream is not None or px % unit or not direct(dev):
             return None
+        refuse_capture("take", dev, check_bounds)
         out = pool_tensor(oshape, dtype, dev, alloc(nbytes), pool, n_out, nbytes)
         if out._ptr % unit:
             out.free()
@@ -628,6 +638,7 @@ def gather(m: Any, x: CudaTensor, indices: Any, axis: Optional[int],
     size = x.shape[ax]
     if size == 0 and idx.size:
         raise IndexOutOfRangeError(f"gather: cannot take from axis {ax} of size 0")
+    refuse_capture("gather", x.device_id, check_bounds)
     out = m.backend.empty(shape, x.dtype, x.device_id)
     if out.size == 0:
         return out

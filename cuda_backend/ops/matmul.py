@@ -1,7 +1,8 @@
 """Matrix multiply: `matmul(m, a, b, precision, out)` for CudaMath.matrix_multiply.
 
-Two kernel families, both templated:
-- `matmul_simt.cu.j2`: true FP32 (the float32 default) and FP64 on CUDA cores; register-tiled
+The kernel families, all templated:
+- `matmul_simt.cu.j2`: true FP32 (float32's "ieee", beside 3xTF32 in its default) and FP64
+  on CUDA cores; register-tiled
   GEMM with a split-K mode (partial products in a workspace, then `splitk_reduce`) so that
   skinny and small outputs still fill every SM; and for float32 with few rows (M <= 64,
   SKINNY_F32) a skinny-M split-K kernel (all M rows per block, K sliced over many blocks,
@@ -9,7 +10,10 @@ Two kernel families, both templated:
   `splitk_reduce` or, for the linear layer, `splitk_epilogue` (+ bias, GELU) sums in a
   fixed order.
 - `matmul_mma.cu.j2`: tensor cores through mma.sync with float32 accumulators: TF32 for
-  float32 with precision="tf32", float16 / bfloat16 (output in the input dtype).
+  float32 with precision="tf32", float16 / bfloat16 (output in the input dtype), and 3xTF32
+  (x3: float32-level accuracy) in float32's default (precision None / "fp32", F32_DEFAULT,
+  LINEAR_F32): the autotuner times the x3 configs beside the SIMT ones where the operands
+  allow 16-byte loads; the x3 GEMMs split K as the SIMT one does (x3_split_options).
 - `matmul_wgmma.cu.j2`: TF32 on Hopper's warpgroup tensor cores (wgmma, sm_90a) for
   precision="tf32" where K is a multiple of 4: B is first transposed to (N, K) and rounded to
   TF32 (transpose.transpose_tf32) into a pool block, since wgmma reads a TF32 B only K-major.
@@ -35,10 +39,10 @@ instead: the gradient at the pre-activation, z never stored (ops/matmul_backward
 
 Operand layouts for the gradients (ops/matmul_backward.py), without a transposed copy:
 `matmul_nt(m, a, b)` = a @ bᵀ for b given as (..., N, K) (the linear kernels, b_trans, no
-bias), `matmul_tn(m, a, b)` = aᵀ @ b for a given as (..., K, M) (a_trans: the SIMT kernels
-and the 16-bit mma kernels load A's tiles along M; split-K as the GEMM's). TF32 has no
-a_trans kernel: a is first transposed into a pool block (ops/transpose.py), then the plain
-GEMM runs (its wgmma configs included).
+bias; float32's default their 3xTF32 and SIMT configs), `matmul_tn(m, a, b)` = aᵀ @ b for a
+given as (..., K, M) (a_trans: the SIMT, 3xTF32 and 16-bit mma kernels load A's tiles along
+M; split-K as the GEMM's). TF32 has no a_trans kernel in use: a is first transposed into a
+pool block (ops/transpose.py), then the plain GEMM runs (its wgmma configs included).
 """
 from __future__ import annotations
 
@@ -67,7 +71,7 @@ TEMPLATES = (SIMT_TEMPLATE, MMA_TEMPLATE, WGMMA_TEMPLATE, SKINNY_TEMPLATE, FILL_
              "transpose.cu.j2")
 REDUCE_BLOCK = 256
 
-# "ieee": float32 on CUDA cores only, where the default may choose 3xTF32 (the linear layer)
+# "ieee": float32 on CUDA cores only, where the default may choose 3xTF32 (GEMMs, linear layer)
 _PRECISIONS = {None: None, "fp32": "fp32", "highest": "fp32", "ieee": "ieee", "tf32": "tf32"}
 
 
@@ -314,6 +318,19 @@ LINEAR_F32 = {
     "skinny": [X_64x128x32_w32x64, S_64x64x8_q2, S_32x64x16],
     "small": [S_32x64x16],
 }
+# The float32 GEMM's default (precision None / "fp32": matrix_multiply and matmul_tn, whose
+# A given as (K, M) the a_trans x3 kernel reads with m permuted like B's n): 3xTF32 configs
+# where the operands allow 16-byte loads, the SIMT ones after them (alone for unaligned
+# operands and tiny work); "ieee" keeps SIMT_F32 alone. Without an epilogue the x3 kernels
+# split K like the SIMT ones (x3_split_options: wave quantization of outputs with few tiles,
+# e.g. dW = Gᵀ X of 3072 x 768 over 8192 rows: 144 tiles of 128 x 128 on 132 SMs).
+X3_GEMM = [X_128x128x32_w64x32, X_64x128x32_w32x64, X_128x64x32_w64x32]
+F32_DEFAULT = {
+    "large": [X_128x128x32_w64x32, X_64x128x32_w32x64] + SIMT_F32["large"],
+    "medium": [X_64x128x32_w32x64, X_128x64x32_w64x32] + SIMT_F32["medium"],
+    "skinny": [X_64x128x32_w32x64] + SIMT_F32["skinny"],
+    "small": list(SIMT_F32["small"]),
+}
 EPILOGUES = ("bias", "bias_gelu")
 # the backward's epilogue: G * GELU'(x Wᵀ + b), G (M, N) given as `grad`
 GRAD_EPILOGUE = "bias_gelu_grad"
@@ -351,7 +368,9 @@ def _family(dtype: CudaDataType, precision: Optional[str]) -> Tuple[str, Dict[st
     if dtype is DT.FLOAT64:
         return SIMT_TEMPLATE, SIMT_F64
     if dtype is DT.FLOAT32:
-        return (MMA_TEMPLATE, MMA_TF32) if precision == "tf32" else (SIMT_TEMPLATE, SIMT_F32)
+        if precision == "tf32":
+            return MMA_TEMPLATE, MMA_TF32
+        return SIMT_TEMPLATE, SIMT_F32 if precision == "ieee" else F32_DEFAULT
     return MMA_TEMPLATE, MMA_F16
 
 
@@ -376,8 +395,8 @@ def family(dtype: CudaDataType, precision: Optional[str],
 
 def config_template(cfg: Dict[str, Any], family_template: str) -> str:
     """The template a config renders: its family's, mma for a 3xTF32 config (x3), which
-    sits in the float32 linear layer's list beside SIMT ones, wgmma for a wgmma one, the
-    cluster kernel for a cluster one."""
+    sits in the float32 default lists (GEMM and linear layer) beside SIMT ones, wgmma for a
+    wgmma one, the cluster kernel for a cluster one."""
     if cfg.get("wgmma"):
         return WGMMA_TEMPLATE
     if cfg.get("cluster"):
@@ -439,14 +458,17 @@ def all_configs(dtype: CudaDataType, precision: Optional[str]) -> List[Dict[str,
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     """Every parameter set this module renders (CI renders and compiles each)."""
     simt: List[Dict[str, Any]] = []
-    for dt in (DT.FLOAT32, DT.FLOAT64):
-        for cfg in all_configs(dt, None):
-            for vec in (True, False):
-                if vec or cfg in SCALAR_OK:
-                    simt.append({**dtype_params(dt), "kind": "gemm", **cfg, "vec": vec})
-        simt.append({**dtype_params(dt), "kind": "splitk_reduce", "block_size": REDUCE_BLOCK})
     mma: List[Dict[str, Any]] = []
     wgmma: List[Dict[str, Any]] = []
+    for dt in (DT.FLOAT32, DT.FLOAT64):
+        # (float32's default holds the x3 GEMM kernels too: mma, 16-byte loads only)
+        for cfg in all_configs(dt, None):
+            template = config_template(cfg, SIMT_TEMPLATE)
+            for vec in (True, False):
+                if vec or cfg in SCALAR_OK:
+                    (simt if template == SIMT_TEMPLATE else mma).append(
+                        kernel_params(template, dt, cfg, vec))
+        simt.append({**dtype_params(dt), "kind": "splitk_reduce", "block_size": REDUCE_BLOCK})
     for dt, prec in ((DT.FLOAT32, "tf32"), (DT.FLOAT16, None), (DT.BFLOAT16, None)):
         for cfg in all_configs(dt, prec):
             if cfg.get("wgmma"):
@@ -522,8 +544,8 @@ def tn_params(template: str, dtype: CudaDataType, cfg: Dict[str, Any],
 
 
 def has_tn_kernel(dtype: CudaDataType, precision: Optional[str]) -> bool:
-    """An a_trans kernel exists for the family: SIMT (float32 on CUDA cores, float64) and the
-    16-bit mma; TF32 transposes A first."""
+    """An a_trans kernel exists for the family: SIMT (float32 on CUDA cores, float64), the
+    float32 default's 3xTF32 and the 16-bit mma; TF32 transposes A first."""
     return not (dtype is DT.FLOAT32 and precision == "tf32")
 
 
@@ -553,6 +575,13 @@ def kernel_params(template: str, dtype: CudaDataType, cfg: Dict[str, Any], vec: 
     params = {**dtype_params(dtype), **cfg, "vec": vec}
     params.pop("split", None)
     return params
+
+
+def takes_k_chunk(template: str, cfg: Dict[str, Any], epilogue: Optional[str] = None) -> bool:
+    """The config's kernel takes (batch, k_chunk) after the batch strides and splits K: the
+    SIMT GEMM and the x3 GEMMs (3xTF32 without an epilogue: matmul_mma.cu.j2's rule)."""
+    return template == SIMT_TEMPLATE or (template == MMA_TEMPLATE and bool(cfg.get("x3"))
+                                         and epilogue is None)
 
 
 # -- skinny M (split-K over blocks) --------------------------------------------------------------
@@ -831,8 +860,8 @@ def _plan(a_shape: Tuple[int, ...], b_shape: Tuple[int, ...]) -> Plan:
 
 
 def normalize_precision(precision: Any, dtype: CudaDataType) -> Optional[str]:
-    """None / 'fp32' / 'highest' -> float32-level arithmetic of the dtype (CUDA cores; the
-    linear layer may use 3xTF32); 'ieee' -> CUDA cores only; 'tf32' -> TF32 (float32 only)."""
+    """None / 'fp32' / 'highest' -> float32-level arithmetic of the dtype (float32: 3xTF32 or
+    CUDA cores); 'ieee' -> CUDA cores only; 'tf32' -> TF32 (float32 only)."""
     key = precision.lower() if isinstance(precision, str) else precision
     if not (key is None or isinstance(key, str)) or key not in _PRECISIONS:
         raise InvalidArgumentError(
@@ -864,9 +893,10 @@ def _bucket(x: int) -> int:
 # -- entry point ----------------------------------------------------------------------------
 def matmul(m: Any, a: CudaTensor, b: CudaTensor, precision: Optional[str] = None,
            out: Optional[CudaTensor] = None) -> CudaTensor:
-    """a @ b with NumPy's matmul shape rules (batch: full or broadcast). float32 is true FP32
-    on CUDA cores unless precision='tf32'; float16/bfloat16 use tensor cores with float32
-    accumulation; float64 runs on CUDA cores. out= (optional) receives the result."""
+    """a @ b with NumPy's matmul shape rules (batch: full or broadcast). float32 is
+    float32-accurate by default (3xTF32 tensor-core or CUDA-core configs, the faster timed),
+    precision='ieee' CUDA cores only, 'tf32' TF32; float16/bfloat16 use tensor cores with
+    float32 accumulation; float64 runs on CUDA cores. out= (optional) receives the result."""
     if out is None and type(a) is CudaTensor and type(b) is CudaTensor and \
             (precision is None or type(precision) is str):
         plans = getattr(m, "plans", None)
@@ -1010,8 +1040,8 @@ def matmul_tn(m: Any, a: CudaTensor, b: CudaTensor, precision: Optional[str] = N
     """aᵀ @ b for a given as (..., K, M) and b as (..., K, N) -> (..., M, N) (batches full or
     broadcast, as matmul's), without a transposed copy of a: the a_trans kernels read its
     tiles along M (split-K as the GEMM's, for a long K such as a batch of rows). Precision
-    as matmul's (float32: true FP32 on CUDA cores by default); TF32 transposes a into a pool
-    block first and runs the plain GEMM."""
+    as matmul's (float32: 3xTF32 or CUDA cores by default, 'ieee' CUDA cores only); TF32
+    transposes a into a pool block first and runs the plain GEMM."""
     if out is None and type(a) is CudaTensor and type(b) is CudaTensor and \
             (precision is None or type(precision) is str):
         plans = getattr(m, "plans", None)
@@ -1052,20 +1082,13 @@ def matmul_tn(m: Any, a: CudaTensor, b: CudaTensor, precision: Optional[str] = N
     return out
 
 
-def nt_precision(prec: Optional[str], dtype: CudaDataType) -> Optional[str]:
-    """matmul_nt's linear-kernel precision: float32 defaults to true FP32 on CUDA cores
-    ('ieee', as matmul's default), 'tf32' stays TF32; other dtypes as given."""
-    if dtype is DT.FLOAT32 and prec in (None, "fp32"):
-        return "ieee"
-    return prec
-
-
 def matmul_nt(m: Any, a: CudaTensor, b: CudaTensor, precision: Optional[str] = None,
               out: Optional[CudaTensor] = None) -> CudaTensor:
     """a @ bᵀ for a given as (..., M, K) and b as (..., N, K) -> (..., M, N) (batches full or
     broadcast, as matmul's), without a transposed copy of b: the linear-layer kernels
-    (b_trans, no bias; one K split; the skinny split-K ones for few rows). Precision as
-    matmul's: float32 is true FP32 on CUDA cores by default ('ieee'), 'tf32' TF32."""
+    (b_trans, a null bias; one K split; the skinny split-K and cluster ones for few rows).
+    Precision as the linear layer's: float32 is float32-accurate by default (3xTF32 or CUDA
+    cores, LINEAR_F32), 'ieee' CUDA cores only, 'tf32' TF32."""
     if out is None and type(a) is CudaTensor and type(b) is CudaTensor and \
             (precision is None or type(precision) is str):
         plans = getattr(m, "plans", None)
@@ -1077,7 +1100,6 @@ def matmul_nt(m: Any, a: CudaTensor, b: CudaTensor, precision: Optional[str] = N
             if res is not None:
                 return res
     dtype, prec, dev = _check_pair(a, b, precision, "matmul_nt")
-    prec = nt_precision(prec, dtype)
     p = plan_shapes(a.shape, _swapped(b.shape))
     if out is not None:
         _check_out(out, a, b, dtype, dev, p)
@@ -1245,7 +1267,8 @@ def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
             bias: Optional[CudaTensor] = None, a_trans: bool = False,
             grad: Optional[CudaTensor] = None) -> bool:
     """Launch the call's (autotuned) config; returns vec (the plan's alignment class).
-    a_trans: A given as (K, M) (the GEMM's configs, split-K included; no wgmma, no skinny)."""
+    a_trans: A given as (K, M) (the GEMM's configs, split-K included; no wgmma, no skinny).
+    The float32 default's GEMM candidates are (config, split) pairs of x3 and SIMT configs."""
     vec = is_vec_ok(a, b, out, p, a_trans)
     cache = _cache(m)
     key = config_key(p, dtype, prec, dev, vec, epilogue, a_trans)
@@ -1264,7 +1287,7 @@ def _launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
             info = m.backend.get_device_info(dev)
             max_z = info.max_grid_dims[2]
 
-            def per_sm(c: Dict[str, Any]) -> int:
+            def per_sm(c: Dict[str, Any]) -> int:   # (SIMT configs; x3: x3_split_options)
                 kern = _kernel(m, SIMT_TEMPLATE, dev,
                                kernel_params(SIMT_TEMPLATE, dtype, c, vec, a_trans=a_trans))
                 return blocks_per_sm(c, getattr(kern, "num_regs", 0), info, dtype.itemsize,
@@ -1308,8 +1331,9 @@ def tune_key(p: Plan, shape_cls: str, vec: bool, prec: Optional[str]) -> List[An
 
 def _op_name(template: str, dtype: CudaDataType, prec: Optional[str], linear: bool) -> str:
     """The autotuner's name for a candidate set (each distinct set has its own choices)."""
-    if linear and dtype is DT.FLOAT32 and prec in (None, "fp32"):
-        return "linear_x3simt_float32"     # 3xTF32 and SIMT configs (LINEAR_F32)
+    if dtype is DT.FLOAT32 and prec in (None, "fp32"):
+        # 3xTF32 and SIMT configs (LINEAR_F32, F32_DEFAULT)
+        return "linear_x3simt_float32" if linear else "matmul_x3simt_float32"
     kind = "simt" if template == SIMT_TEMPLATE else "mma"
     return f"{'linear' if linear else 'matmul'}_{kind}_{dtype.name_str}" \
            f"{'_tf32' if prec == 'tf32' else ''}"
@@ -1377,15 +1401,62 @@ def split_options(cfg: Dict[str, Any], p: Plan, shape_cls: str, sm_count: int,
 def split_candidates(cands: Sequence[Dict[str, Any]], p: Plan, shape_cls: str,
                      sm_count: int, max_z: int = 65535,
                      per_sm: Any = None) -> List[Dict[str, Any]]:
-    """The autotuner's (config, split) candidates of the SIMT GEMM: each config with a
-    "split" key per split_options count (run_config takes it out before rendering).
-    per_sm(cfg): resident blocks per SM (None: the configs' min_blocks)."""
+    """The autotuner's (config, split) candidates of the GEMM: each SIMT config with a
+    "split" key per split_options count, each x3 one per x3_split_options count (run_config
+    takes it out before rendering). per_sm(cfg): a SIMT config's resident blocks per SM
+    (None: the configs' min_blocks)."""
     out: List[Dict[str, Any]] = []
     for c in cands:
-        ps = per_sm(c) if per_sm is not None else 0
-        for s in split_options(c, p, shape_cls, sm_count, max_z, ps):
+        if c.get("x3"):
+            splits = x3_split_options(c, p, sm_count, max_z)
+        else:
+            ps = per_sm(c) if per_sm is not None else 0
+            splits = split_options(c, p, shape_cls, sm_count, max_z, ps)
+        for s in splits:
             out.append({**c, "split": s})
     return out
+
+
+# The x3 GEMMs' split-K model: one SM's 3xTF32 rate (the linear layer's x3 kernels held
+# 213 TF/s of mma.sync on the H200, 3 mma per product over 132 SMs), the split counts
+# modelled, the shortest K slice.
+X3_SM_FLOPS = 213e12 / 3 / 132
+X3_SPLITS = tuple(range(2, 17))
+X3_MIN_CHUNK = 256
+
+
+def x3_split_time(cfg: Dict[str, Any], p: Plan, sm_count: int, splits: int) -> float:
+    """Modelled seconds of an x3 GEMM config at a split count: the busiest SM runs
+    ceil(blocks / (SMs x min_blocks)) waves of min_blocks blocks sharing its tensor cores,
+    each over (K slice + 64) k, plus for splits > 1 the partials written and summed
+    (2 x splits x batch M N words at ~3 TB/s, + 4 us for the reduce's launch)."""
+    chunk = -(-p.K // splits)
+    chunk = -(-chunk // cfg["bk"]) * cfg["bk"]
+    per_sm = cfg["min_blocks"]
+    blocks = p.batch * -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"]) * splits
+    waves = -(-blocks // (sm_count * per_sm))
+    t = waves * per_sm * 2.0 * cfg["bm"] * cfg["bn"] * (chunk + 64) / X3_SM_FLOPS
+    if splits > 1:
+        t += 2.0 * splits * p.batch * p.M * p.N * 4 / 3e12 + 4e-6
+    return t
+
+
+def x3_split_options(cfg: Dict[str, Any], p: Plan, sm_count: int,
+                     max_z: int = 65535) -> List[int]:
+    """Split-K counts to time for an x3 GEMM config: 1 (no workspace), then at most two
+    effective counts of X3_SPLITS (K slices >= X3_MIN_CHUNK, splits x batch <= max_z) that
+    x3_split_time puts >= 3 % below one split, the fastest first: outputs of few tiles
+    (wave quantization) or few blocks."""
+    most = max(1, min(p.K // X3_MIN_CHUNK, max(X3_SPLITS), max_z // max(1, p.batch)))
+    t1 = x3_split_time(cfg, p, sm_count, 1)
+    timed: List[Tuple[float, int]] = []
+    for s in X3_SPLITS:
+        if s > most:
+            break
+        eff = effective_split(cfg, p.K, s)
+        if eff > 1 and all(eff != e for _, e in timed):
+            timed.append((x3_split_time(cfg, p, sm_count, eff), eff))
+    return [1] + [e for t, e in sorted(timed)[:2] if t < 0.97 * t1]
 
 
 def split_count(cfg: Dict[str, int], p: Plan, sm_count: int, max_z: int = 65535,
@@ -1459,6 +1530,7 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
     tiles = -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"])
     if tiles > info.max_grid_dims[0]:
         raise InvalidArgumentError(f"matmul output {p.M}x{p.N} needs too many tiles ({tiles})")
+    template = config_template(cfg, template)   # (an x3 config given with the family's)
     if template == WGMMA_TEMPLATE:
         _run_wgmma(m, cfg, a, b, out, p, dev, max_z)
         return
@@ -1480,50 +1552,56 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
     if template == SIMT_TEMPLATE:
         kernel = _kernel(m, SIMT_TEMPLATE, dev, params)
         threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"])
-        smem_s = simt_smem(cfg, esize, epilogue is not None)   # multistage: dynamic
+        smem = simt_smem(cfg, esize, epilogue is not None)   # multistage: dynamic
         if splits is None:
             splits = split_count(cfg, p, info.multiprocessor_count, max_z,
                                  blocks_per_sm(cfg, getattr(kernel, "num_regs", 0), info,
                                                esize, getattr(kernel, "static_shared_bytes", 0)))
+    else:
+        kernel = _kernel(m, MMA_TEMPLATE, dev, params)
+        threads = (cfg["bm"] // cfg["wm"]) * (cfg["bn"] // cfg["wn"]) * 32
+        smem = cfg["stages"] * (cfg["bm"] * cfg["bk"] + cfg["bk"] * cfg["bn"]) * esize
+    kchunk = takes_k_chunk(template, cfg, epilogue)
+    if kchunk:
         # split-K puts batch x splits on the grid's z in one launch
-        splits = max(1, min(splits, max_z // max(1, p.batch)))
+        splits = max(1, min(splits or 1, max_z // max(1, p.batch)))
         if splits > 1:
-            chunk = -(-p.K // splits)
-            chunk = -(-chunk // cfg["bk"]) * cfg["bk"]
-            splits = -(-p.K // chunk)
-            work = backend.empty((splits * p.batch * p.M * p.N,), dtype, dev)
-            try:
-                backend.launch_kernel(kernel.name, (tiles, 1, p.batch * splits), a, b, work,
-                                      p.M, p.N, p.K, p.stride_a, p.stride_b, p.batch, chunk,
-                                      block_size=(threads, 1, 1), shared_mem=smem_s,
-                                      device_id=dev)
-                red = _kernel(m, SIMT_TEMPLATE, dev, {"kind": "splitk_reduce",
-                                                      "block_size": REDUCE_BLOCK,
-                                                      **dtype_params(dtype)})
-                n = p.batch * p.M * p.N
-                grid = common.grid_1d(n, REDUCE_BLOCK, info.multiprocessor_count, waves=4)
-                backend.launch_kernel(red.name, (grid, 1, 1), work, out, n, splits,
-                                      block_size=(REDUCE_BLOCK, 1, 1), device_id=dev)
-            finally:
-                work.free()  # back to the pool; later work on this stream is ordered after
+            _run_split(m, kernel.name, cfg["bk"], tiles, threads, smem, a, b, out, p, dtype,
+                       dev, splits)
             return
-        for b0 in range(0, p.batch, max_z):
-            nb = min(max_z, p.batch - b0)
-            pa, pb, pc = _offsets(a, b, out, p, b0, esize)
-            backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, *extra(b0), p.M,
-                                  p.N, p.K, p.stride_a, p.stride_b, nb, p.K,
-                                  block_size=(threads, 1, 1), shared_mem=smem_s,
-                                  device_id=dev)
-        return
-    kernel = _kernel(m, MMA_TEMPLATE, dev, params)
-    threads = (cfg["bm"] // cfg["wm"]) * (cfg["bn"] // cfg["wn"]) * 32
-    smem = cfg["stages"] * (cfg["bm"] * cfg["bk"] + cfg["bk"] * cfg["bn"]) * esize
     for b0 in range(0, p.batch, max_z):
         nb = min(max_z, p.batch - b0)
         pa, pb, pc = _offsets(a, b, out, p, b0, esize)
         backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, *extra(b0), p.M, p.N,
-                              p.K, p.stride_a, p.stride_b, block_size=(threads, 1, 1),
-                              shared_mem=smem, device_id=dev)
+                              p.K, p.stride_a, p.stride_b, *((nb, p.K) if kchunk else ()),
+                              block_size=(threads, 1, 1), shared_mem=smem, device_id=dev)
+
+
+def _run_split(m: Any, kernel_name: str, bk: int, tiles: int, threads: int, smem: int,
+               a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan, dtype: CudaDataType,
+               dev: int, splits: int) -> None:
+    """A split-K GEMM (the SIMT or x3 kernel, its K slices whole bk-deep tiles): partials
+    work[split][batch][M][N] in a pool block, then splitk_reduce sums them in split order
+    into out; the block goes back to the pool after the launches."""
+    backend = m.backend
+    info = backend.get_device_info(dev)
+    chunk = -(-p.K // splits)
+    chunk = -(-chunk // bk) * bk
+    splits = -(-p.K // chunk)
+    work = backend.empty((splits * p.batch * p.M * p.N,), dtype, dev)
+    try:
+        backend.launch_kernel(kernel_name, (tiles, 1, p.batch * splits), a, b, work,
+                              p.M, p.N, p.K, p.stride_a, p.stride_b, p.batch, chunk,
+                              block_size=(threads, 1, 1), shared_mem=smem, device_id=dev)
+        red = _kernel(m, SIMT_TEMPLATE, dev, {"kind": "splitk_reduce",
+                                              "block_size": REDUCE_BLOCK,
+                                              **dtype_params(dtype)})
+        n = p.batch * p.M * p.N
+        grid = common.grid_1d(n, REDUCE_BLOCK, info.multiprocessor_count, waves=4)
+        backend.launch_kernel(red.name, (grid, 1, 1), work, out, n, splits,
+                              block_size=(REDUCE_BLOCK, 1, 1), device_id=dev)
+    finally:
+        work.free()  # back to the pool; later work on this stream is ordered after
 
 
 def _run_wgmma(m: Any, cfg: Dict[str, Any], a: CudaTensor, b: CudaTensor, out: CudaTensor,
@@ -1799,6 +1877,7 @@ def _runner(m: Any, template: str, cfg: Dict[str, Any], p: Plan, dtype: CudaData
     if "split" in cfg:
         cfg = dict(cfg)
         splits = max(1, min(cfg.pop("split"), max_z // max(1, p.batch)))
+    template = config_template(cfg, template)
     if template == WGMMA_TEMPLATE:
         return _wgmma_runner(m, cfg, p, dev, max_z)
     prep, get = backend.prepare_launch, backend.get_kernel
@@ -1816,7 +1895,13 @@ def _runner(m: Any, template: str, cfg: Dict[str, Any], p: Plan, dtype: CudaData
             splits = split_count(cfg, p, info.multiprocessor_count, max_z,
                                  blocks_per_sm(cfg, getattr(kernel, "num_regs", 0), info,
                                                esize, getattr(kernel, "static_shared_bytes", 0)))
-        splits = max(1, min(splits, max_z // max(1, batch)))
+    else:
+        kernel = _kernel(m, MMA_TEMPLATE, dev, params)
+        threads = (cfg["bm"] // cfg["wm"]) * (cfg["bn"] // cfg["wn"]) * 32
+        smem = cfg["stages"] * (cfg["bm"] * cfg["bk"] + cfg["bk"] * cfg["bn"]) * esize
+    kchunk = takes_k_chunk(template, cfg, epilogue)
+    if kchunk:
+        splits = max(1, min(splits or 1, max_z // max(1, batch)))
         if splits > 1:
             chunk = -(-K // splits)
             chunk = -(-chunk // cfg["bk"]) * cfg["bk"]
@@ -1842,15 +1927,11 @@ def _runner(m: Any, template: str, cfg: Dict[str, Any], p: Plan, dtype: CudaData
                 finally:
                     release(block)   # as work.free(): the pool is stream-ordered
             return run_split
-    else:
-        kernel = _kernel(m, MMA_TEMPLATE, dev, params)
-        threads = (cfg["bm"] // cfg["wm"]) * (cfg["bn"] // cfg["wn"]) * 32
-        smem = cfg["stages"] * (cfg["bm"] * cfg["bk"] + cfg["bk"] * cfg["bn"]) * esize
     kernel = get(kernel.name, dev)
     chunks = []
     for b0 in range(0, batch, max_z):
         nb = min(max_z, batch - b0)
-        tail = (M, N, K, sa, sb, nb, K) if template == SIMT_TEMPLATE else (M, N, K, sa, sb)
+        tail = (M, N, K, sa, sb, nb, K) if kchunk else (M, N, K, sa, sb)
         chunks.append((prep(kernel, (tiles, 1, nb), (threads, 1, 1), smem, dev),
                        b0 * sa * esize, b0 * sb * esize, b0 * M * N * esize, tail))
     if len(chunks) == 1:

@@ -15,10 +15,13 @@ linear-layer kernels, b as (N, K)), grad_b = aᵀ @ G (matmul_tn); an operand br
 the batch gets its gradient summed over it: b's as one GEMM over the stacked rows
 (aᵀ (K, batch M) @ G (batch M, N)), a's as the batched products summed by a reduction.
 
-Precision: float32 is true FP32 on CUDA cores by default, as matrix_multiply (the recompute
-of fused_linear_gelu_backward follows fused_linear_gelu: float32-accurate, 3xTF32 or CUDA
-cores); precision="tf32" uses TF32, for which there is no a_trans kernel: A is transposed
-into a pool block first (ops/transpose.py), an extra read and write of G (or a). Every op
+Precision: float32 is float32-accurate by default, as matrix_multiply and fused_linear_gelu:
+every GEMM (the three above and the recompute) times 3xTF32 tensor-core configs beside the
+CUDA-core ones where the operands allow 16-byte loads (grad_W's a_trans x3 kernel reads G
+along M, its rows permuted in the warp tile, and splits K over the rows like the SIMT one);
+precision="ieee" keeps CUDA cores; precision="tf32" uses TF32, for which there is no a_trans
+kernel in use: A is transposed into a pool block first (ops/transpose.py), an extra read and
+write of G (or a). Every op
 keeps a per-call plan (`m.plans`, ops/common.py remember_plan) made after a first general
 call. Fallback mode runs the same steps through the matmul, linear-layer and reduction
 fallbacks (NumPy), each result rounded to the dtype.
@@ -56,7 +59,8 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
         family, _ = mm.family(dt, prec)
         for vec in (True, False):
             for cfg in mm.tn_configs(dt, prec, vec):
-                out[family].append(mm.tn_params(family, dt, cfg, vec))
+                template = mm.config_template(cfg, family)   # (float32's x3: mma)
+                out[template].append(mm.tn_params(template, dt, cfg, vec))
     for dt, prec in LINEAR_FAMILIES:
         family, _ = mm.family(dt, prec, linear=True)
         for vec in (True, False):
@@ -79,8 +83,8 @@ def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
 def candidates(dtype: CudaDataType, precision: Optional[str], vec: bool,
                kind: str = "tn") -> List[Dict[str, Any]]:
     """The configs the autotuner chooses from: kind "tn" (the A-transposed GEMM: the GEMM's
-    configs, [] for TF32, which transposes A first) or "gelu_grad" (the recompute: the
-    linear layer's configs)."""
+    configs, float32's default x3 ones included, [] for TF32, which transposes A first) or
+    "gelu_grad" (the recompute: the linear layer's configs)."""
     if kind == "tn":
         return mm.tn_configs(dtype, precision, vec)
     if kind == "gelu_grad":
@@ -222,7 +226,8 @@ def linear_backward(m: Any, grad_out: CudaTensor, x: CudaTensor, weight: CudaTen
                     has_bias: bool = True, precision: Optional[str] = None) -> Grads:
     """The gradients of y = x Wᵀ + b (x (..., in), weight (out, in), grad_out (..., out)):
     (grad_x = G W, grad_weight = Gᵀ x, grad_bias = the column sums of G, or None with
-    has_bias=False). float32 is true FP32 by default; precision="tf32" uses TF32."""
+    has_bias=False). float32 is float32-accurate by default (3xTF32 or CUDA cores),
+    precision="ieee" CUDA cores only, "tf32" TF32."""
     key = layer_plan_key("linear_backward", grad_out, x, weight, has_bias, precision)
     if key is not None:
         fast = getattr(m, "plans", {}).get(key)
@@ -247,8 +252,8 @@ def fused_linear_gelu_backward(m: Any, grad_out: CudaTensor, x: CudaTensor,
     """The gradients of y = GELU(x Wᵀ + b) (tanh form, fused_linear_gelu): dZ = G GELU'(z)
     from one recompute of z = x Wᵀ + b whose epilogue reads G (z is never stored), then
     (grad_x = dZ W, grad_weight = dZᵀ x, grad_bias = the column sums of dZ, None without a
-    bias). The recompute runs as fused_linear_gelu (float32-accurate by default); the
-    gradient GEMMs as matrix_multiply (true FP32 by default); precision="tf32": TF32."""
+    bias). The recompute runs as fused_linear_gelu, the gradient GEMMs as matrix_multiply
+    (float32-accurate by default: 3xTF32 or CUDA cores; "ieee": CUDA cores); "tf32": TF32."""
     key = layer_plan_key("fused_linear_gelu_backward", grad_out, x, weight, bias, precision)
     if key is not None:
         fast = getattr(m, "plans", {}).get(key)
@@ -375,7 +380,8 @@ def matmul_backward(m: Any, grad_out: CudaTensor, a: CudaTensor, b: CudaTensor,
     """The gradients of matrix_multiply(a, b) (NumPy's matmul shapes: 2-D, batched with full
     or broadcast batches, 1-D operands): (grad_a = G bᵀ, grad_b = aᵀ G), each of its
     operand's shape; an operand broadcast over the batch gets the sum over the batch.
-    float32 is true FP32 by default; precision="tf32" uses TF32."""
+    float32 is float32-accurate by default (3xTF32 or CUDA cores), precision="ieee" CUDA
+    cores only, "tf32" TF32."""
     key = matmul_plan_key(grad_out, a, b, precision)
     if key is not None:
         fast = getattr(m, "plans", {}).get(key)

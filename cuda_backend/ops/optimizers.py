@@ -3,9 +3,19 @@ weight decay) and Adam/AdamW with bias correction, one kernel per step.
 
 Parameters and gradients share a dtype: float32 or float64, or float16/bfloat16 with float32
 optimizer buffers (the update is computed in float32 and rounded once into the parameter).
-Buffers of float32/float64 parameters have the parameter's dtype. Every step advances
-`state.step` by one after the update; SGD's momentum buffer is initialized from the gradient
-on the first step (state.step == 0), as PyTorch.
+Buffers of float32/float64 parameters have the parameter's dtype. SGD's momentum buffer is
+initialized from the gradient on the first step, as PyTorch.
+
+The step count comes from one of two places. Without `state.step_count` it is the host's
+`state.step` (the steps taken so far), which every call advances by one after its launch;
+the launch carries the values derived from it (SGD's first-step flag, Adam's bias
+corrections), so a CUDA graph recording the call would replay that step's values forever.
+With `state.step_count`, a one-element int32 tensor (`STEP_DTYPE`) on the parameters' device
+holding t >= 1, the number of the step being taken, the kernel reads t on the device and
+`state.step` is left alone; `advance_steps` adds one to any number of such counts in one
+launch, before the updates that read them. A graph recording advance_steps and the updates
+then takes step t, t + 1, ... on its replays, as the eager calls would (optim.py keeps one
+count per parameter this way, PyTorch's `capturable=True`).
 """
 from __future__ import annotations
 
@@ -15,7 +25,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..dtypes import CudaDataType
-from ..errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
+from ..errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
+                      ShapeMismatchError)
 from ..kernels import dtype_params
 from ..tensor import CudaTensor
 from . import common
@@ -25,6 +36,7 @@ TEMPLATE = "optimizers.cu.j2"
 TEMPLATES = (TEMPLATE,)
 BLOCK = 256
 DTYPES = common.FLOATS
+STEP_DTYPE = DT.INT32   # the device step counts (exact to 2**31 - 1 steps)
 _INF = math.inf
 
 
@@ -42,8 +54,12 @@ def _params(dtype: CudaDataType, opt: str) -> Dict[str, Any]:
             "block_size": BLOCK, "vec": _vec(dtype)}
 
 
+COUNT_PARAMS: Dict[str, Any] = {"opt": "count", "block_size": BLOCK}
+
+
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
-    return {TEMPLATE: [_params(dt, opt) for opt in ("sgd", "adam") for dt in DTYPES]}
+    return {TEMPLATE: [_params(dt, opt) for opt in ("sgd", "adam") for dt in DTYPES] +
+            [dict(COUNT_PARAMS)]}
 
 
 def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
@@ -56,7 +72,8 @@ def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
 def reference(opt: str, state: Any, params: Any, grads: Any, *buffers: Any) -> tuple:
     """One step in float64 NumPy, PyTorch's semantics, for an OptimizerState `state` (not
     advanced): opt "sgd" with buffers (momentum,) or none -> (params, momentum or None);
-    "adam" with buffers (m, v) -> (params, m, v), bias-corrected at step state.step + 1."""
+    "adam" with buffers (m, v) -> (params, m, v), bias-corrected at step state.step + 1
+    (the host count: state.step_count is not read)."""
     p = np.asarray(params, dtype=np.float64)
     g = np.asarray(grads, dtype=np.float64)
     bufs = [None if b is None else np.asarray(b, dtype=np.float64) for b in buffers]
@@ -112,6 +129,39 @@ def _step(state: Any) -> int:
     return int(step)
 
 
+def _device_count(state: Any, dev: int, op: str) -> Optional[CudaTensor]:
+    """state.step_count checked (None when the state has none): a live one-element int32
+    tensor on the parameters' device."""
+    count = getattr(state, "step_count", None)
+    if count is None:
+        return None
+    common.check_tensor(count, "optimizer_state.step_count")
+    if count.dtype is not STEP_DTYPE:
+        raise DTypeMismatchError(
+            f"{op}: optimizer_state.step_count has dtype {count.dtype.name_str}, expected "
+            f"{STEP_DTYPE.name_str} (one step count)")
+    if count.size != 1:
+        raise ShapeMismatchError(
+            f"{op}: optimizer_state.step_count has shape {count.shape}, expected one element "
+            f"(the step being taken)")
+    if count.device_id != dev:
+        raise DeviceMismatchError(
+            f"{op}: optimizer_state.step_count is on cuda:{count.device_id}, the parameters "
+            f"on cuda:{dev}; the count must be on the parameters' device")
+    return count
+
+
+def _host_count(m: Any, count: CudaTensor, op: str) -> int:
+    """The step t a device count holds, read on the host (fallback mode: the host's own
+    memory); t < 1 means advance_steps did not run before the update."""
+    t = int(common.host_array(m, count).reshape(-1)[0])
+    if t < 1:
+        raise InvalidArgumentError(
+            f"{op}: optimizer_state.step_count holds {t}, expected the step being taken "
+            f"(>= 1): call advance_steps on the counts before the updates")
+    return t
+
+
 def _check(params: CudaTensor, grads: CudaTensor, buffers: Dict[str, Optional[CudaTensor]],
            op: str) -> int:
     common.check_tensor(params, "params")
@@ -148,11 +198,50 @@ def _grid(n: int, vec: int) -> int:
     return max(1, min(-(-items // BLOCK), 2**31 - 1))
 
 
+# -- step counts ---------------------------------------------------------------------------
+def advance_steps(m: Any, counts: CudaTensor) -> None:
+    """counts += 1, in one launch whatever their number: the int32 step counts of the
+    parameters one optimizer step updates (each the `step_count` of their OptimizerState),
+    advanced before the updates read them. Recorded into a CUDA graph, each replay advances
+    them again."""
+    common.check_tensor(counts, "step counts")
+    if counts.dtype is not STEP_DTYPE:
+        raise DTypeMismatchError(
+            f"advance_steps: the step counts have dtype {counts.dtype.name_str}, expected "
+            f"{STEP_DTYPE.name_str}")
+    n = counts.size
+    if n == 0:
+        return
+    if n > 2**31 - 1:
+        raise InvalidArgumentError(
+            f"advance_steps: {n} step counts, more than the kernel's int index holds "
+            f"(2**31 - 1)")
+    if not m.gpu:
+        view = counts.host_view
+        view += 1
+        return
+    dev = counts.device_id
+    grid = min(-(-n // BLOCK), 1024)
+    launches = m.__dict__.setdefault("_advance_steps_launches", {})
+    key = (dev, grid)
+    go = launches.get(key)
+    if go is not None and counts.stream is None and m.backend.direct_launch(dev):
+        go(counts._ptr, n)
+        return
+    kernel = common.memo_kernel(m, "_optimizer_kernels", TEMPLATE, dev, COUNT_PARAMS)
+    m.backend.launch_kernel(kernel.name, grid, counts, n, block_size=(BLOCK, 1, 1),
+                            device_id=dev)
+    if go is None:
+        launches[key] = m.backend.prepare_launch(kernel, (grid, 1, 1), (BLOCK, 1, 1), 0, dev)
+
+
 # -- SGD -----------------------------------------------------------------------------------
 def sgd_update(m: Any, params: CudaTensor, grads: CudaTensor,
                momentum_buf: Optional[CudaTensor], state: Any) -> None:
     """p -= lr * g with g = grad + wd * p, through the momentum buffer when one is given
-    (b = g on step 0, else momentum * b + g; Nesterov uses g + momentum * b)."""
+    (b = g on the first step, else momentum * b + g; Nesterov uses g + momentum * b). The
+    first step: t == 1 on the device with state.step_count, else state.step == 0 (which the
+    call then advances)."""
     if type(params) is CudaTensor:  # the per-call plan (ops/common.py remember_plan)
         fast = m.plans.get(("sgd_update", params.shape, params.dtype, params.device_id,
                             momentum_buf is None))
@@ -163,7 +252,8 @@ def sgd_update(m: Any, params: CudaTensor, grads: CudaTensor,
     lr = _hyper(state, "learning_rate", 0.0)
     momentum = _hyper(state, "momentum", 0.0)
     wd = _hyper(state, "weight_decay", 0.0)
-    step = _step(state)
+    count = _device_count(state, dev, "sgd_update")
+    step = _step(state) if count is None else 0
     nesterov = bool(getattr(state, "nesterov", False))
     if nesterov and (momentum_buf is None or momentum <= 0.0):
         raise InvalidArgumentError(
@@ -172,6 +262,8 @@ def sgd_update(m: Any, params: CudaTensor, grads: CudaTensor,
     first = step == 0
     n = params.size
     if n and not m.gpu:
+        if count is not None:
+            first = _host_count(m, count, "sgd_update") == 1
         _sgd_host(m, params, grads, momentum_buf, lr, momentum, wd, nesterov, first)
     elif n:
         kernel = m.kernel(TEMPLATE, dev, **_params(params.dtype, "sgd"))
@@ -179,12 +271,13 @@ def sgd_update(m: Any, params: CudaTensor, grads: CudaTensor,
             kernel.name, _grid(n, _vec(params.dtype)), params, grads,
             momentum_buf if momentum_buf is not None else 0, n, lr, momentum, wd,
             int(nesterov), int(first), _aligned(params, grads, momentum_buf),
-            block_size=(BLOCK, 1, 1), device_id=dev)
+            count if count is not None else 0, block_size=(BLOCK, 1, 1), device_id=dev)
         key = ("sgd_update", params.shape, params.dtype, dev, momentum_buf is None)
         if key not in m.plans:
             common.remember_plan(m, key, _sgd_plan(m, params, momentum_buf is not None,
                                                    kernel))
-    state.step = step + 1
+    if count is None:
+        state.step = step + 1
 
 
 def _live(t: Any, shape: tuple, dtype: CudaDataType, dev: int) -> bool:
@@ -192,6 +285,19 @@ def _live(t: Any, shape: tuple, dtype: CudaDataType, dev: int) -> bool:
     stream (what a plan may launch on without the general path's checks)."""
     return type(t) is CudaTensor and t.shape == shape and t.dtype is dtype and \
         t.device_id == dev and t.stream is None and t._ptr is not None
+
+
+def _count_pointer(state: Any, dev: int) -> Optional[int]:
+    """For a plan: the pointer of state.step_count, 0 without one, None when the general
+    path must check it (not a live one-element int32 CudaTensor of dev on the legacy
+    stream)."""
+    count = getattr(state, "step_count", None)
+    if count is None:
+        return 0
+    if type(count) is not CudaTensor or count.size != 1 or count.dtype is not STEP_DTYPE or \
+            count.device_id != dev or count.stream is not None or count._ptr is None:
+        return None
+    return count._ptr
 
 
 def _sgd_plan(m: Any, params: CudaTensor, has_buf: bool, kernel: Any) -> Any:
@@ -219,6 +325,11 @@ def _sgd_plan(m: Any, params: CudaTensor, has_buf: bool, kernel: Any) -> Any:
             step, nesterov = state.step, state.nesterov
         except AttributeError:
             return False
+        pc = _count_pointer(state, dev)
+        if pc is None:
+            return False
+        if pc:
+            step = 0    # (not read: the kernel takes the first-step flag from the count)
         if type(lr) is not float or type(mom) is not float or type(wd) is not float or \
                 type(step) is not int or not (0.0 <= lr < _INF and 0.0 <= mom < _INF and
                                               0.0 <= wd < _INF and step >= 0):
@@ -228,8 +339,9 @@ def _sgd_plan(m: Any, params: CudaTensor, has_buf: bool, kernel: Any) -> Any:
             return False
         pp, pg = params._ptr, grads._ptr
         go(pp, pg, pb, n, lr, mom, wd, int(nesterov), int(step == 0),
-           int(not (pp | pg | pb) & 15))
-        state.step = step + 1
+           int(not (pp | pg | pb) & 15), pc)
+        if not pc:
+            state.step = step + 1
         return True
     return run
 
@@ -251,7 +363,9 @@ def _sgd_host(m: Any, params: CudaTensor, grads: CudaTensor, buf: Optional[CudaT
 # -- Adam ----------------------------------------------------------------------------------
 def adam_update(m: Any, params: CudaTensor, grads: CudaTensor, m_buf: CudaTensor,
                 v_buf: CudaTensor, state: Any) -> None:
-    """One Adam (or AdamW with state.decoupled) step with bias correction, in place."""
+    """One Adam (or AdamW with state.decoupled) step with bias correction, in place: at step
+    t = state.step_count's value on the device when the state has one, else state.step + 1
+    (and state.step advanced)."""
     if type(params) is CudaTensor:  # the per-call plan (ops/common.py remember_plan)
         fast = m.plans.get(("adam_update", params.shape, params.dtype, params.device_id))
         if fast is not None and m.backend.direct_launch(params.device_id) and \
@@ -266,12 +380,11 @@ def adam_update(m: Any, params: CudaTensor, grads: CudaTensor, m_buf: CudaTensor
     eps = _hyper(state, "epsilon", 0.0)
     wd = _hyper(state, "weight_decay", 0.0)
     decoupled = bool(getattr(state, "decoupled", False))
-    step = _step(state)
-    t = step + 1
-    bc1 = 1.0 - beta1 ** t
-    step_size = lr / bc1
-    inv_bc2_sqrt = 1.0 / math.sqrt(1.0 - beta2 ** t)
+    count = _device_count(state, dev, "adam_update")
     n = params.size
+    t = _step(state) + 1 if count is None else \
+        _host_count(m, count, "adam_update") if n and not m.gpu else 1
+    step_size, inv_bc2_sqrt = _corrections(lr, beta1, beta2, t)
     if n and not m.gpu:
         _adam_host(m, params, grads, m_buf, v_buf, beta1, beta2, eps, wd, decoupled,
                    1.0 - lr * wd, step_size, inv_bc2_sqrt)
@@ -280,19 +393,28 @@ def adam_update(m: Any, params: CudaTensor, grads: CudaTensor, m_buf: CudaTensor
         m.backend.launch_kernel(
             kernel.name, _grid(n, _vec(params.dtype)), params, grads, m_buf, v_buf, n, beta1,
             1.0 - beta1, beta2, 1.0 - beta2, eps, wd, 1.0 - lr * wd, int(decoupled), step_size,
-            inv_bc2_sqrt, _aligned(params, grads, m_buf, v_buf), block_size=(BLOCK, 1, 1),
+            inv_bc2_sqrt, _aligned(params, grads, m_buf, v_buf),
+            count if count is not None else 0, lr, beta1, beta2, block_size=(BLOCK, 1, 1),
             device_id=dev)
         key = ("adam_update", params.shape, params.dtype, dev)
         if key not in m.plans:
             common.remember_plan(m, key, _adam_plan(m, params, kernel))
-    state.step = t
+    if count is None:
+        state.step = t
+
+
+def _corrections(lr: float, beta1: float, beta2: float, t: int) -> tuple:
+    """(step_size, inv_bc2_sqrt) of step t in double: lr / (1 - beta1^t), 1 / sqrt(1 -
+    beta2^t) (the kernel's device-count path computes them by this formula)."""
+    return lr / (1.0 - beta1 ** t), 1.0 / math.sqrt(1.0 - beta2 ** t)
 
 
 def _adam_plan(m: Any, params: CudaTensor, kernel: Any) -> Any:
     """The per-call plan of adam_update on params shaped like these (ops/common.py
     remember_plan), as _sgd_plan: the same checks and scalars as adam_update (float
-    hyper-parameters, an int step; anything else returns None), one prepared launch, then
-    state.step advanced. Returns True when it ran."""
+    hyper-parameters, an int step or a device step count; anything else returns None), one
+    prepared launch, then state.step advanced (without a device count). Returns True when
+    it ran."""
     dev, shape, dtype = params.device_id, params.shape, params.dtype
     sdt = state_dtype(dtype)
     n = params.size
@@ -310,6 +432,11 @@ def _adam_plan(m: Any, params: CudaTensor, kernel: Any) -> Any:
             decoupled, step = state.decoupled, state.step
         except AttributeError:
             return False
+        pc = _count_pointer(state, dev)
+        if pc is None:
+            return False
+        if pc:
+            step = 0    # (the kernel computes the corrections from the device count)
         if type(lr) is not float or type(beta1) is not float or type(beta2) is not float or \
                 type(eps) is not float or type(wd) is not float or type(step) is not int or \
                 not (0.0 <= lr < _INF and 0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0 and
@@ -321,8 +448,10 @@ def _adam_plan(m: Any, params: CudaTensor, kernel: Any) -> Any:
         inv_bc2_sqrt = 1.0 / sqrt(1.0 - beta2 ** t)
         pp, pg, pm, pv = params._ptr, grads._ptr, m_buf._ptr, v_buf._ptr
         go(pp, pg, pm, pv, n, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, wd, 1.0 - lr * wd,
-           int(bool(decoupled)), step_size, inv_bc2_sqrt, int(not (pp | pg | pm | pv) & 15))
-        state.step = t
+           int(bool(decoupled)), step_size, inv_bc2_sqrt, int(not (pp | pg | pm | pv) & 15),
+           pc, lr, beta1, beta2)
+        if not pc:
+            state.step = t
         return True
     return run
 
