@@ -513,7 +513,8 @@ class CudaML:
                         has_bias: bool = True, precision: Optional[str] = None) -> Any:
         """The gradients of linear(x, weight, bias): (grad_x = grad_out W, grad_weight =
         grad_outᵀ x, grad_bias = grad_out's column sums, or None with has_bias=False), no
-        transposed copy. float32 is true FP32 by default; precision="tf32" uses TF32."""
+        transposed copy. float32 as matrix_multiply (3xTF32 or CUDA cores, the faster;
+        "ieee": CUDA cores only); precision="tf32" uses TF32."""
         try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
             op = CudaML._op_linear_backward
         except AttributeError:
@@ -538,7 +539,8 @@ class CudaML:
                         precision: Optional[str] = None) -> Any:
         """The gradients of matrix_multiply(a, b): (grad_a = grad_out bᵀ, grad_b =
         aᵀ grad_out), of a's and b's shapes (a broadcast batch summed), no transposed copy.
-        float32 is true FP32 by default; precision="tf32" uses TF32."""
+        float32 as matrix_multiply (3xTF32 or CUDA cores, the faster; "ieee": CUDA cores
+        only); precision="tf32" uses TF32."""
         try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
             op = CudaML._op_matmul_backward
         except AttributeError:
