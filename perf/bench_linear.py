@@ -74,14 +74,14 @@ def main() -> None:
     vw_ok = {d: K % (16 // d.itemsize) == 0 and N % (16 // d.itemsize) == 0 for d in dtypes}
     jobs: List[Any] = []
     for d in dtypes:
-        template, _ = mm._family(d, None)
+        family = mm.family(d, None)[0]
         for cfg in mm.candidates(d, None, cls, vw_ok[d], linear=True):
-            jobs.append((template, mm.linear_params(template, d, cfg, vw_ok[d], "bias_gelu")))
+            t = mm.config_template(cfg, family)
+            jobs.append((t, mm.kernel_params(t, d, cfg, vw_ok[d], "bias_gelu")))
         for cfg in mm.candidates(d, None, cls, vw_ok[d]):
-            params = {**mm.dtype_params(d), **cfg, "vec": vw_ok[d]}
-            jobs.append((template, {"kind": "gemm", **params} if template == mm.SIMT_TEMPLATE
-                         else params))
-    common.compile_all(m, jobs, 0, 16, mm._kernel)
+            t = mm.config_template(cfg, family)
+            jobs.append((t, mm.kernel_params(t, d, cfg, vw_ok[d])))
+    common.compile_all(m, jobs, 0, 16, mm.compile_kernel)
     common.compile_all(m, [(ew.TEMPLATE, ew._params(kind, op, d)) for d in dtypes
                            for kind, op in (("broadcast", "add"), ("unary", "gelu"))], 0, 16)
     res: Dict[str, Any] = {
