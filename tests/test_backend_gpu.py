@@ -205,7 +205,7 @@ def test_allocate_until_the_device_is_full(backend):
                                    np.uint8, np.bool_])
 @pytest.mark.parametrize("n", [1, 7, 1000003])
 def test_copy_round_trip(backend, dtype, n):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(7380)
     a = fresh((n,), dtype, rng)
     t = backend.empty((n,), dtype)
     ms_in = backend.copy_to_device(a, t)
@@ -217,7 +217,7 @@ def test_copy_round_trip(backend, dtype, n):
 
 
 def test_copy_bfloat16_and_large_staged(backend):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(2786)
     x = rng.standard_normal(3_000_001).astype(np.float32)
     bits = cb.to_bfloat16_bits(x)
     t = backend.empty(x.shape, DT.BFLOAT16)
@@ -231,7 +231,7 @@ def test_copy_bfloat16_and_large_staged(backend):
 
 
 def test_copy_noncontiguous_and_byteswapped(backend):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(9838)
     a = rng.standard_normal((64, 33)).astype(np.float32)
     t = backend.to_device(a.T)  # Fortran-ordered view
     assert np.array_equal(backend.to_host(t), a.T)
@@ -258,7 +258,7 @@ def test_copy_mismatch_raises_before_copy(backend):
 
 def test_pinned_copies(backend):
     h = backend.pinned_empty((1 << 20,), np.float32)
-    h[:] = np.random.default_rng().standard_normal(h.shape)
+    h[:] = np.random.default_rng(7425).standard_normal(h.shape)
     t = backend.empty(h.shape, DT.FLOAT32)
     assert backend.copy_to_device(h, t) > 0
     h2 = backend.pinned_empty((1 << 20,), np.float32)
@@ -270,7 +270,7 @@ def test_pinned_copies(backend):
 def test_async_copies_on_a_stream(backend):
     stream = backend.create_stream()
     h = backend.pinned_empty((4096,), np.float32)
-    h[:] = np.random.default_rng().standard_normal(h.shape)
+    h[:] = np.random.default_rng(4092).standard_normal(h.shape)
     t = backend.empty(h.shape, DT.FLOAT32)
     backend.copy_to_device_async(h, t, stream)
     back = backend.pinned_empty((4096,), np.float32)
@@ -295,7 +295,7 @@ extern "C" __global__ void saxpy_test(float* y, const float* x, float a, int n)
 
 def test_compile_and_launch_saxpy(backend):
     backend.compile_kernel("saxpy_test", SAXPY)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(3229)
     n = 100_003
     x, y = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
     tx, ty = backend.to_device(x), backend.to_device(y)
@@ -390,7 +390,7 @@ def test_generated_matmul_matches_numpy(backend, dtype, tiled, tile):
     gen = cb.get_kernel_generator()
     kernel = gen.get_kernel("matmul.cu.j2", use_tiled=tiled, tile_size=tile,
                             **cb.kernels.dtype_params(dtype))
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(6645)
     M, K, N = 67, 131, 45
     a = rng.standard_normal((M, K))
     b = rng.standard_normal((K, N))

@@ -57,7 +57,7 @@ def rel(out, ref):
 def test_fused_linear_gelu(ml, dtype, shape):
     m = ml.math
     (x_shape, out_features) = shape
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1555)
     x = rng.standard_normal(x_shape)
     w = rng.standard_normal((out_features, x_shape[-1])) / np.sqrt(x_shape[-1])
     b = rng.standard_normal(out_features)
@@ -94,7 +94,7 @@ def test_fused_linear_gelu_errors(ml):
 def test_sketched_linear(ml, dtype, dims):
     m = ml.math
     batch, inf, outf, terms, rank = dims
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1758)
     U, V = ml.sketched_linear_params(inf, outf, terms, rank, dtype=dtype, seed=int(rng.integers(1 << 30)))
     assert U.shape == (terms, inf, rank) and V.shape == (terms, rank, outf)
     x = rng.standard_normal((batch, inf))
@@ -174,7 +174,7 @@ def test_gpu_fused_linear_gelu(ml, fam, shape, with_bias):
     m = ml.math
     dtype, prec, bound = FAMS[fam]
     x_shape, n = shape
-    (tx, tw, tb), (xr, wr, br) = _inputs(m, np.random.default_rng(), dtype, x_shape, n, with_bias)
+    (tx, tw, tb), (xr, wr, br) = _inputs(m, np.random.default_rng(8019), dtype, x_shape, n, with_bias)
     poisoned(m, x_shape[:-1] + (n,), dtype).free()
     y = lin.fused_linear_gelu(m, tx, tw, tb, precision=prec)
     assert y.shape == x_shape[:-1] + (n,) and y.dtype is dtype
@@ -191,7 +191,7 @@ def test_gpu_linear_every_config(ml, fam):
     m = ml.math
     dtype, prec, bound = FAMS[fam]
     family, _ = mm._linear_family(dtype, prec)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(754)
     dev = m.backend.current_device
     n_vec = 130 if dtype is DT.FLOAT64 else 136
     for vec, (M, K, N) in ((True, (131, 264, n_vec)), (False, (131, 197, 133))):
@@ -216,7 +216,7 @@ def test_gpu_linear_bias_epilogue_and_empty_k(ml, fam):
     """epilogue='bias' (no GELU) into a poisoned out=, and K == 0 (GELU of the bias)."""
     m = ml.math
     dtype, prec, bound = FAMS[fam]
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(107)
     (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (37, 45), 29)
     out = poisoned(m, (37, 29), dtype)
     assert mm.linear(m, tx, tw, tb, "bias", prec, out=out) is out
@@ -233,7 +233,7 @@ def test_gpu_fused_fp32_is_float32_accurate(ml):
     """The default float32 path (3xTF32 or CUDA cores) and precision='ieee' (CUDA cores) are
     float32-accurate; precision='tf32' really uses TF32."""
     m = ml.math
-    (tx, tw, tb), (xr, wr, br) = _inputs(m, np.random.default_rng(), DT.FLOAT32, (256, 1024), 256)
+    (tx, tw, tb), (xr, wr, br) = _inputs(m, np.random.default_rng(6788), DT.FLOAT32, (256, 1024), 256)
     ref, _ = _reference(xr, wr, br)
     e32 = _err(m.to_numpy(lin.fused_linear_gelu(m, tx, tw, tb)), ref, ref)
     eie = _err(m.to_numpy(lin.fused_linear_gelu(m, tx, tw, tb, precision="ieee")), ref, ref)
@@ -250,7 +250,7 @@ def test_gpu_fused_linear_gelu_is_one_launch(ml, dtype):
     (with the bias and GELU): two. A cluster config (float32, M <= 64, sm_90+) is one."""
     m = ml.math
     backend = m.backend
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(9009)
     for x_shape, n in (((3, 40, 96), 200), ((8, 2048), 256)):
         (tx, tw, tb), _ = _inputs(m, rng, dtype, x_shape, n)
         for bias in (tb, None):
@@ -287,7 +287,7 @@ def fm(backend):
 def test_fallback_is_float64_accurate(fm, dtype, bound):
     """Fallback: float64 math, then one rounding to the dtype."""
     m = fm.math
-    (tx, tw, tb), (xr, wr, br) = _inputs(m, np.random.default_rng(), dtype, (3, 7, 300), 45)
+    (tx, tw, tb), (xr, wr, br) = _inputs(m, np.random.default_rng(4404), dtype, (3, 7, 300), 45)
     ref, _ = _reference(xr, wr, br)
     out = m.to_numpy(fm.fused_linear_gelu(tx, tw, tb)).astype(np.float64)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < bound
@@ -295,7 +295,7 @@ def test_fallback_is_float64_accurate(fm, dtype, bound):
 
 def test_fallback_tf32_rounds_inputs(fm):
     m = fm.math
-    (tx, tw, tb), (xr, wr, br) = _inputs(m, np.random.default_rng(), DT.FLOAT32, (16, 256), 8)
+    (tx, tw, tb), (xr, wr, br) = _inputs(m, np.random.default_rng(4626), DT.FLOAT32, (16, 256), 8)
     rx = mm._round_tf32(xr.astype(np.float32)).astype(np.float64)
     rw = mm._round_tf32(wr.astype(np.float32)).astype(np.float64)
     ref, _ = _reference(rx, rw, br)
@@ -499,7 +499,7 @@ def test_gpu_linear_x3_inf_nan(ml, cfg):
     """Infinite and NaN inputs reach the output as in a float32 product (NumPy's result),
     not as the NaN of inf - inf in the split; the finite rows stay accurate."""
     m = ml.math
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(9723)
     M, K, N = 64, 128, 64
     x = rng.standard_normal((M, K)).astype(np.float32)
     w = (np.abs(rng.standard_normal((N, K))) / np.sqrt(K)).astype(np.float32)
@@ -532,7 +532,7 @@ def test_gpu_linear_x3_configs(ml, cfg):
     float32 bound: float32-level accuracy on tensor cores."""
     m = ml.math
     dtype, _, bound = FAMS["fp32"]
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(8423)
     dev = m.backend.current_device
     for M, K, N in ((77, 300, 129), (256, 384, 512), (131, 264, 136), (5, 4096, 72)):
         (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (M, K), N)
@@ -560,7 +560,7 @@ def test_gpu_fused_linear_gelu_plan_path(ml, fam, monkeypatch):
     within the family's bound, the output from a pool block poisoned first."""
     m = ml.math
     dtype, prec, bound = FAMS[fam]
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(903)
     for x_shape, n, with_bias in (((129, 127), 131, True), ((3, 5, 33), 65, False),
                                   ((33,), 17, True), ((64, 200), 72, True)):
         for second in (False, True):
@@ -589,7 +589,7 @@ def test_gpu_sketched_linear_plan_path(ml, dtype, dims, monkeypatch):
     run_config made to raise); both within test_sketched_linear's bound."""
     m = ml.math
     batch, inf, outf, terms, rank = dims
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1858)
     for second in (False, True):
         U, V = ml.sketched_linear_params(inf, outf, terms, rank, dtype=dtype,
                                          seed=int(rng.integers(1 << 30)))
@@ -770,7 +770,7 @@ def test_gpu_linear_skinny_configs(ml, cfg, fam):
     (deterministic: fixed summation order, no atomics)."""
     m = ml.math
     dtype, prec, bound = FAMS[fam]
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(8664)
     dev = m.backend.current_device
     for M, K, N in SKINNY_ODD + SKINNY_ALIGNED:
         (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (M, K), N)
@@ -801,7 +801,7 @@ def test_gpu_linear_skinny_bias_epilogue(ml):
     """epilogue='bias' (no GELU) through the skinny configs."""
     m = ml.math
     dtype, _, bound = FAMS["fp32"]
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(9508)
     dev = m.backend.current_device
     for M, K, N in ((7, 1000, 1025), (32, 1024, 1024)):
         (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (M, K), N)
@@ -824,7 +824,7 @@ def test_gpu_linear_skinny_public_and_plan_path(ml, fam, monkeypatch):
     then the plan (run_config made to raise); all within the float32 bound."""
     m = ml.math
     dtype, prec, bound = FAMS[fam]
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(8345)
     dev = m.backend.current_device
     for M, K, N in ((32, 1024, 4096), (32, 1024, 1024)):
         (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (M, K), N)

@@ -194,7 +194,7 @@ def test_second_call_takes_the_plan(m, dtype):
 @pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT64], ids=lambda d: d.name_str)
 @pytest.mark.parametrize("cfg", SGD_CONFIGS, ids=str)
 def test_sgd_100_steps(m, dtype, cfg):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(190)
     for n in SIZES:
         steps = 100 if n < 1 << 20 else 20
         pt, p, bt, b = run_sgd(m, n, dtype, cfg, steps, rng)
@@ -207,7 +207,7 @@ def test_sgd_100_steps(m, dtype, cfg):
 @pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT64], ids=lambda d: d.name_str)
 @pytest.mark.parametrize("cfg", ADAM_CONFIGS, ids=str)
 def test_adam_100_steps(m, dtype, cfg):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(7615)
     for n in SIZES:
         steps = 100 if n < 1 << 20 else 20
         pt, p, mt, mb, vt, vb = run_adam(m, n, dtype, cfg, steps, rng)
@@ -222,7 +222,7 @@ def test_adam_100_steps(m, dtype, cfg):
 def test_half_params_with_float32_buffers(m, dtype):
     """Half parameters, float32 m/v/momentum: against a reference that rounds the parameter
     each step as the kernel does (large lr so every step moves the parameters)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(2976)
     tol = {DT.FLOAT16: 2e-3, DT.BFLOAT16: 1.5e-2}[dtype]
     for n in [1, 7, 8, 9, 4097]:
         pt, p, mt, mb, vt, vb = run_adam(m, n, dtype, ADAM_CONFIGS[2], 20, rng, lr=0.05)
@@ -236,7 +236,7 @@ def test_half_params_with_float32_buffers(m, dtype):
 
 @pytest.mark.gpu
 def test_large_adam_and_sgd(m):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(9498)
     n = (1 << 24) + 3
     pt, p, mt, mb, vt, vb = run_adam(m, n, DT.FLOAT32, ADAM_CONFIGS[2], 3, rng)
     assert prel(m.to_numpy(pt).astype(np.float64), p) < 1e-6
@@ -250,7 +250,7 @@ def test_large_adam_and_sgd(m):
 @pytest.mark.gpu
 def test_misaligned_tensors_take_the_scalar_path(m):
     """Views one element past 16-byte alignment give the same steps as aligned tensors."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(562)
     n = 1001
     p0 = rng.standard_normal(n).astype(np.float32)
     g0 = rng.standard_normal(n).astype(np.float32)
@@ -279,7 +279,7 @@ def test_misaligned_tensors_take_the_scalar_path(m):
        lr=st.floats(1e-4, 0.1), wd=st.sampled_from([0.0, 0.01]), flag=st.booleans(),
        dtype=st.sampled_from([DT.FLOAT32, DT.FLOAT64]))
 def test_property(m, n, adam, steps, lr, wd, flag, dtype):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(6133)
     if adam:
         pt, p, mt, mb, vt, vb = run_adam(m, n, dtype, (0.9, 0.999, 1e-8, wd, flag), steps,
                                          rng, lr)
@@ -293,7 +293,7 @@ def test_property(m, n, adam, steps, lr, wd, flag, dtype):
 def test_api_few_steps(m, dtype):
     """CudaML.sgd_update / adam_update (the documented API's calls) for a few steps."""
     ml = CudaML(m)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1981)
     n = 37
     pt, p = tensor(m, rng.standard_normal(n), dtype)
     mt = m.from_numpy(np.zeros(n, dtype.numpy_dtype))
@@ -367,7 +367,7 @@ def test_errors(m):
 @pytest.mark.parametrize("dtype", [DT.FLOAT16, DT.BFLOAT16], ids=lambda d: d.name_str)
 def test_half_params_api(m, dtype):
     """Half parameters with float32 buffers through CudaML, against the rounding reference."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(2782)
     pt, p, mt, mb, vt, vb = run_adam(m, 33, dtype, ADAM_CONFIGS[0], 5, rng, lr=0.05)
     tol = {DT.FLOAT16: 2e-3, DT.BFLOAT16: 1.5e-2}[dtype]
     assert prel(m.to_numpy(pt).astype(np.float64), p) < tol

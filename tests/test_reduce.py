@@ -106,7 +106,7 @@ def run_op(m, op, x, axis=None, keepdims=False):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name_str)
 @pytest.mark.parametrize("op", OPS)
 def test_matches_numpy_every_axis_pattern(m, op, dtype):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(8592)
     for shape, axis, keepdims in CASES:
         x, a = make(m, shape, dtype, rng)
         ref_shape = reference(op, a, axis, keepdims).shape
@@ -128,7 +128,7 @@ def test_matches_numpy_every_axis_pattern(m, op, dtype):
     ((1 << 14, 1 << 10), None),
 ])
 def test_large_split_paths(m, op, shape, axis):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(769)
     x, a = make(m, shape, DT.FLOAT32, rng)
     check(op, DT.FLOAT32, m.to_numpy(run_op(m, op, x, axis)), a, axis, False, str(shape))
     x.free()
@@ -140,7 +140,7 @@ def test_large_split_paths(m, op, shape, axis):
                                          ((1 << 13, 1 << 13), 0)])
 def test_float32_sum_accuracy_2p26(m, shape, axis):
     """2^26 positive values: the blocked tree order keeps the relative error ~1e-7."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(730)
     a = rng.random(shape, dtype=np.float32) + np.float32(0.5)
     x = m.from_numpy(a)
     ref = np.sum(a.astype(np.float64), axis=axis)
@@ -153,7 +153,7 @@ def test_float32_sum_accuracy_2p26(m, shape, axis):
 
 @pytest.mark.gpu
 def test_split_reduction_is_deterministic_and_reuses_counters(m):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(5208)
     x, a = make(m, (7, 1 << 20), DT.FLOAT32, rng)
     first = m.to_numpy(m.reduce_sum(x, axis=-1))
     for _ in range(5):  # the ticket counters must be back at 0 after every launch
@@ -169,7 +169,7 @@ def test_split_reduction_is_deterministic_and_reuses_counters(m):
 @pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT16, DT.FLOAT64, DT.INT32])
 def test_misaligned_base_pointer(m, dtype):
     """A tensor starting one element past a 16-byte boundary (e.g. wrapped from a slice)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1587)
     for shape, axis in [((1001,), None), ((37, 129), -1), ((129, 40), 0), ((5, 66, 8), 1)]:
         n = math.prod(shape)
         base, b = make(m, (n + 1,), dtype, rng)
@@ -201,7 +201,7 @@ def test_int32_sum_returns_int64_without_overflow(m):
 
 @pytest.mark.gpu
 def test_pool_blocks_are_returned(m):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(9249)
     x, _ = make(m, (5, 1 << 18), DT.FLOAT32, rng)
     y, _ = make(m, (2, 3, 5), DT.FLOAT32, rng)
     pool = m.backend.memory_pools[x.device_id]
@@ -220,7 +220,7 @@ def test_pool_blocks_are_returned(m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name_str)
 def test_argmax_ties_first_occurrence(m, dtype):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(9829)
     for shape, axis, keepdims in [((1,), None, False), ((13,), 0, True), ((13, 17), None, True),
                                   ((13, 17), 0, False), ((13, 17), -1, False),
                                   ((3, 5, 7), 1, False), ((2 ** 20 + 3,), None, False),
@@ -240,7 +240,7 @@ def test_argmax_ties_first_occurrence(m, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT64, DT.FLOAT16, DT.BFLOAT16])
 def test_argmax_nan_and_inf(m, dtype):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(6387)
     a = rng.standard_normal((6, 3000)).astype(np.float32)
     a[0, 2900] = np.nan
     a[0, 10] = np.inf
@@ -301,7 +301,7 @@ def test_empty_reductions(m):
 
 
 def test_no_axes_is_a_converting_copy(m):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1270)
     x, a = make(m, (3, 4), DT.INT32, rng)
     s = m.reduce_sum(x, axis=())
     assert s.dtype is DT.INT64 and s.shape == (3, 4)
@@ -323,7 +323,7 @@ def test_zero_d_tensor(m):
 
 # -- errors ---------------------------------------------------------------------------------
 def test_errors_name_what_was_wrong(m):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(993)
     x, _ = make(m, (3, 4), DT.FLOAT32, rng)
     with pytest.raises(cb.InvalidArgumentError, match=r"axis 2 .*valid: -2\.\.1"):
         m.reduce_sum(x, axis=2)
@@ -364,7 +364,7 @@ def test_errors_name_what_was_wrong(m):
 
 
 def test_errors_leave_the_pool_unchanged(m):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(2591)
     x, _ = make(m, (5, 6), DT.FLOAT32, rng)
     wrong = m.create_tensor((5,), DT.INT32)
     pool = m.backend.memory_pools[x.device_id]
@@ -380,7 +380,7 @@ def test_errors_leave_the_pool_unchanged(m):
 # -- CPU: the same API in whatever mode the backend runs ---------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name_str)
 def test_api_matches_numpy_small(m, dtype):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1752)
     for op in OPS:
         for shape, axis, keepdims in CASES[:13]:
             x, a = make(m, shape, dtype, rng)
@@ -480,7 +480,7 @@ def test_template_variants_are_listed_once():
        keepdims=st.booleans())
 def test_property_any_axes(m, shape, data, op, dtype, keepdims):
     ndim = len(shape)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(3069)
     x, a = make(m, tuple(shape), dtype, rng)
     if op == "argmax":
         axis = data.draw(st.one_of(st.none(), st.integers(-ndim, ndim - 1)))
@@ -504,7 +504,7 @@ def test_plan_path_matches_numpy(m, op, dtype):
     (which keeps the plan), the second through the plan; both against float64 NumPy. Shapes
     cover rows, a middle axis, two passes, split launches (partials, ticket counters) and a
     view one element past an aligned pointer."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(363)
     cases = [((37, 53), 1, False), ((37, 53), None, False), ((129, 40), 0, True),
              ((5, 7, 9), -1, False), ((3, 4097), -1, False), ((4099, 3), 0, False),
              ((5, 66, 8), 1, False)]

@@ -502,7 +502,7 @@ def layouts(draw):
 @given(layout=layouts(), dtype=st.sampled_from(ALL))
 def test_permute_and_getitem_property(m, layout, dtype):
     shape, perm, key = layout
-    x, ref = make(m, shape, dtype, np.random.default_rng())
+    x, ref = make(m, shape, dtype, np.random.default_rng(7081))
     same(m, m.permute(x, perm), np.transpose(ref, perm))
     same(m, x[key], ref[key])
     ones = tuple(slice(0, 1) if i % 2 else slice(None) for i in range(len(shape)))

@@ -75,7 +75,7 @@ def poisoned(m, shape, dtype):
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 def test_matches_numpy(m, dtype, log):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(620)
     shapes = SHAPES + [(7, 128), (9, 129), (33, 512), (6, 1024), (5, 2048), (3, 61000)]
     for shape in shapes:
         x, a = make(m, shape, dtype, rng)
@@ -95,7 +95,7 @@ def test_matches_numpy(m, dtype, log):
 @pytest.mark.large
 @pytest.mark.parametrize("shape", [(65536, 1024), (8192, 4096)])
 def test_large_float32(m, shape):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(4658)
     x, a = make(m, shape, DT.FLOAT32, rng)
     check(m.to_numpy(m.softmax(x)), a, DT.FLOAT32, False)
     check(m.to_numpy(m.log_softmax(x)), a, DT.FLOAT32, True)
@@ -106,7 +106,7 @@ def test_large_float32(m, shape):
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
 def test_online_rows_longer_than_shared_memory(m, dtype):
     """Rows over ~227 KB take the two-read online path."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(7653)
     K = (240 * 1024) // dtype.itemsize + 5
     assert sm.plan(K, dtype.itemsize, 227 * 1024)["mode"] == "online"
     x, a = make(m, (3, K), dtype, rng)
@@ -136,7 +136,7 @@ def special_rows(dtype, K, rng):
 def test_special_values_like_numpy(m, dtype, K):
     """-inf rows -> NaN, +inf -> NaN row, NaN -> NaN row, -inf elements -> 0 (log: -inf),
     huge values do not overflow."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(2982)
     x = m.from_numpy(special_rows(dtype, K, rng), dtype=dtype)
     h = m.to_numpy(x)
     for log in (False, True):
@@ -158,7 +158,7 @@ def test_special_values_like_numpy(m, dtype, K):
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
 def test_misaligned_pointers(m, dtype):
     """Input and output one element past a 16-byte boundary (wrapped slices): every mode."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(9473)
     for shape in [(3, 7), (5, 64), (4, 1000), (3, 4097), (2, 70000)]:
         n = int(np.prod(shape))
         base, b = make(m, (n + 1,), dtype, rng)
@@ -201,7 +201,7 @@ def test_every_candidate_at_boundaries(m, dtype):
     """Every plan `candidates` offers, at K = boundary - 1, boundary, boundary + 1 and primes,
     against float64 NumPy; outputs poisoned; persistent plans with 1, 2 and 3 blocks over 7
     rows; softmax and log_softmax."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(820)
     for K in boundary_lengths(dtype.itemsize):
         x, a = make(m, (7, K), dtype, rng)
         for p in sm.candidates(K, dtype.itemsize, LIMIT):
@@ -220,7 +220,7 @@ def test_block_configs_misaligned_and_special(m, dtype):
     """Each block config at its full and near-empty capacity, with x one element past a
     16-byte boundary and out congruent with it (vectors after a head) or not (the scalar
     path), on rows holding -inf / +inf / NaN / huge values."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(784)
     vec = 16 // dtype.itemsize
     for blk, nv, pf in sm.BLOCK_CONFIGS:
         p = {"mode": "block", "nv": nv, "group": 0, "threads": blk, "smem": 0, "prefetch": int(pf)}
@@ -255,7 +255,7 @@ def test_block_configs_misaligned_and_special(m, dtype):
 def test_large_block_rows_float32(m, shape):
     """The targets of block mode through the public path, and persistent plans over many
     rows at their real grid."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(7128)
     x, a = make(m, shape, DT.FLOAT32, rng)
     check(m.to_numpy(m.softmax(x)), a, DT.FLOAT32, False, str(shape))
     for p in sm.candidates(shape[1], 4, LIMIT):
@@ -272,7 +272,7 @@ def test_large_block_rows_float32(m, shape):
 @given(rows=st.integers(1, 50), K=st.integers(1, 6000), log=st.booleans(),
        dtype=st.sampled_from(FLOATS), scale=st.sampled_from([0.1, 3.0, 30.0]))
 def test_property_rows(m, rows, K, log, dtype, scale):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(6720)
     x, a = make(m, (rows, K), dtype, rng, scale)
     check(m.to_numpy(sm.softmax(m, x, log=log)), a, dtype, log, f"{rows}x{K}")
     x.free()
@@ -281,7 +281,7 @@ def test_property_rows(m, rows, K, log, dtype, scale):
 # -- any mode: API, errors, edge shapes ----------------------------------------------------
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
 def test_api_small(m, dtype):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(60)
     for shape in [(1, 1), (3, 7), (2, 3, 33), (7,)]:
         x, a = make(m, shape, dtype, rng)
         for log, fn in ((False, m.softmax), (True, m.log_softmax)):
