@@ -391,34 +391,41 @@ class CudaML:
 
     # -- losses ---------------------------------------------------------------------------
     def cross_entropy(self, logits: CudaTensor, labels: CudaTensor, reduction: str = "mean",
-                      ignore_index: int = -100, check_labels: bool = True) -> CudaTensor:
+                      ignore_index: int = -100, check_labels: bool = True,
+                      return_row_stats: bool = False) -> Any:
         """Fused cross-entropy of logits (N, C) against int32/int64 labels (N,), PyTorch's
         semantics: per row logsumexp - logit[label]; rows labelled ignore_index give 0 and
         leave the mean's count; reduction "mean" (shape (), NaN over zero counted rows),
         "sum" or "none" (shape (N,)). A label outside [0, C) other than ignore_index raises
         InvalidArgumentError: a device flag read back after the kernels, which makes the
-        call wait for them; check_labels=False skips that (such rows give NaN)."""
+        call wait for them; check_labels=False skips that (such rows give NaN).
+        return_row_stats=True returns (loss, row_stats): each row's max and sum of
+        exp(x - max), (N, 2), for cross_entropy_backward(..., row_stats=) to read the
+        logits once."""
         try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
             op = CudaML._op_cross_entropy
         except AttributeError:
             from .ops.cross_entropy import cross_entropy as op
             CudaML._op_cross_entropy = staticmethod(op)
-        return op(self.math, logits, labels, reduction, ignore_index, check_labels)
+        return op(self.math, logits, labels, reduction, ignore_index, check_labels,
+                  return_row_stats)
 
     def cross_entropy_backward(self, logits: CudaTensor, labels: CudaTensor,
                                grad_loss: Any = 1.0, reduction: str = "mean",
-                               ignore_index: int = -100,
-                               check_labels: bool = True) -> CudaTensor:
+                               ignore_index: int = -100, check_labels: bool = True,
+                               row_stats: Optional[CudaTensor] = None) -> CudaTensor:
         """d loss / d logits, (N, C): (softmax(logits) - onehot(labels)) * grad_loss per row
         (divided by the count of rows not ignored for "mean"; 0 for ignored rows). grad_loss:
         a number, or a tensor (shape () or (1,) for "mean"/"sum", (N,) for "none").
-        Labels are checked as in cross_entropy."""
+        Labels are checked as in cross_entropy. row_stats: the forward's (see
+        cross_entropy's return_row_stats) for these logits: one read of them, not two."""
         try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
             op = CudaML._op_cross_entropy_backward
         except AttributeError:
             from .ops.cross_entropy import cross_entropy_backward as op
             CudaML._op_cross_entropy_backward = staticmethod(op)
-        return op(self.math, logits, labels, grad_loss, reduction, ignore_index, check_labels)
+        return op(self.math, logits, labels, grad_loss, reduction, ignore_index, check_labels,
+                  row_stats)
 
     # -- regularization -------------------------------------------------------------------
     def dropout(self, tensor: CudaTensor, keep_prob: float = 0.5, seed: Optional[int] = None,

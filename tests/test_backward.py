@@ -19,7 +19,7 @@ import math
 import numpy as np
 import pytest
 from helpers import (ATOL, EPS64, FLOATS, U_ACC, U_OUT, call_through_plan, check, host_dtype,
-                     make, misaligned)
+                     make, misaligned, poisoned)
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
@@ -28,6 +28,7 @@ from cuda_backend.cuda_ml import CudaML
 from cuda_backend.driver import load_driver
 from cuda_backend.ops import activation_backward as ab
 from cuda_backend.ops import cross_entropy as ce
+from cuda_backend.ops import cross_entropy_plans as cep
 from cuda_backend.ops import softmax_backward as sb
 
 GPU = load_driver()[0] is not None
@@ -551,6 +552,62 @@ def test_cross_entropy_grad_tensor_for_scalar_reductions(apis):
             np.testing.assert_allclose(m.to_numpy(got), want, rtol=1e-15, atol=0)
 
 
+def check_row_stats(got, x, C, dtype, what):
+    """The forward's (max, sum of exp(x - max)) per row: the max is one of the row's stored
+    values (exact), the sum within the forward's bound (ce_row_bound's u (4 depth + 3 Rw + 8))."""
+    mx, s, rw = ce_stats(x, np.zeros(x.shape[0], np.int64), -100)[:3]
+    u = U_ACC[dtype]
+    assert got.shape == (x.shape[0], 2), what
+    np.testing.assert_array_equal(got[:, 0], mx, err_msg=what)
+    check(got[:, 1], s, u * (4 * sum_depth(C) + 3 * rw + 8) * s, what + " sum")
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
+def test_cross_entropy_row_stats(apis, dtype):
+    """return_row_stats gives the loss unchanged and each row's (max, sum); the backward
+    from them matches the float64 gradient within the same bound as without them."""
+    m, ml = apis
+    rng = np.random.default_rng(17)
+    acc = DT.FLOAT64 if dtype is DT.FLOAT64 else DT.FLOAT32
+    for (N, C), red in (((1, 1), "mean"), ((5, 7), "sum"), ((9, 1031), "none")):
+        x, hx = make(m, rng.standard_normal((N, C)) * 3, dtype)
+        lab = labels_for(rng, N, C)
+        t_lab = m.from_numpy(lab)
+        loss, stats = ml.cross_entropy(x, t_lab, red, return_row_stats=True)
+        assert stats.dtype is acc and stats.shape == (N, 2)
+        plain = ml.cross_entropy(x, t_lab, red)
+        np.testing.assert_array_equal(m.to_numpy(loss).astype(np.float64),
+                                      m.to_numpy(plain).astype(np.float64))
+        check_row_stats(m.to_numpy(stats).astype(np.float64), hx, C, dtype, f"{N}x{C}")
+        n = np.count_nonzero(lab != -100)
+        scale = (0.75 / n if n else np.inf) if red == "mean" else 0.75
+        ref, b = ref_ce_backward(hx, lab, scale, -100, dtype)
+        dx = ml.cross_entropy_backward(x, t_lab, 0.75, red, row_stats=stats)
+        check(m.to_numpy(dx), ref, b, f"backward from stats {N}x{C} {red}")
+
+
+def test_cross_entropy_row_stats_errors(apis):
+    m, ml = apis
+    x = m.from_numpy(np.ones((3, 4), np.float32))
+    lab = m.from_numpy(np.zeros(3, np.int64))
+    _, stats = ml.cross_entropy(x, lab, return_row_stats=True)
+    with pytest.raises(cb.InvalidArgumentError, match="return_row_stats must be a bool"):
+        ml.cross_entropy(x, lab, return_row_stats=1)
+    with pytest.raises(cb.InvalidArgumentError, match="row_stats must be None or the "
+                                                      "CudaTensor"):
+        ml.cross_entropy_backward(x, lab, row_stats=np.ones((3, 2), np.float32))
+    with pytest.raises(cb.DTypeMismatchError, match="row_stats has dtype float64, expected "
+                                                    "float32 for float32 logits"):
+        ml.cross_entropy_backward(x, lab, row_stats=m.from_numpy(np.ones((3, 2))))
+    with pytest.raises(cb.ShapeMismatchError, match=r"row_stats has shape \(2, 2\), expected "
+                                                    r"\(3, 2\)"):
+        ml.cross_entropy_backward(x, lab, row_stats=m.from_numpy(np.ones((2, 2), np.float32)))
+    stats.free()
+    with pytest.raises(cb.TensorFreedError):
+        ml.cross_entropy_backward(x, lab, row_stats=stats)
+    ml.cross_entropy_backward(x, lab)   # still usable
+
+
 # -- plans and the template contract (any mode) -------------------------------------------------
 def test_plans_hold_the_row():
     for itemsize in (2, 4, 8):
@@ -563,19 +620,36 @@ def test_plans_hold_the_row():
                     assert p["threads"] * p["nv"] * vec >= K
             assert sb.candidates(K, itemsize)[0] == sb.plan(K, itemsize)
             assert sb.candidates(K, itemsize)[-1]["mode"] == "loop"
-            for p in ce.backward_candidates(K, itemsize):
+            for p in cep.backward_candidates(K, itemsize):
                 if p["mode"] == "warp":
                     assert p["group"] * vec * p["nv"] >= K and p["group"] <= 32
                 elif p["mode"] == "block":
                     assert p["threads"] * p["nv"] * vec >= K
-            assert ce.backward_candidates(K, itemsize)[0] == ce.backward_plan(K, itemsize)
-            fp = ce.forward_plan(K, itemsize)
-            assert fp["mode"] == ("warp" if K <= 32 * vec * ce.FWD_WARP_VECS else "block")
+            assert cep.backward_candidates(K, itemsize)[0] == cep.backward_plan(K, itemsize)
+            fp = cep.forward_plan(K, itemsize)
+            assert fp["mode"] == ("warp" if K <= 32 * vec * cep.FWD_WARP_VECS else "block")
     assert sb.plan(512, 4)["mode"] == "warp" and sb.plan(513, 4)["mode"] == "block"
     assert sb.plan(8192, 4) == {"mode": "block", "nv": 2, "threads": 1024, "group": 0}
     assert sb.plan(8193, 4)["mode"] == "loop"
-    assert ce.backward_plan(1024, 4)["mode"] == "warp"
-    assert ce.backward_plan(8193, 4)["mode"] == "loop"
+    assert cep.backward_plan(1024, 4)["mode"] == "warp"
+    assert cep.backward_plan(8193, 4)["mode"] == "loop"
+
+
+def test_stats_plans_cover_the_row():
+    """A stats plan's chunks cover the row exactly once: chunks - 1 of them fall short of K,
+    all of them reach it; nv = 4 only for rows of at least 4 chunks of it."""
+    for itemsize in (2, 4, 8):
+        vec = 16 // itemsize
+        for K in [1, 7, 1000, 1023, 1024, 1025, 6208, 16383, 16384, 16385, 50257, 100003]:
+            plans = ce.candidates("stats", K, itemsize)
+            assert plans[0] == cep.stats_plan(K, itemsize)
+            assert {p["nv"] for p in plans} == set(cep.STATS_NV)
+            for p in plans:
+                chunk = p["threads"] * vec * p["nv"]
+                n = cep.stats_chunks(p, K, itemsize)
+                assert (n - 1) * chunk < K <= n * chunk
+                assert cep.grid(p, 9, K, itemsize) == 9 * n
+            assert (plans[0]["nv"] == 4) == (K >= 4 * cep.STATS_BLOCK * vec * 4)
 
 
 def test_template_variants():
@@ -584,7 +658,8 @@ def test_template_variants():
                                                             len(sb.BLOCK_CONFIGS) + 1)
     kinds = {(p["kind"], p.get("mode")) for p in ce.template_variants()[ce.TEMPLATE]}
     assert kinds == {("forward", "warp"), ("forward", "block"), ("backward", "warp"),
-                     ("backward", "block"), ("backward", "loop"), ("finish", None)}
+                     ("backward", "block"), ("backward", "loop"), ("backward", "stats"),
+                     ("finish", None)}
 
 
 # -- PyTorch's autograd (CPU torch, float64) ------------------------------------------------
@@ -753,7 +828,7 @@ def test_gpu_cross_entropy(apis, dtype):
                 ref, b = ref_ce(hx, lab64, red, -100, dtype)
                 out = ml.cross_entropy(x, t_lab, reduction=red)
                 check(m.to_numpy(out), ref, b, what)
-                key = ("cross_entropy", (N, C), dtype, t_lab.dtype, 0, red, -100, True)
+                key = ("cross_entropy", (N, C), dtype, t_lab.dtype, 0, red, -100, True, False)
                 again = call_through_plan(m, key, lambda: ml.cross_entropy(x, t_lab,
                                                                            reduction=red))
                 np.testing.assert_array_equal(m.to_numpy(again).astype(np.float64),
@@ -762,11 +837,27 @@ def test_gpu_cross_entropy(apis, dtype):
                 ref, b = ref_ce_backward(hx, lab64, scale, -100, dtype)
                 dx = ml.cross_entropy_backward(x, t_lab, 1.25, red)
                 check(m.to_numpy(dx), ref, b, "backward " + what)
-                key = ("cross_entropy_backward", (N, C), dtype, t_lab.dtype, 0, red, -100, True)
+                key = ("cross_entropy_backward", (N, C), dtype, t_lab.dtype, 0, red, -100, True,
+                       False)
                 dx2 = call_through_plan(m, key, lambda: ml.cross_entropy_backward(
                     x, t_lab, 1.25, red))
                 np.testing.assert_array_equal(m.to_numpy(dx2), m.to_numpy(dx))
-                for t in (out, again, dx, dx2):
+                out2, st = ml.cross_entropy(x, t_lab, reduction=red, return_row_stats=True)
+                np.testing.assert_array_equal(m.to_numpy(out2).astype(np.float64),
+                                              m.to_numpy(out).astype(np.float64))
+                check_row_stats(m.to_numpy(st).astype(np.float64), hx, C, dtype, what)
+                dx3 = ml.cross_entropy_backward(x, t_lab, 1.25, red, row_stats=st)
+                check(m.to_numpy(dx3), ref, b, "backward from stats " + what)
+                key = ("cross_entropy", (N, C), dtype, t_lab.dtype, 0, red, -100, True, True)
+                out3, st3 = call_through_plan(m, key, lambda: ml.cross_entropy(
+                    x, t_lab, reduction=red, return_row_stats=True))
+                np.testing.assert_array_equal(m.to_numpy(st3), m.to_numpy(st))
+                key = ("cross_entropy_backward", (N, C), dtype, t_lab.dtype, 0, red, -100, True,
+                       True)
+                dx4 = call_through_plan(m, key, lambda: ml.cross_entropy_backward(
+                    x, t_lab, 1.25, red, row_stats=st3))
+                np.testing.assert_array_equal(m.to_numpy(dx4), m.to_numpy(dx3))
+                for t in (out, again, dx, dx2, out2, st, dx3, out3, st3, dx4):
                     t.free()
             gt, hgt = make(m, rng.standard_normal(N), dtype)
             ref, b = ref_ce_backward(hx, lab64, hgt, -100, dtype)
@@ -779,13 +870,15 @@ def test_gpu_cross_entropy(apis, dtype):
 @gpu
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
 def test_gpu_cross_entropy_every_candidate(apis, dtype):
-    """Every forward and backward plan at the backward modes' capacities +- 1, aligned and
-    misaligned logits, ignored rows and an ignore_index inside [0, C)."""
-    m, _ = apis
+    """Every forward and backward plan (also from the forward's row statistics) at the
+    backward modes' capacities +- 1, aligned and misaligned logits, ignored rows and an
+    ignore_index inside [0, C)."""
+    m, ml = apis
     rng = np.random.default_rng(14)
     vec = 16 // dtype.itemsize
-    caps = [32 * vec * nv for nv in ce.BWD_WARP_NV] + \
-        [b * nv * vec for b, nv in ce.BWD_BLOCK_CONFIGS] + [32 * vec * ce.FWD_WARP_VECS]
+    caps = [32 * vec * nv for nv in cep.BWD_WARP_NV] + \
+        [b * nv * vec for b, nv in cep.BWD_BLOCK_CONFIGS] + [32 * vec * cep.FWD_WARP_VECS] + \
+        [cep.STATS_BLOCK * vec * nv for nv in cep.STATS_NV]
     for K in boundary_lengths(dtype.itemsize, caps):
         ii = 0 if K % 3 == 0 else -100
         lab = labels_for(rng, 7, K, ignore_index=ii, frac_ignored=0.3)
@@ -795,19 +888,27 @@ def test_gpu_cross_entropy_every_candidate(apis, dtype):
         for xx, hxx in ((x, hx), (xm, hxm)):
             what = f"K={K} aligned={xx is x}"
             ref, b = ref_ce(hxx, lab, "none", ii, dtype)
-            for p in ce.forward_candidates(K, dtype.itemsize):
-                q = ce.prepare(m, "forward", p, dtype, 0)
+            for p in cep.forward_candidates(K, dtype.itemsize):
+                q = cep.prepare(m, "forward", p, dtype, 0)
                 out = m.create_tensor((7,), dtype)
-                ce.launch_forward(m, q, xx, t_lab, out, False, 0, ii)
+                cep.launch_forward(m, q, xx, t_lab, out, False, 0, 0, ii)
                 check(m.to_numpy(out), ref, b, f"forward {what} {p}")
                 out.free()
             ref, b = ref_ce_backward(hxx, lab, 0.5, ii, dtype)
-            for p in ce.backward_candidates(K, dtype.itemsize):
-                q = ce.prepare(m, "backward", p, dtype, 0)
+            for p in cep.backward_candidates(K, dtype.itemsize):
+                q = cep.prepare(m, "backward", p, dtype, 0)
                 dx = m.create_tensor((7, K), dtype)
-                ce.launch_backward(m, q, xx, t_lab, dx, 0, 0, 0.5, 0, 0, ii)
+                cep.launch_backward(m, q, xx, t_lab, dx, 0, 0, 0.5, 0, 0, ii)
                 check(m.to_numpy(dx), ref, b, f"backward {what} {p}")
                 dx.free()
+            _, st = ml.cross_entropy(xx, t_lab, "none", ii, return_row_stats=True)
+            for p in ce.candidates("stats", K, dtype.itemsize):
+                q = cep.prepare(m, "backward", p, dtype, 0)
+                dx = poisoned(m, (7, K), dtype)
+                cep.launch_backward(m, q, xx, t_lab, dx, 0, 0, 0.5, 0, 0, ii, st)
+                check(m.to_numpy(dx), ref, b, f"backward from stats {what} {p}")
+                dx.free()
+            st.free()
         for t in (x, base, t_lab):
             t.free()
 
@@ -830,7 +931,10 @@ def test_gpu_cross_entropy_large_logits(apis, dtype):
             check(got, ref, b, f"{N}x{C} {red}")
         ref, b = ref_ce_backward(hx, lab, 1.0, -100, dtype)
         check(m.to_numpy(ml.cross_entropy_backward(x, t_lab, 1.0, "sum")), ref, b, f"{N}x{C}")
-        for t in (x, t_lab):
+        _, st = ml.cross_entropy(x, t_lab, "sum", return_row_stats=True)
+        check(m.to_numpy(ml.cross_entropy_backward(x, t_lab, 1.0, "sum", row_stats=st)), ref,
+              b, f"{N}x{C} from stats")
+        for t in (x, t_lab, st):
             t.free()
 
 
@@ -848,9 +952,14 @@ def test_gpu_cross_entropy_bad_label_frees_and_recovers(apis):
     ml.cross_entropy(x, good)
     pool = m.backend.memory_pools[0]
     before = pool.get_stats()["active_memory"]
-    for fn in (ml.cross_entropy, ml.cross_entropy_backward):
+    _, st = ml.cross_entropy(x, good, return_row_stats=True)
+    before = pool.get_stats()["active_memory"]
+    for fn in (ml.cross_entropy, ml.cross_entropy_backward,
+               lambda x, lab: ml.cross_entropy(x, lab, return_row_stats=True),
+               lambda x, lab: ml.cross_entropy_backward(x, lab, row_stats=st)):
         with pytest.raises(cb.InvalidArgumentError, match=r"label 1000 in row 17"):
             fn(x, bad)
     assert pool.get_stats()["active_memory"] == before
+    st.free()
     ref, b = ref_ce(hx, m.to_numpy(good).astype(np.int64), "mean", -100, DT.FLOAT32)
     check(m.to_numpy(ml.cross_entropy(x, good)), ref, b, "after the error")
