@@ -17,7 +17,7 @@ from .devices import CudaDeviceInfo  # noqa: E402
 from .tensor import CudaTensor  # noqa: E402
 from .backend import CudaBackend, get_cuda_backend, FALLBACK_MESSAGE  # noqa: E402
 from .kernels import KernelGenerator, get_kernel_generator  # noqa: E402
-from .dlpack import from_dlpack  # noqa: E402
+from .dlpack_import import from_dlpack  # noqa: E402
 
 __all__ = [
     "__version__", "CudaBackend", "get_cuda_backend", "CudaTensor", "CudaDataType",

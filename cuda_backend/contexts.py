@@ -159,4 +159,4 @@ class ContextManager:
         self._contexts = [None] * self._count
 
 
-from .memory import _NULL  # noqa: E402  (one shared no-op context object)
+from .memory import NULL_CONTEXT as _NULL  # noqa: E402  (one shared no-op context object)

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .backend import CudaBackend, get_cuda_backend
-from .dlpack import from_dlpack as dlpack_import
+from .dlpack_import import from_dlpack as dlpack_import
 from .dtypes import CudaDataType
 from .errors import InvalidArgumentError
 from .kernels import KernelGenerator
@@ -24,7 +24,8 @@ from .ops import reduction as red
 from .ops import shape as sh
 from .ops import softmax as sm
 from .ops import transpose as tr
-from .tensor import CudaTensor, register_math, set_math_factory
+from .tensor import CudaTensor
+from .tensor_math import register_math, set_math_factory
 from .transfers import bf16_from_host
 
 Operand = Union[CudaTensor, int, float]
@@ -121,7 +122,7 @@ class CudaMath:
 
     def from_dlpack(self, obj: Any, copy: Optional[bool] = None) -> CudaTensor:
         """A tensor on a DLPack producer's memory (PyTorch, CuPy, JAX, NumPy arrays, or a
-        capsule), zero-copy, stream-ordered; see dlpack.from_dlpack for when it copies."""
+        capsule), zero-copy, stream-ordered; see dlpack_import.from_dlpack for when it copies."""
         return dlpack_import(obj, copy=copy, backend=self.backend)
 
     def to_device(self, tensor: CudaTensor, device_id: int) -> CudaTensor:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple, Type
 import numpy as np
 
 from .compiler import CudaKernel
-from .memory import record_stream
+from .memory_streams import record_stream
 from . import streams as _streams
 from .tensor import CudaTensor
 from .errors import LaunchConfigurationError, driver_failure

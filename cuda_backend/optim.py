@@ -30,7 +30,7 @@ from .autograd import Tensor, apis, capturing
 from .cuda_ml import OptimizerState
 from .errors import GraphCaptureError, InvalidArgumentError, ShapeMismatchError
 from .ops.optimizers import STEP_DTYPE, advance_steps, state_dtype
-from .ops.shape import make_view
+from .ops.shape_layouts import make_view
 from .tensor import CudaTensor
 
 

@@ -18,7 +18,9 @@ from .driver import stream_wait_stream
 from .dtypes import CudaDataType
 from .errors import GraphCaptureError, TransferError, driver_failure
 from .launch import Launcher
-from .memory import DriverEvents, MemoryPool, PinnedHostPool, record_stream
+from .memory import MemoryPool
+from .memory_host import PinnedHostPool
+from .memory_streams import DriverEvents, record_stream
 from .runtime import Runtime
 from .streams import capturing, current_pycuda_stream, current_stream
 from .tensor import CudaTensor, pool_tensor

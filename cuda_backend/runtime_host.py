@@ -17,7 +17,8 @@ from .devices import CudaDeviceInfo, host_device_info
 from .dtypes import CudaDataType
 from .errors import (CudaNotAvailableError, InvalidDeviceError, InvalidPointerError,
                      TransferError)
-from .memory import HostBinnedPool, MemoryPool
+from .memory import MemoryPool
+from .memory_host import HostBinnedPool
 from .runtime import Runtime
 from .tensor import CudaTensor
 

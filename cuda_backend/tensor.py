@@ -9,6 +9,8 @@ import numpy as np
 from .dtypes import CudaDataType
 from .errors import DTypeMismatchError, InvalidArgumentError, TensorFreedError
 from .memory import StreamBlock
+from .tensor_math import math_of
+from .tensor_operators import TensorOperators, host_operand
 
 
 _SHAPES: dict = {}  # tuples of ints already checked (keeps the allocation path short)
@@ -45,7 +47,7 @@ def normalize_shape(shape: Any) -> Tuple[int, ...]:
     return shape
 
 
-class CudaTensor:
+class CudaTensor(TensorOperators):
     """Device array: shape, dtype, device, and a pool block it owns (or an owner it keeps alive).
 
     Use `free()` (or `with tensor:`) to give memory back early; any use afterwards raises
@@ -229,84 +231,16 @@ class CudaTensor:
             backend.wait_for_foreign_stream(stream, device_id)
         return t
 
-    # -- operators (CudaMath) -----------------------------------------------------
-    # Makes NumPy return NotImplemented from `ndarray + tensor`, so that Python calls
-    # __radd__, instead of NumPy treating the tensor as an object and making an object array.
-    __array_ufunc__ = None
-
-    def __add__(self, other: Any) -> "CudaTensor":
-        if isinstance(other, np.ndarray):
-            other = _host_operand(other, "+")
-        return _math_of(self).add(self, other)
-
-    def __radd__(self, other: Any) -> "CudaTensor":
-        if isinstance(other, np.ndarray):
-            other = _host_operand(other, "+")
-        return _math_of(self).add(other, self)
-
-    def __sub__(self, other: Any) -> "CudaTensor":
-        if isinstance(other, np.ndarray):
-            other = _host_operand(other, "-")
-        return _math_of(self).subtract(self, other)
-
-    def __rsub__(self, other: Any) -> "CudaTensor":
-        if isinstance(other, np.ndarray):
-            other = _host_operand(other, "-")
-        return _math_of(self).subtract(other, self)
-
-    def __mul__(self, other: Any) -> "CudaTensor":
-        if isinstance(other, np.ndarray):
-            other = _host_operand(other, "*")
-        return _math_of(self).multiply(self, other)
-
-    def __rmul__(self, other: Any) -> "CudaTensor":
-        if isinstance(other, np.ndarray):
-            other = _host_operand(other, "*")
-        return _math_of(self).multiply(other, self)
-
-    def __truediv__(self, other: Any) -> "CudaTensor":
-        if isinstance(other, np.ndarray):
-            other = _host_operand(other, "/")
-        return _math_of(self).divide(self, other)
-
-    def __rtruediv__(self, other: Any) -> "CudaTensor":
-        if isinstance(other, np.ndarray):
-            other = _host_operand(other, "/")
-        return _math_of(self).divide(other, self)
-
-    def __pow__(self, other: Any) -> "CudaTensor":
-        if isinstance(other, np.ndarray):
-            other = _host_operand(other, "**")
-        return _math_of(self).power(self, other)
-
-    def __rpow__(self, other: Any) -> "CudaTensor":
-        if isinstance(other, np.ndarray):
-            other = _host_operand(other, "**")
-        return _math_of(self).power(other, self)
-
-    def __matmul__(self, other: Any) -> "CudaTensor":
-        if isinstance(other, np.ndarray):
-            other = _host_operand(other, "@")
-        return _math_of(self).matrix_multiply(self, other)
-
-    def __rmatmul__(self, other: Any) -> "CudaTensor":
-        if isinstance(other, np.ndarray):
-            other = _host_operand(other, "@")
-        return _math_of(self).matrix_multiply(other, self)
-
-    def __neg__(self) -> "CudaTensor":
-        return _math_of(self).negative(self)
-
     # -- comparisons (CudaMath.equal, less, ...: bool tensors, broadcasting) ----------------
     # Defining __eq__ would drop the default hash: tensors stay hashable by identity.
     __hash__ = object.__hash__
 
     def _compare(self, op: str, other: Any, symbol: str) -> Any:
         if isinstance(other, np.ndarray):
-            other = _host_operand(other, symbol)
+            other = host_operand(other, symbol)
         if not isinstance(other, (CudaTensor, int, float, np.number, np.bool_)):
             return NotImplemented
-        return getattr(_math_of(self), op)(self, other)
+        return getattr(math_of(self), op)(self, other)
 
     def __eq__(self, other: Any) -> Any:  # type: ignore[override]
         return self._compare("equal", other, "==")
@@ -335,94 +269,6 @@ class CudaTensor:
                 f"one-element tensors have one)")
         return bool(self.item())
 
-    # -- Python scalars (NumPy's rules; each reads the one element back from the device) -----
-    def item(self) -> Any:
-        """The value of a one-element tensor as a Python float, int or bool."""
-        if self.size != 1:
-            raise InvalidArgumentError(
-                f"item() needs a one-element tensor, got shape {self.shape} ({self.size} "
-                f"elements); use to_numpy() for the values")
-        return _math_of(self).to_numpy(self).reshape(-1)[0].item()
-
-    def __float__(self) -> float:
-        if self.size != 1:
-            raise InvalidArgumentError(
-                f"float() needs a one-element tensor, got shape {self.shape} ({self.size} "
-                f"elements)")
-        return float(self.item())
-
-    def __int__(self) -> int:
-        """int() of the one element (a float truncates toward zero, as NumPy's)."""
-        if self.size != 1:
-            raise InvalidArgumentError(
-                f"int() needs a one-element tensor, got shape {self.shape} ({self.size} "
-                f"elements)")
-        return int(self.item())
-
-    def __index__(self) -> int:
-        """A one-element integer tensor as an index (range(t), list[t], operator.index);
-        DTypeMismatchError (a TypeError, as the protocol asks) for anything else."""
-        if self.dtype not in _INTEGERS or self.size != 1:
-            raise DTypeMismatchError(
-                f"only a one-element integer tensor (int32, int64, uint8) converts to an "
-                f"index, got a {self.dtype.name_str} tensor of shape {self.shape} "
-                f"({self.size} elements)")
-        return int(self.item())
-
-    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        """Refused: device memory is not copied to the host implicitly (np.asarray would
-        otherwise walk the tensor element by element through __getitem__)."""
-        raise InvalidArgumentError(
-            "a CudaTensor is not converted to a NumPy array implicitly; use tensor.numpy() "
-            "(or CudaMath.to_numpy)")
-
-    # -- shapes and indexing (CudaMath.reshape, permute, getitem, astype) ------------------
-    def __getitem__(self, key: Any) -> "CudaTensor":
-        """NumPy basic indexing (a view where the result is contiguous, else a copy); an int
-        tensor key takes along axis 0."""
-        return _math_of(self).getitem(self, key)
-
-    def __iter__(self) -> Any:
-        """The sub-tensors along axis 0 (views), as NumPy iterates; a 0-d tensor raises."""
-        if not self.shape:
-            raise TypeError("iteration over a 0-d tensor")
-        return (self[i] for i in range(self.shape[0]))
-
-    def reshape(self, *shape: Any) -> "CudaTensor":
-        """A view of a new shape: t.reshape(2, 3) or t.reshape((2, 3)); one dim may be -1."""
-        return _math_of(self).reshape(self, _shape_args(shape))
-
-    def view(self, *shape: Any) -> "CudaTensor":
-        """reshape (PyTorch's name)."""
-        return _math_of(self).view(self, _shape_args(shape))
-
-    def permute(self, *axes: Any) -> "CudaTensor":
-        """t.permute(2, 0, 1) or t.permute((2, 0, 1)): a new tensor with the axes reordered."""
-        return _math_of(self).permute(self, _shape_args(axes))
-
-    def transpose(self, *axes: Any) -> "CudaTensor":
-        """NumPy's: t.transpose() reverses the axes; t.transpose(1, 0, 2) permutes them."""
-        return _math_of(self).transpose(self, _shape_args(axes) if axes else None)
-
-    def astype(self, dtype: Any) -> "CudaTensor":
-        """A new tensor converted to dtype (NumPy's astype)."""
-        return _math_of(self).astype(self, dtype)
-
-    @property
-    def T(self) -> "CudaTensor":
-        """Transpose of a 2-D tensor (last two axes of a 3-D one), as a new tensor."""
-        return _math_of(self).matrix_transpose(self)
-
-    def to(self, device_id: int) -> "CudaTensor":
-        """A copy on another device (peer-to-peer when possible); self if already there."""
-        if device_id == self.device_id:
-            return self.check_alive()
-        return _backend_of(self).copy_to_tensor_device(self, device_id)
-
-    def numpy(self) -> np.ndarray:
-        """A host copy (bfloat16 as ml_dtypes.bfloat16; `.astype(np.float32)` widens it)."""
-        return _math_of(self).to_numpy(self)
-
     # -- display ------------------------------------------------------------------
     def __repr__(self) -> str:
         state = ", freed" if self._ptr is None else ""
@@ -437,7 +283,6 @@ class CudaTensor:
 
 
 _new = object.__new__
-_INTEGERS = frozenset((CudaDataType.INT32, CudaDataType.INT64, CudaDataType.UINT8))
 
 
 def release_storage(t: CudaTensor) -> None:
@@ -503,78 +348,6 @@ def pool_tensor(shape: Tuple[int, ...], dtype: CudaDataType, device_id: int, blo
     return t
 
 
-def _host_operand(array: np.ndarray, op: str) -> Any:
-    """A NumPy operand of a tensor operator: a 0-d array is its scalar; any other array
-    raises, since operators never copy host arrays to the device implicitly."""
-    if array.ndim == 0:
-        return array[()]
-    raise DTypeMismatchError(
-        f"unsupported operand for {op}: a NumPy array of shape {array.shape} and a "
-        f"CudaTensor (host arrays are not copied to the device implicitly); convert the "
-        f"array with from_numpy() first")
-
-
-# -- the math a tensor's operators use ------------------------------------------------------
-# A tensor's operators (a + b, a @ b, a.T, -a, .numpy(), .to()) run on the backend that made
-# it: its pool's `owner` (set by CudaBackend), else (no pool: from_cuda_array wrappers,
-# zero-size tensors) the process backend. The CudaMath for a backend is the first one made
-# for it (CudaMath.__init__ calls register_math), else one the factory that cuda_math
-# registers at import makes on first use; so this module has no import of cuda_math (it
-# loads the module by name only if an operator runs before anything imported it).
-# A plain dict, keyed by identity: weak keys would not free anything here, since each value
-# (a CudaMath) holds its key (math.backend), and atexit holds every backend's shutdown.
-_MATHS: dict = {}
-_math_factory: Optional[Any] = None
-
-
-def register_math(backend: Any, math_: Any) -> None:
-    """Make math_ the CudaMath of backend's tensors, unless one already is (first wins)."""
-    _MATHS.setdefault(backend, math_)
-
-
-def set_math_factory(factory: Any) -> None:
-    """factory(backend) -> a CudaMath for it (called by cuda_math at import)."""
-    global _math_factory
-    _math_factory = factory
-
-
-def _math_of(t: CudaTensor) -> Any:
-    """The CudaMath of t's backend (the operators' per-call path: two lookups)."""
-    pool = t._pool
-    if pool is not None:
-        m = _MATHS.get(pool.owner)
-        if m is not None:
-            return m
-    return math_for(_backend_of(t))
-
-
-def _backend_of(t: CudaTensor) -> Any:
-    """The backend whose pool t's memory came from, else the process backend."""
-    pool = t._pool
-    backend = None if pool is None else pool.owner
-    if backend is None:
-        t.check_alive()   # a freed tensor: the error the operation would raise, no backend
-        from .backend import get_cuda_backend
-        backend = get_cuda_backend()
-    return backend
-
-
-def math_for(backend: Any) -> Any:
-    """The CudaMath registered for backend, made (and registered) on first use."""
-    m = _MATHS.get(backend)
-    if m is None:
-        if _math_factory is None:
-            # cuda_math registers the factory when imported; nothing imported it yet
-            import importlib
-            importlib.import_module(__package__ + ".cuda_math")
-        m = _MATHS.get(backend)
-        if m is None:
-            assert _math_factory is not None    # (importing cuda_math registered it)
-            _math_factory(backend)   # CudaMath.__init__ registers it (or a racing one won)
-            m = _MATHS[backend]
-    return m
-
-
 def pointer_device(ptr: int) -> int:
     """The device ordinal a device pointer belongs to (CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)."""
     import ctypes
@@ -594,11 +367,3 @@ def check_dtype(tensor: CudaTensor, expected: CudaDataType, what: str = "tensor"
     if tensor.dtype is not expected:
         raise DTypeMismatchError(
             f"{what} has dtype {tensor.dtype.name_str}, expected {expected.name_str}")
-
-
-def _shape_args(args: Tuple[Any, ...]) -> Any:
-    """A method's *args as one shape / axes: f(2, 3) and f((2, 3)) both give (2, 3)."""
-    if len(args) == 1 and not isinstance(args[0], (int, np.integer)):
-        a = args[0]
-        return tuple(a) if isinstance(a, list) else a
-    return tuple(args)

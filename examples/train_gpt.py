@@ -19,11 +19,13 @@ from typing import Any, Callable, List, Sequence
 
 import numpy as np
 
-from train_mlp import (add_common_args, gpu, load_into_torch, report, torch_device,
-                       torch_linear_gelu, train_ours, train_torch)
+from train_mlp import (add_common_args, gpu, load_into_torch, report, torch_device, train_ours,
+                       train_torch)
 
 from cuda_backend import autograd as ag
 from cuda_backend import nn, optim
+# the model, ours and PyTorch's, is the report's training row's (tests/test_nn.py uses Block)
+from cuda_backend.performance.cases_training_gpt import GPT, Block, torch_gpt  # noqa: F401
 
 MODULES = ("argparse", "collections", "textwrap", "json.decoder", "json.encoder", "string",
            "functools", "dataclasses")
@@ -34,77 +36,11 @@ def corpus() -> str:
     return "\n".join(inspect.getsource(importlib.import_module(name)) for name in MODULES)
 
 
-# -- ours -----------------------------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        self.ln1 = nn.LayerNorm(dim)
-        self.attn = nn.MultiheadSelfAttention(dim, heads, causal=True)
-        self.ln2 = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, 4 * dim, gelu=True)
-        self.proj = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: ag.Tensor) -> ag.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.proj(self.fc(self.ln2(x)))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, seq: int, dim: int, heads: int, layers: int) -> None:
-        self.tok = nn.Embedding(vocab, dim, check_bounds=False)   # ids are checked on the host
-        self.pos = nn.Embedding(seq, dim, check_bounds=False)
-        self.blocks = [Block(dim, heads) for _ in range(layers)]
-        self.ln_f = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, ids: Any, positions: Any) -> ag.Tensor:
-        x = self.tok(ids) + self.pos(positions)                 # (B, T, C) + (T, C)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-
 # -- the same in PyTorch --------------------------------------------------------------------------
 def torch_build(vocab: int, seq: int, dim: int, heads: int, layers: int) -> Any:
+    """Our GPT in PyTorch, parameter names as ours (load_into_torch copies our weights)."""
     import torch
-    import torch.nn as tnn
-    F = torch.nn.functional
-
-    class Attention(tnn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.qkv = tnn.Linear(dim, 3 * dim)
-            self.proj = tnn.Linear(dim, dim)
-
-        def forward(self, x: Any) -> Any:
-            B, T, C = x.shape
-            q, k, v = self.qkv(x).view(B, T, 3, heads, C // heads).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.proj(y.transpose(1, 2).reshape(B, T, C))
-
-    class TBlock(tnn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1, self.attn, self.ln2 = tnn.LayerNorm(dim), Attention(), tnn.LayerNorm(dim)
-            self.fc, self.proj = torch_linear_gelu(dim, 4 * dim), tnn.Linear(4 * dim, dim)
-
-        def forward(self, x: Any) -> Any:
-            x = x + self.attn(self.ln1(x))
-            return x + self.proj(self.fc(self.ln2(x)))
-
-    class TGPT(tnn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok, self.pos = tnn.Embedding(vocab, dim), tnn.Embedding(seq, dim)
-            self.blocks = tnn.ModuleList([TBlock() for _ in range(layers)])
-            self.ln_f = tnn.LayerNorm(dim)
-            self.head = tnn.Linear(dim, vocab, bias=False)
-
-        def forward(self, ids: Any, positions: Any) -> Any:
-            x = self.tok(ids) + self.pos(positions)
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.ln_f(x))
-    return TGPT()
+    return torch_gpt(torch, vocab, seq, dim, heads, layers)
 
 
 # -- data and sampling ----------------------------------------------------------------------------

@@ -315,7 +315,7 @@ def stub_main(args: argparse.Namespace) -> None:
     from cuda_backend.backend import CudaBackend
     from cuda_backend.cuda_math import CudaMath
     from cuda_backend.dtypes import CudaDataType
-    from cuda_backend.ops import elementwise as ew
+    from cuda_backend.ops import elementwise_kernels as ewk
 
     b = CudaBackend()
     assert b.is_available, b.fallback_reason
@@ -328,7 +328,7 @@ def stub_main(args: argparse.Namespace) -> None:
     n = args.reps
     shape = x.shape
     pool = b.memory_pools[0]
-    name = ew._kernel_name(m, ew._cache(m, 0), 0, "binary", "add", f32)[0]
+    name = ewk.kernel_name(m, ewk.device_cache(m, 0), 0, "binary", "add", f32)[0]
     res = b.empty(shape, f32, 0)
 
     rows = [
@@ -341,7 +341,7 @@ def stub_main(args: argparse.Namespace) -> None:
         ("MemoryPool.allocate", lambda: pool.allocate(4096), True),
         ("stub pool allocate (C++ in PyCUDA)", lambda: pool._pool.allocate(4096), True),
         ("launch_kernel (binary, 6 args)",
-         lambda: b.launch_kernel(name, 2, res, x, y, 0.0, 1024, 0, block_size=ew._BLOCK_DIMS,
+         lambda: b.launch_kernel(name, 2, res, x, y, 0.0, 1024, 0, block_size=ewk.BLOCK_DIMS,
                                  device_id=0), False),
         ("vector_add + free()", lambda: m.vector_add(x, y).free(), False),
     ]

@@ -50,7 +50,7 @@ def main() -> None:
     from cuda_backend import CudaDataType as DT, CudaTensor
     from cuda_backend.cuda_math import CudaMath
     from cuda_backend.cuda_ml import CudaML
-    from cuda_backend.ops import common, elementwise as ew, matmul as mm
+    from cuda_backend.ops import common, elementwise as ew, elementwise_kernels as ewk, matmul as mm
 
     backend = cb.get_cuda_backend()
     assert backend.is_available, backend.fallback_reason
@@ -82,7 +82,7 @@ def main() -> None:
             t = mm.config_template(cfg, family)
             jobs.append((t, mm.kernel_params(t, d, cfg, vw_ok[d])))
     common.compile_all(m, jobs, 0, 16, mm.compile_kernel)
-    common.compile_all(m, [(ew.TEMPLATE, ew._params(kind, op, d)) for d in dtypes
+    common.compile_all(m, [(ewk.TEMPLATE, ewk.kernel_params(kind, op, d)) for d in dtypes
                            for kind, op in (("broadcast", "add"), ("unary", "gelu"))], 0, 16)
     res: Dict[str, Any] = {
         "device": backend.devices[0].name, "versions": backend.versions(),

@@ -160,7 +160,7 @@ def main() -> None:
             M, N, K = SWEEP_SHAPE[fam]
             if args.quick and M * N * K >= 8192 ** 3:
                 M = N = K = 4096
-            template, _ = mm._family(dt, prec)
+            template, _ = mm.gemm_family(dt, prec)
             a = torch.randn(M, K, device="cuda", dtype=tdt)
             b = torch.randn(K, N, device="cuda", dtype=tdt)
             out = torch.empty(M, N, device="cuda", dtype=tdt)

@@ -133,12 +133,12 @@ def main() -> None:
         p = mm.Plan(1, M, N, K, 0, 0, (M, N))
         vec = mm.is_vec_ok(cx, cw, cy, p)
         cls = mm.shape_class(p, sms)
-        family, _ = mm._family(DT.FLOAT32, None)
+        family, _ = mm.gemm_family(DT.FLOAT32, None)
         if kind == "linear":
             cands = mm.candidates(DT.FLOAT32, None, cls, vec, linear=True)
         else:
             def per_sm(c: Dict[str, Any]) -> int:
-                k = mm._kernel(m, mm.SIMT_TEMPLATE, 0, mm.simt_params(DT.FLOAT32, c, vec))
+                k = mm.cached_kernel(m, mm.SIMT_TEMPLATE, 0, mm.simt_params(DT.FLOAT32, c, vec))
                 return mm.blocks_per_sm(c, k.num_regs, info, 4, k.static_shared_bytes)
             cands = mm.split_candidates(mm.candidates(DT.FLOAT32, None, cls, vec), p, cls,
                                         sms, max_z, per_sm)
@@ -175,11 +175,11 @@ def main() -> None:
         # the public op first: it autotunes over the same candidates (outside the timing)
         if kind == "linear":
             mm.linear(m, cx, cw, cb_, "bias_gelu", out=cy)
-            hit = mm._cache(m).get(("linear", p, DT.FLOAT32, None, 0, vec, "bias_gelu"))
+            hit = mm.memo(m).get(("linear", p, DT.FLOAT32, None, 0, vec, "bias_gelu"))
             public = lambda: lin.fused_linear_gelu(m, cx, cw, cb_)  # noqa: E731
         else:
             mm.matmul(m, cx, cw, out=cy)
-            hit = mm._cache(m).get((p, DT.FLOAT32, None, 0, vec))
+            hit = mm.memo(m).get((p, DT.FLOAT32, None, 0, vec))
             public = lambda: m.matrix_multiply(cx, cw)  # noqa: E731
         chosen = hit[1] if hit else None
         for c in cands:

@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from cuda_backend import CudaDataType as DT  # noqa: E402
 from cuda_backend.kernels import dtype_params  # noqa: E402
 from cuda_backend.ops import common  # noqa: E402
-from cuda_backend.ops import matmul as mm  # noqa: E402
+from cuda_backend.ops import matmul as mm, matmul_configs as mc  # noqa: E402
 from cuda_backend.performance.timing import DeviceTimer  # noqa: E402
 from cuda_backend.profiling import write_json_atomic  # noqa: E402
 
@@ -116,7 +116,7 @@ def reference(a: np.ndarray, b: np.ndarray, rows: np.ndarray, prec: Optional[str
     """float64 (a[rows] @ b), with TF32-rounded inputs for tf32."""
     ar, bb = a[rows], b
     if prec == "tf32":
-        ar, bb = mm._round_tf32(ar), mm._round_tf32(bb)
+        ar, bb = mm.round_tf32(ar), mm.round_tf32(bb)
     bb = bb.astype(np.float64)
     step = -(-len(rows) // HOST_THREADS)
     with ThreadPoolExecutor(HOST_THREADS) as pool:
@@ -152,12 +152,12 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
 
 def family_configs(fam: str, old: bool) -> Tuple[str, List[Dict[str, Any]]]:
     dtype, prec, _ = FAMILIES[fam]
-    template, _ = mm._family(dtype, prec)
+    template, _ = mm.gemm_family(dtype, prec)
     cfgs = list(mm.all_configs(dtype, prec))
     extras = {"fp32": ("SIMT_F32_OLD", "SIMT_F32_EXTRA"), "tf32": ("MMA_TF32_EXTRA",)}
     if old:
         for name in extras.get(fam, ()):
-            cfgs += [c for c in getattr(mm, name, []) if c not in cfgs]
+            cfgs += [c for c in getattr(mc, name, []) if c not in cfgs]
     return template, cfgs
 
 
@@ -172,7 +172,7 @@ def linear_sweep(args: Any) -> None:
     import torch.nn.functional as F
     from cuda_backend import CudaTensor
     from cuda_backend.cuda_math import get_cuda_math
-    from cuda_backend.ops import elementwise as ew
+    from cuda_backend.ops import elementwise as ew, elementwise_kernels as ewk
     from cuda_backend.ops import linear as lin
 
     t_start = time.perf_counter()
@@ -197,9 +197,9 @@ def linear_sweep(args: Any) -> None:
         jobs.append((mm.SIMT_TEMPLATE, mm.simt_params(dtype, c, vec)))
     jobs.append((mm.SIMT_TEMPLATE, {"kind": "splitk_reduce", "block_size": mm.REDUCE_BLOCK,
                                     **dtype_params(dtype)}))
-    jobs.append((ew.TEMPLATE, ew._params("unary", "gelu", dtype)))
+    jobs.append((ewk.TEMPLATE, ewk.kernel_params("unary", "gelu", dtype)))
     t0 = time.perf_counter()
-    common.compile_all(m, jobs, 0, max(4, min(32, os.cpu_count() or 4)), mm._kernel)
+    common.compile_all(m, jobs, 0, max(4, min(32, os.cpu_count() or 4)), mm.cached_kernel)
     compile_s = time.perf_counter() - t0
     print(f"device {info.name}: linear x ({M}, {K}) W ({N}, {K}) float32; compiled "
           f"{len(jobs)} kernels in {compile_s:.1f} s", flush=True)
@@ -268,16 +268,16 @@ def linear_sweep(args: Any) -> None:
 
     for template, cfg in cfgs:
         params = mm.linear_params(template, dtype, cfg, vec, "bias_gelu")
-        kern = mm._kernel(m, template, 0, params)
+        kern = mm.cached_kernel(m, template, 0, params)
         tag = "x3 " if cfg.get("x3") else "simt "
         check_and_time(tag + cfg_name(cfg), lambda t=template, c=cfg: mm.run_config(
             m, t, c, cx, cw, cy, p, dtype, vec, 0, epilogue="bias_gelu", bias=cb),
             {"config": dict(cfg), "regs": kern.num_regs, "local_bytes": kern.local_bytes},
             ref)
     mm.linear(m, cx, cw, cb, "bias_gelu", out=cy)   # autotunes, outside the timing
-    hit = mm._cache(m).get(("linear", p, dtype, None, 0, vec, "bias_gelu"))
+    hit = mm.memo(m).get(("linear", p, dtype, None, 0, vec, "bias_gelu"))
     mm.linear(m, cx, cw, cb, "bias_gelu", "ieee", out=cy)
-    hit_ieee = mm._cache(m).get(("linear", p, dtype, "ieee", 0, vec, "bias_gelu"))
+    hit_ieee = mm.memo(m).get(("linear", p, dtype, "ieee", 0, vec, "bias_gelu"))
     res["public_ieee_chosen"] = hit_ieee and cfg_name(hit_ieee[1])
     check_and_time(f"public linear ieee (out=) [{res['public_ieee_chosen']}]",
                    lambda: mm.linear(m, cx, cw, cb, "bias_gelu", "ieee", out=cy), {}, ref)
@@ -367,7 +367,7 @@ def main() -> None:
     unique = {(t, tuple(sorted(p.items()))): (t, p) for t, p in jobs}
     jobs = list(unique.values())
     t0 = time.perf_counter()
-    common.compile_all(m, jobs, 0, max(4, min(32, os.cpu_count() or 4)), mm._kernel)
+    common.compile_all(m, jobs, 0, max(4, min(32, os.cpu_count() or 4)), mm.cached_kernel)
     compile_s = time.perf_counter() - t0
     print(f"device {info.name} ({sms} SMs): compiled {len(jobs)} kernels in {compile_s:.1f} s",
           flush=True)
@@ -446,7 +446,7 @@ def main() -> None:
             def default_launch() -> None:
                 mm.matmul(m, a, bt, prec, out=out)
             default_launch()
-            hit = mm._cache(m).get((p, dtype, prec, 0, vec))
+            hit = mm.memo(m).get((p, dtype, prec, 0, vec))
             chosen = dict(hit[1]) if hit else None
             chosen_split = chosen.pop("split", None) if chosen else None
             check_and_time("default path (matmul, out=)", default_launch, {})
@@ -456,7 +456,7 @@ def main() -> None:
                 if not usable(cfg, vec):
                     continue
                 params = kernel_params(template, dtype, cfg, vec)
-                kern = mm._kernel(m, mm.config_template(cfg, template), 0, params)
+                kern = mm.cached_kernel(m, mm.config_template(cfg, template), 0, params)
                 extra = {"config": cfg, "regs": kern.num_regs, "local_bytes": kern.local_bytes,
                          "chosen": cfg == chosen}
                 if template != mm.SIMT_TEMPLATE:

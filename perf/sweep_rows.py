@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from cuda_backend import CudaDataType as DT  # noqa: E402
 from cuda_backend.ops import common  # noqa: E402
 from cuda_backend.ops import normalization as nm  # noqa: E402
+from cuda_backend.ops import layer_norm_plans as lp  # noqa: E402
 from cuda_backend.ops import softmax as sm  # noqa: E402
 from cuda_backend.ops import transpose as tr  # noqa: E402
 from cuda_backend.performance.timing import DeviceTimer  # noqa: E402
@@ -216,14 +217,14 @@ def softmax_variants(m: Any, x: Any, out: Any, log: bool, limit: int) -> List[Va
 def ln_variants(m: Any, x: Any, w: Any, b: Any, out: Any) -> List[Variant]:
     rows, D = x.shape
     out_vars = []
-    for cfg in nm._ln_candidates(D, x.dtype, True):
+    for cfg in lp.ln_candidates(D, x.dtype, True):
         tpr, vpt, blk, vec, pf = cfg
-        params = nm._ln_params(x.dtype, tpr, vpt, blk, vec, bool(pf))
+        params = lp.ln_params(x.dtype, tpr, vpt, blk, vec, bool(pf))
         name = f"tpr={tpr} vpt={vpt} block={blk}" + (" prefetch" if pf else "")
 
         def launch(cfg: Tuple[int, ...] = cfg) -> None:
-            nm._ln_launch(m, cfg, x, out, w, b, rows, D, EPS)
-        out_vars.append(Variant(name, launch, [(nm.LN_TEMPLATE, params)]))
+            lp.ln_launch(m, cfg, x, out, w, b, rows, D, EPS)
+        out_vars.append(Variant(name, launch, [(lp.LN_TEMPLATE, params)]))
     out_vars.append(Variant("default path", lambda: nm.layer_norm(m, x, w, b, EPS, out=out), []))
     return out_vars
 
@@ -259,8 +260,8 @@ def compile_jobs(m: Any, limit: int, only: List[str]) -> List[Tuple[str, dict]]:
                                                            bool(p["prefetch"]))))
     if "layer_norm" in only:
         for (rows, D), dt in LAYER_NORM:
-            for tpr, vpt, blk, vec, pf in nm._ln_candidates(D, dt, True):
-                jobs.append((nm.LN_TEMPLATE, nm._ln_params(dt, tpr, vpt, blk, vec, bool(pf))))
+            for tpr, vpt, blk, vec, pf in lp.ln_candidates(D, dt, True):
+                jobs.append((lp.LN_TEMPLATE, lp.ln_params(dt, tpr, vpt, blk, vec, bool(pf))))
     if "transpose" in only:
         for (rows, cols), dt in TRANSPOSE:
             for cfg in tr.candidates(dt, rows, cols, 0, 0):
@@ -422,7 +423,7 @@ def main() -> None:
             vs = ln_variants(m, x, w, bb, out)
 
             def chosen(x: Any = x, out: Any = out, w: Any = w, bb: Any = bb) -> str:
-                cfg = nm._ln_pick(m, x, out, w, bb, rows, D, EPS, True)
+                cfg = lp.ln_pick(m, x, out, w, bb, rows, D, EPS, True)
                 tpr, vpt, blk, _, pf = cfg
                 return f"tpr={tpr} vpt={vpt} block={blk}" + (" prefetch" if pf else "")
             run_case("layer_norm", shape, dtype, x, out, vs, ref,

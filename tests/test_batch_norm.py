@@ -24,6 +24,7 @@ from cuda_backend.kernels import KernelGenerator
 from cuda_backend.launch import normalize_dims
 from cuda_backend.ops import dropout as dr
 from cuda_backend.ops import normalization as nm
+from cuda_backend.ops import batch_norm_plans as bp
 from cuda_backend.ops import optimizers as opt
 from cuda_backend.ops import pooling
 from cuda_backend.tensor import CudaTensor
@@ -167,7 +168,7 @@ def batch_stats(a, axes):
 # (the offset-200 cases, whose mean term is the float rounding of ws_mean, u |mu| at most).
 def kernel_sum_depth(m, x, out):
     """(R, T, splits) of the statistics pass batch_norm ran on x into out (above): the same
-    geometry (ops/normalization.py _bn_geometry, vec_ok from the pointers as batch_norm takes
+    geometry (ops/batch_norm_plans.py bn_geometry, vec_ok from the pointers as batch_norm takes
     it); in fallback mode that of a 132-SM GPU (the host path rounds less)."""
     shape = x.shape
     N, C = shape[0], shape[1]
@@ -177,14 +178,14 @@ def kernel_sum_depth(m, x, out):
     vec_ok = int(x.ptr % 16 == 0 and out.ptr % 16 == 0
                  and (C % vec == 0 if layout == "nc" else S % vec == 0))
     sm = m.backend.get_device_info(x.device_id).multiprocessor_count if m.gpu else 132
-    geo = nm._bn_geometry(layout, N, C, S, vec_ok, vec, sm)
+    geo = bp.bn_geometry(layout, N, C, S, vec_ok, vec, sm)
     splits = geo["splits"]
     if layout == "nc":
         by = geo["stats_block"][1]
         return -(-N // (splits * by)), by - 1, splits
     chunk = geo["stats_args"][-2]
     w = vec if vec_ok else 1
-    return -(-chunk // nm.BLOCK) * w, 5 + (nm.BLOCK // 32).bit_length() - 1, splits
+    return -(-chunk // bp.BLOCK) * w, 5 + (bp.BLOCK // 32).bit_length() - 1, splits
 
 
 def train_tolerance(a, mean, var, eps, depth, u=2.0**-24):

@@ -39,6 +39,9 @@ from cuda_backend.compiler import arg_format, kernel_signature
 from cuda_backend.kernels import KernelGenerator
 from cuda_backend.launch import normalize_dims
 from cuda_backend.ops import conv2d as cv
+from cuda_backend.ops import conv2d_configs as cc
+from cuda_backend.ops import conv2d_geometry as geo
+from cuda_backend.ops import conv2d_launch as cl
 
 gpu = pytest.mark.gpu
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,7 +146,7 @@ def run_case(m, fam, case, rng, with_bias=True, poison=True):
     x, xh = make(m, rng, xs, dtype)
     w, wh = make(m, rng, ws, dtype)
     b, bh = make(m, rng, (ws[0],), dtype) if with_bias else (None, None)
-    geom = cv.plan(xs, ws, config_of(case))
+    geom = geo.plan(xs, ws, config_of(case))
     out = poisoned(m, geom.out_shape, dtype) if poison else None
     res = cv.conv2d(m, x, w, config_of(case), b, prec, out=out)
     assert res.shape == geom.out_shape and res.dtype is dtype
@@ -220,12 +223,12 @@ def test_conv2d_without_bias_through_cudaml(ml, fam):
 
 def _family_configs():
     out = []
-    for cfg in cv.SIMT_CONFIGS:
+    for cfg in cc.SIMT_CONFIGS:
         out.append(("fp32", cfg))
-    for cfg in cv.TF32_CONFIGS:
+    for cfg in cc.TF32_CONFIGS:
         out.append(("tf32", cfg))
     for fam in ("fp16", "bf16"):
-        for cfg in cv.F16_CONFIGS:
+        for cfg in cc.F16_CONFIGS:
             out.append((fam, cfg))
     return out
 
@@ -249,17 +252,17 @@ def test_every_tile_config(m, fam, cfg, case):
     x, xh = make(m, rng, xs, dtype)
     w, wh = make(m, rng, ws, dtype)
     b, bh = make(m, rng, (ws[0],), dtype)
-    geom = cv.plan(xs, ws, config_of(case))
+    geom = geo.plan(xs, ws, config_of(case))
     out = poisoned(m, geom.out_shape, dtype)
     dev = x.device_id
     if fam == "fp32":
-        wt = cv.prepare_weight_simt(m, w, geom, dev)
-        cv.run_simt(m, cfg, x, wt, b, geom, out, dev)
+        wt = cl.prepare_weight_simt(m, w, geom, dev)
+        cl.run_simt(m, cfg, x, wt, b, geom, out, dev)
         wt.free()
     else:
-        xt = cv.prepare_input_mma(m, x, geom, dev)
-        wt = cv.prepare_weight_mma(m, w, geom, dev)
-        cv.run_mma(m, cfg, xt, wt, b, geom, out, dev)
+        xt = cl.prepare_input_mma(m, x, geom, dev)
+        wt = cl.prepare_weight_mma(m, w, geom, dev)
+        cl.run_mma(m, cfg, xt, wt, b, geom, out, dev)
         xt.free()
         wt.free()
     err = rel_err(m.to_numpy(out), ref_conv(xh, wh, bh, s, p, d, g))
@@ -285,7 +288,7 @@ def _x3_id(c):
 
 
 @gpu
-@pytest.mark.parametrize("cfg", cv.X3_CONFIGS, ids=_x3_id)
+@pytest.mark.parametrize("cfg", cc.X3_CONFIGS, ids=_x3_id)
 def test_x3_every_config_odd_shapes(m, cfg):
     """Each 3xTF32 config through run_config (the repacks, the kernel, the workspaces back
     to the pool) into a poisoned output, with and without a bias, on every X3_SHAPES case:
@@ -295,14 +298,14 @@ def test_x3_every_config_odd_shapes(m, cfg):
     pool = m.backend.memory_pools[dev]
     for case in X3_SHAPES:
         xs, ws, s, p, d, g = case
-        geom = cv.plan(xs, ws, config_of(case))
+        geom = geo.plan(xs, ws, config_of(case))
         x, xh = make(m, rng, xs, DT.FLOAT32)
         w, wh = make(m, rng, ws, DT.FLOAT32)
         b, bh = make(m, rng, (ws[0],), DT.FLOAT32)
         for bias, bias_h in ((b, bh), (None, None)):
             out = poisoned(m, geom.out_shape, DT.FLOAT32)
             before = pool.get_stats()["active_memory"]
-            cv.run_config(m, cfg, x, w, bias, geom, out, dev)
+            cl.run_config(m, cfg, x, w, bias, geom, out, dev)
             assert pool.get_stats()["active_memory"] == before
             check_finite(m.to_numpy(out), ref_conv(xh, wh, bias_h, s, p, d, g),
                          f32_bound(xh, wh, bias_h, case), (cfg, case, bias is not None))
@@ -318,36 +321,36 @@ def test_x3_bound_separates_tf32(m):
     case = X3_SHAPES[3]
     rng = np.random.default_rng(32)
     xs, ws, s, p, d, g = case
-    geom = cv.plan(xs, ws, config_of(case))
+    geom = geo.plan(xs, ws, config_of(case))
     x, xh = make(m, rng, xs, DT.FLOAT32)
     w, wh = make(m, rng, ws, DT.FLOAT32)
     ref, bd = ref_conv(xh, wh, None, s, p, d, g), f32_bound(xh, wh, None, case)
     dev = m.backend.current_device
     errs = {}
-    for cfg in (cv.T_64x64x16, cv.X_64x64x16):
+    for cfg in (cc.T_64x64x16, cc.X_64x64x16):
         out = poisoned(m, geom.out_shape, DT.FLOAT32)
-        cv.run_config(m, cfg, x, w, None, geom, out, dev)
+        cl.run_config(m, cfg, x, w, None, geom, out, dev)
         errs[cfg["x3"]] = np.abs(m.to_numpy(out).astype(np.float64) - ref) / bd
         out.free()
     assert errs[True].max() <= 1 < errs[False].max(), (errs[True].max(), errs[False].max())
 
 
 @gpu
-@pytest.mark.parametrize("cfg", cv.X3_CONFIGS, ids=_x3_id)
+@pytest.mark.parametrize("cfg", cc.X3_CONFIGS, ids=_x3_id)
 def test_x3_forced_through_candidates_and_plan(ml, cfg, monkeypatch):
     """CudaML.conv2d at the default precision with the candidate list forced to one 3xTF32
     config, on the X3_SHAPES cases where x3 fits: the first call takes the general path
     (run_config), the second the per-call plan (its mma branch: the repacks into pool
     blocks, the x3 kernel); both within f32_bound."""
     m = ml.math
-    monkeypatch.setattr(cv, "candidates", lambda *args: [cfg])
+    monkeypatch.setattr(cc, "candidates", lambda *args: [cfg])
     picks = m.__dict__.setdefault("_conv2d_configs", {})
     rng = np.random.default_rng(33)
     try:
         for case in X3_SHAPES:
             xs, ws, s, p, d, g = case
             conf = config_of(case)
-            if not cv.x3_fits(cv.plan(xs, ws, conf), DT.FLOAT32, None):
+            if not cc.x3_fits(geo.plan(xs, ws, conf), DT.FLOAT32, None):
                 continue
             picks.clear()
             for with_bias in (True, False):
@@ -385,15 +388,15 @@ def test_x3_infinities_and_nans(m):
     xh[1, 20, 2, 2] = -np.inf
     xh[2, 7, 8, 10] = nan_gpu
     xh[3, 30, 0, 0] = np.nan
-    geom = cv.plan(xh.shape, ws, config_of(case))
+    geom = geo.plan(xh.shape, ws, config_of(case))
     x, w = m.from_numpy(xh), m.from_numpy(wh)
     case4 = (xh.shape,) + case[1:]
     with np.errstate(all="ignore"):
         ref = ref_conv(xh, wh, None, s, p, d, g)
     dev = m.backend.current_device
-    for cfg in (cv.X_128x64x32, cv.X_64x32x16):
+    for cfg in (cc.X_128x64x32, cc.X_64x32x16):
         out = poisoned(m, geom.out_shape, DT.FLOAT32)
-        cv.run_config(m, cfg, x, w, None, geom, out, dev)
+        cl.run_config(m, cfg, x, w, None, geom, out, dev)
         got = m.to_numpy(out).astype(np.float64)
         out.free()
         np.testing.assert_array_equal(np.isnan(got), np.isnan(ref), err_msg=str(cfg))
@@ -413,8 +416,8 @@ def test_x3_infinities_and_nans(m):
 def test_direct_kernel_every_dtype(m, fam):
     """Depthwise goes to the direct kernel in every dtype (tf32 stays exact there)."""
     case = ((2, 32, 33, 31), (32, 1, 3, 3), (2, 1), (1, 1), (1, 2), 32)
-    geom = cv.plan(case[0], case[1], config_of(case))
-    assert cv.family(geom, FAMILIES[fam][0], FAMILIES[fam][1]) == "direct"
+    geom = geo.plan(case[0], case[1], config_of(case))
+    assert cc.family(geom, FAMILIES[fam][0], FAMILIES[fam][1]) == "direct"
     run_case(m, fam, case, np.random.default_rng(4905))
 
 
@@ -526,7 +529,7 @@ def test_reference_matches_brute_force():
                         acc += x[n, g * Cg + c, ih, iw] * w[k, c, i, j]
         brute[n, k, p, q] = acc
     np.testing.assert_allclose(ref, brute, rtol=1e-12, atol=1e-12)
-    g = cv.plan(x.shape, w.shape, ConvolutionConfig((3, 2), stride, pad, dil, groups))
+    g = geo.plan(x.shape, w.shape, ConvolutionConfig((3, 2), stride, pad, dil, groups))
     np.testing.assert_allclose(cv.reference(x, w, b, g), brute, rtol=1e-12, atol=1e-12)
 
 
@@ -538,7 +541,7 @@ def test_conv2d_small_cases_in_this_process(ml, case):
     w, wh = make(ml.math, rng, case[1], DT.FLOAT32)
     b, bh = make(ml.math, rng, (case[1][0],), DT.FLOAT32)
     y = ml.conv2d(x, w, config_of(case), b)
-    assert y.shape == cv.plan(case[0], case[1], config_of(case)).out_shape
+    assert y.shape == geo.plan(case[0], case[1], config_of(case)).out_shape
     assert rel_err(ml.math.to_numpy(y), ref_conv(xh, wh, bh, *case[2:])) <= 1e-5 * math.sqrt(
         case[1][1] * case[1][2] * case[1][3])
     y16 = ml.conv2d(ml.math.from_numpy(xh, dtype=DT.BFLOAT16),
@@ -548,10 +551,10 @@ def test_conv2d_small_cases_in_this_process(ml, case):
 
 
 def test_output_size_follows_pytorch():
-    g = cv.plan((1, 3, 17, 19), (5, 3, 3, 3), ConvolutionConfig(3, 2, 1, 2))
+    g = geo.plan((1, 3, 17, 19), (5, 3, 3, 3), ConvolutionConfig(3, 2, 1, 2))
     assert g.out_shape == (1, 5, (17 + 2 - 4 - 1) // 2 + 1, (19 + 2 - 4 - 1) // 2 + 1)
     assert (g.M, g.Cg, g.Kg) == (g.P * g.Q, 3, 5)
-    g = cv.plan((2, 6, 8, 8), (4, 3, 2, 2), ConvolutionConfig(2, 1, 0, 1, 2))
+    g = geo.plan((2, 6, 8, 8), (4, 3, 2, 2), ConvolutionConfig(2, 1, 0, 1, 2))
     assert g.out_shape == (2, 4, 7, 7)
 
 
@@ -614,50 +617,50 @@ def test_errors_name_shapes_and_leak_nothing(ml):
 
 def test_config_lists_and_variants():
     variants = cv.template_variants()
-    simt = variants[cv.SIMT_TEMPLATE]
-    mma = variants[cv.MMA_TEMPLATE]
-    assert len(simt) == len(cv.SIMT_CONFIGS)
-    assert len(mma) == len(cv.TF32_CONFIGS) + len(cv.X3_CONFIGS) + 2 * len(cv.F16_CONFIGS)
-    assert [p["x3"] for p in mma].count(True) == len(cv.X3_CONFIGS)
+    simt = variants[cc.SIMT_TEMPLATE]
+    mma = variants[cc.MMA_TEMPLATE]
+    assert len(simt) == len(cc.SIMT_CONFIGS)
+    assert len(mma) == len(cc.TF32_CONFIGS) + len(cc.X3_CONFIGS) + 2 * len(cc.F16_CONFIGS)
+    assert [p["x3"] for p in mma].count(True) == len(cc.X3_CONFIGS)
     assert all(p["dtype"] == "float32" for p in mma if p["x3"])
-    for cfg in cv.SIMT_CONFIGS:
+    for cfg in cc.SIMT_CONFIGS:
         threads = cfg["bm"] // cfg["tm"] * (cfg["bn"] // cfg["tn"]) * cfg["slices"]
         assert threads % 32 == 0 and threads <= 256
-    for cfg in cv.TF32_CONFIGS + cv.X3_CONFIGS + cv.F16_CONFIGS:
-        assert cv.mma_shared_bytes(cfg, DT.FLOAT32) <= 227 * 1024
-    for cfg in cv.X3_CONFIGS:   # two accumulator sets: warp tiles of 2048 outputs at most
+    for cfg in cc.TF32_CONFIGS + cc.X3_CONFIGS + cc.F16_CONFIGS:
+        assert cl.mma_shared_bytes(cfg, DT.FLOAT32) <= 227 * 1024
+    for cfg in cc.X3_CONFIGS:   # two accumulator sets: warp tiles of 2048 outputs at most
         assert cfg["x3"] and cfg["wm"] * cfg["wn"] <= 2048
     # every candidate the chooser can return is a rendered variant
     for xs, ws, s, p, d, g in CASES + CONFIG_SHAPES:
-        geom = cv.plan(xs, ws, ConvolutionConfig(ws[2:], s, p, d, g))
+        geom = geo.plan(xs, ws, ConvolutionConfig(ws[2:], s, p, d, g))
         for fam, (dtype, prec) in FAMILIES.items():
-            if cv.family(geom, dtype, prec) == "direct":
+            if cc.family(geom, dtype, prec) == "direct":
                 continue
-            for cfg in cv.candidates(geom, dtype, prec, 132):
-                table = cv.SIMT_CONFIGS if cv.family(geom, dtype, prec) == "simt" else (
-                    cv.TF32_CONFIGS if dtype is DT.FLOAT32 else cv.F16_CONFIGS)
-                if cv.x3_fits(geom, dtype, prec):
-                    table += cv.X3_CONFIGS
+            for cfg in cc.candidates(geom, dtype, prec, 132):
+                table = cc.SIMT_CONFIGS if cc.family(geom, dtype, prec) == "simt" else (
+                    cc.TF32_CONFIGS if dtype is DT.FLOAT32 else cc.F16_CONFIGS)
+                if cc.x3_fits(geom, dtype, prec):
+                    table += cc.X3_CONFIGS
                 assert cfg in table
 
 
 def test_family_choice():
-    big = cv.plan((32, 64, 128, 128), (128, 64, 3, 3), ConvolutionConfig(3, padding=1))
-    assert cv.family(big, DT.FLOAT32, None) == "simt"
-    assert cv.family(big, DT.FLOAT32, "tf32") == "mma"
-    assert cv.family(big, DT.BFLOAT16, None) == "mma"
-    assert cv.family(big, DT.FLOAT32, "ieee") == "simt"
-    default = cv.candidates(big, DT.FLOAT32, None, 132)
-    assert default[:3] == cv.candidates(big, DT.FLOAT32, "ieee", 132) == \
-        [cv.S_128x128x8, cv.S_128x128x16, cv.S_128x64x8]
-    assert default[3:] == [cv.X_128x128x32, cv.X_128x128x32s4, cv.X_128x64x32]
-    assert cv.candidates(big, DT.FLOAT32, "fp32", 132) == default
-    assert cv.candidates(big, DT.FLOAT32, "tf32", 132) == \
-        [cv.T_128x128x32, cv.T_128x128x32s3, cv.T_128x64x32]
-    dw = cv.plan((2, 32, 8, 8), (32, 1, 3, 3), ConvolutionConfig(3, groups=32))
-    assert cv.family(dw, DT.FLOAT16, None) == "direct"
-    small = cv.plan((1, 32, 64, 64), (32, 32, 3, 3), ConvolutionConfig(3, padding=1))
-    assert all(c["bn"] == 32 for c in cv.candidates(small, DT.FLOAT32, "ieee", 132))
+    big = geo.plan((32, 64, 128, 128), (128, 64, 3, 3), ConvolutionConfig(3, padding=1))
+    assert cc.family(big, DT.FLOAT32, None) == "simt"
+    assert cc.family(big, DT.FLOAT32, "tf32") == "mma"
+    assert cc.family(big, DT.BFLOAT16, None) == "mma"
+    assert cc.family(big, DT.FLOAT32, "ieee") == "simt"
+    default = cc.candidates(big, DT.FLOAT32, None, 132)
+    assert default[:3] == cc.candidates(big, DT.FLOAT32, "ieee", 132) == \
+        [cc.S_128x128x8, cc.S_128x128x16, cc.S_128x64x8]
+    assert default[3:] == [cc.X_128x128x32, cc.X_128x128x32s4, cc.X_128x64x32]
+    assert cc.candidates(big, DT.FLOAT32, "fp32", 132) == default
+    assert cc.candidates(big, DT.FLOAT32, "tf32", 132) == \
+        [cc.T_128x128x32, cc.T_128x128x32s3, cc.T_128x64x32]
+    dw = geo.plan((2, 32, 8, 8), (32, 1, 3, 3), ConvolutionConfig(3, groups=32))
+    assert cc.family(dw, DT.FLOAT16, None) == "direct"
+    small = geo.plan((1, 32, 64, 64), (32, 32, 3, 3), ConvolutionConfig(3, padding=1))
+    assert all(c["bn"] == 32 for c in cc.candidates(small, DT.FLOAT32, "ieee", 132))
 
 
 def _recording_math():
@@ -670,10 +673,10 @@ def _recording_math():
     kernel, launch = m.kernel, m.backend.launch_kernel
 
     def kernel_of(template, device_id, **params):
-        if template == cv.MMA_TEMPLATE:
+        if template == cc.MMA_TEMPLATE:
             return kernel(template, device_id, **params)
         name, src = m.generator.render_kernel(template, **params)
-        threads = 256 if template == cv.PREP_TEMPLATE else \
+        threads = 256 if template == cc.PREP_TEMPLATE else \
             params["bm"] // params["tm"] * (params["bn"] // params["tn"]) * params["slices"]
         k = SimpleNamespace(name=name, template=template, params=params, threads=threads,
                             fmt=arg_format(src, name, kernel_signature(src, name)))
@@ -693,7 +696,7 @@ def _recorded_conv(prec, case):
     m = _recording_math()
     xs, ws = case[0], case[1]
     x, w = m.backend.empty(xs, DT.FLOAT32), m.backend.empty(ws, DT.FLOAT32)
-    geom = cv.plan(xs, ws, config_of(case))
+    geom = geo.plan(xs, ws, config_of(case))
     out = m.backend.empty(geom.out_shape, DT.FLOAT32)
     assert cv.conv2d(m, x, w, config_of(case), None, prec, out=out) is out
     picked = m.picked
@@ -713,26 +716,26 @@ def test_x3_offered_at_the_default_precision_only(prec):
     x3 = [c for c in cands if c.get("x3")]
     if prec == "ieee":
         assert op == "conv2d_simt" and not x3 and all("tm" in c for c in cands)
-        assert {k.template for k, *_ in launches} == {cv.PREP_TEMPLATE, cv.SIMT_TEMPLATE}
+        assert {k.template for k, *_ in launches} == {cc.PREP_TEMPLATE, cc.SIMT_TEMPLATE}
         return
-    assert op == "conv2d_x3simt" and x3 == [cv.X_128x64x32, cv.X_64x64x16, cv.X_128x128x32]
-    assert cands[:len(cands) - len(x3)] == cv.candidates(geom, DT.FLOAT32, "ieee", 132)
+    assert op == "conv2d_x3simt" and x3 == [cc.X_128x64x32, cc.X_64x64x16, cc.X_128x128x32]
+    assert cands[:len(cands) - len(x3)] == cc.candidates(geom, DT.FLOAT32, "ieee", 132)
     # a call with an x3 config: what run_config launches
     m = _recording_math()
-    cv.run_config(m, cv.X_128x64x32, x, w, None, geom, out, 0)
+    cl.run_config(m, cc.X_128x64x32, x, w, None, geom, out, 0)
     (ki, *_), (kw, *_), (k, grid, smem, values) = m.backend.launches
     assert ki.params["kind"] == "input_nhwc" and kw.params["kind"] == "weight_krsc"
-    assert k.template == cv.MMA_TEMPLATE and k.params["x3"] is True
-    assert k.params == {**cv.dtype_params(DT.FLOAT32), **cv.X_128x64x32}
-    assert k.threads == 128 and smem == cv.mma_shared_bytes(cv.X_128x64x32, DT.FLOAT32)
+    assert k.template == cc.MMA_TEMPLATE and k.params["x3"] is True
+    assert k.params == {**cv.dtype_params(DT.FLOAT32), **cc.X_128x64x32}
+    assert k.threads == 128 and smem == cl.mma_shared_bytes(cc.X_128x64x32, DT.FLOAT32)
     assert grid == (-(-geom.M // 128), -(-geom.Kg // 64), 2)
-    cgp = cv.padded_channels(geom, DT.FLOAT32)
+    cgp = cc.padded_channels(geom, DT.FLOAT32)
     assert cgp == 40 and values[3:] == [out.ptr, 0, 9, 11, 2 * cgp, cgp, 80, 160, geom.P,
                                         geom.Q, 3, 3, 1, 1, 1, 1, 1, 1, geom.M]
     # channels padded to 20 (Cg = 17): the 32-deep k-tiles drop out, the 16-deep one stays
-    thin = cv.plan((2, 34, 9, 11), (160, 17, 3, 3), ConvolutionConfig(3, padding=1, groups=2))
-    assert [c for c in cv.candidates(thin, DT.FLOAT32, None, 132) if c.get("x3")] == \
-        [cv.X_64x64x16]
+    thin = geo.plan((2, 34, 9, 11), (160, 17, 3, 3), ConvolutionConfig(3, padding=1, groups=2))
+    assert [c for c in cc.candidates(thin, DT.FLOAT32, None, 132) if c.get("x3")] == \
+        [cc.X_64x64x16]
 
 
 def test_x3_fits_and_the_dgrad_routing():
@@ -740,28 +743,28 @@ def test_x3_fits_and_the_dgrad_routing():
     data gradient of float32 at the default precision runs through the forward where the
     forward's x3 fits (its Cg is the layer's K/groups), else the dgrad kernel; 'ieee' keeps
     the dgrad kernel; tf32 and the half types go through the forward as before."""
-    from cuda_backend.ops import conv2d_backward as cb
+    from cuda_backend.ops import conv2d_backward_configs as bc
     conf = ConvolutionConfig(3, padding=1)
-    big = cv.plan((32, 64, 128, 128), (128, 64, 3, 3), conf)
-    assert cv.x3_fits(big, DT.FLOAT32, None) and cv.x3_fits(big, DT.FLOAT32, "fp32")
+    big = geo.plan((32, 64, 128, 128), (128, 64, 3, 3), conf)
+    assert cc.x3_fits(big, DT.FLOAT32, None) and cc.x3_fits(big, DT.FLOAT32, "fp32")
     for dtype, prec in ((DT.FLOAT32, "ieee"), (DT.FLOAT32, "tf32"), (DT.FLOAT16, None),
                         (DT.BFLOAT16, None)):
-        assert not cv.x3_fits(big, dtype, prec)
-    assert not cv.x3_fits(cv.plan((1, 12, 8, 8), (16, 12, 3, 3), conf), DT.FLOAT32, None)
-    assert cv.x3_fits(cv.plan((1, 13, 8, 8), (16, 13, 3, 3), conf), DT.FLOAT32, None)
-    assert not cv.x3_fits(cv.plan((1, 32, 8, 8), (32, 1, 3, 3), ConvolutionConfig(
+        assert not cc.x3_fits(big, dtype, prec)
+    assert not cc.x3_fits(geo.plan((1, 12, 8, 8), (16, 12, 3, 3), conf), DT.FLOAT32, None)
+    assert cc.x3_fits(geo.plan((1, 13, 8, 8), (16, 13, 3, 3), conf), DT.FLOAT32, None)
+    assert not cc.x3_fits(geo.plan((1, 32, 8, 8), (32, 1, 3, 3), ConvolutionConfig(
         3, padding=1, groups=32)), DT.FLOAT32, None)          # depthwise: direct
-    assert cb.dgrad_path(big, DT.FLOAT32, None) == "forward"
-    assert cb.dgrad_path(big, DT.FLOAT32, "fp32") == "forward"
-    assert cb.dgrad_path(big, DT.FLOAT32, "ieee") == "simt"
-    assert cb.dgrad_path(big, DT.FLOAT32, "tf32") == "forward"
-    thin_k = cv.plan((2, 64, 9, 9), (12, 64, 3, 3), conf)      # forward's Cg = 12: no x3
-    assert cb.dgrad_path(thin_k, DT.FLOAT32, None) == "simt"
-    odd = cv.plan((2, 9, 9, 7), (26, 9, 3, 1), ConvolutionConfig((3, 1), padding=(2, 0),
+    assert bc.dgrad_path(big, DT.FLOAT32, None) == "forward"
+    assert bc.dgrad_path(big, DT.FLOAT32, "fp32") == "forward"
+    assert bc.dgrad_path(big, DT.FLOAT32, "ieee") == "simt"
+    assert bc.dgrad_path(big, DT.FLOAT32, "tf32") == "forward"
+    thin_k = geo.plan((2, 64, 9, 9), (12, 64, 3, 3), conf)      # forward's Cg = 12: no x3
+    assert bc.dgrad_path(thin_k, DT.FLOAT32, None) == "simt"
+    odd = geo.plan((2, 9, 9, 7), (26, 9, 3, 1), ConvolutionConfig((3, 1), padding=(2, 0),
                                                                  dilation=(2, 1)))
-    assert cb.dgrad_path(odd, DT.FLOAT32, None) == "forward"
-    strided = cv.plan((2, 64, 9, 9), (128, 64, 3, 3), ConvolutionConfig(3, 2, 1))
-    assert cb.dgrad_path(strided, DT.FLOAT32, None) == "simt"
+    assert bc.dgrad_path(odd, DT.FLOAT32, None) == "forward"
+    strided = geo.plan((2, 64, 9, 9), (128, 64, 3, 3), ConvolutionConfig(3, 2, 1))
+    assert bc.dgrad_path(strided, DT.FLOAT32, None) == "simt"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cuobjdump") is None,
@@ -769,10 +772,10 @@ def test_x3_fits_and_the_dgrad_routing():
 def test_sass_tensor_cores_and_no_local_memory():
     """The mma variants assemble to HMMA; the large tiles keep everything in registers."""
     gen = KernelGenerator(backend=object())
-    picks = [(cv.MMA_TEMPLATE, {**cv.dtype_params(DT.FLOAT32), **cv.T_128x128x32}),
-             (cv.MMA_TEMPLATE, {**cv.dtype_params(DT.FLOAT32), **cv.X_128x128x32}),
-             (cv.MMA_TEMPLATE, {**cv.dtype_params(DT.BFLOAT16), **cv.H_128x128x64}),
-             (cv.SIMT_TEMPLATE, {**cv.dtype_params(DT.FLOAT32), **cv.S_128x128x8})]
+    picks = [(cc.MMA_TEMPLATE, {**cv.dtype_params(DT.FLOAT32), **cc.T_128x128x32}),
+             (cc.MMA_TEMPLATE, {**cv.dtype_params(DT.FLOAT32), **cc.X_128x128x32}),
+             (cc.MMA_TEMPLATE, {**cv.dtype_params(DT.BFLOAT16), **cc.H_128x128x64}),
+             (cc.SIMT_TEMPLATE, {**cv.dtype_params(DT.FLOAT32), **cc.S_128x128x8})]
     with tempfile.TemporaryDirectory() as tmp:
         for i, (template, params) in enumerate(picks):
             name, src = gen.render_kernel(template, **params)
@@ -783,7 +786,7 @@ def test_sass_tensor_cores_and_no_local_memory():
                            capture_output=True, timeout=300)
             sass = subprocess.run(["cuobjdump", "-sass", cubin], check=True,
                                   capture_output=True, text=True).stdout
-            assert ("HMMA" in sass) == (template == cv.MMA_TEMPLATE), name
+            assert ("HMMA" in sass) == (template == cc.MMA_TEMPLATE), name
             assert "LDL" not in sass and "STL" not in sass, name
 
 

@@ -37,6 +37,10 @@ from cuda_backend.kernels import KernelGenerator, dtype_params
 from cuda_backend.dtypes import from_bfloat16_bits, to_bfloat16_bits
 from cuda_backend.ops import conv2d as cv
 from cuda_backend.ops import conv2d_backward as cb
+from cuda_backend.ops import conv2d_backward_configs as bc
+from cuda_backend.ops import conv2d_backward_program as bp
+from cuda_backend.ops import conv2d_configs as cc
+from cuda_backend.ops import conv2d_geometry as geo
 
 gpu = pytest.mark.gpu
 GPU = load_driver()[0] is not None
@@ -74,7 +78,7 @@ def config_of(case):
 
 
 def geometry(case):
-    return cv.plan(case[0], case[1], config_of(case))
+    return geo.plan(case[0], case[1], config_of(case))
 
 
 # -- the test's own float64 references -------------------------------------------------------
@@ -149,7 +153,7 @@ def x3_depth(g, cfg):
     terms (8 exact products and the accumulator) with truncation, at most 2u of the running
     magnitude each: 2.25 chunk; the cross terms' accumulator, 2^-10 as large, 0.0044 chunk;
     acc + acc_s one rounded add, splitk_sum one per split; X3_PRODUCT per product."""
-    splits, chunk = cb.wgrad_split(g, cfg, sm_count())
+    splits, chunk = bc.wgrad_split(g, cfg, sm_count())
     return 2.26 * chunk + splits + 1 + X3_PRODUCT
 
 
@@ -158,16 +162,16 @@ def wgrad_depth(g, cfgs=None, dtype=DT.FLOAT32, prec=None):
     the configs (default: the autotuner's candidates for dtype and precision): SIMT, the
     sequential adds behind an element (a split's pixels, then the splits in order);
     3xTF32, x3_depth."""
-    cfgs = cfgs or cb.candidates(g, sm_count(), "wgrad", dtype, prec)
-    return max(x3_depth(g, c) if cb.wgrad_is_x3(c) else
-               sum(cb.wgrad_split(g, c, sm_count())[::-1]) for c in cfgs)
+    cfgs = cfgs or bc.candidates(g, sm_count(), "wgrad", dtype, prec)
+    return max(x3_depth(g, c) if bc.wgrad_is_x3(c) else
+               sum(bc.wgrad_split(g, c, sm_count())[::-1]) for c in cfgs)
 
 
 def bias_depth(g):
     """Sequential adds behind a grad_bias element: a thread's share of a chunk (4 running sums
     over its rows, up to 3 more per row in the tail loop), 2 to join them, 5 + 3 shuffle
     levels, then the chunks in order."""
-    chunks, chunk = cb.bias_chunks(g, sm_count())
+    chunks, chunk = bc.bias_chunks(g, sm_count())
     rows = -(-chunk // (g.P * g.Q)) + 1
     return -(-chunk // 256) + 3 * rows + 10 + chunks
 
@@ -190,12 +194,12 @@ def stored(values, dtype):
 def uses_tensor_cores(g, dtype, prec):
     """Whether the data gradient runs on the forward's mma kernel (its accumulation may
     truncate: 2u per add) and, with TF32, rounds its operands."""
-    if not GPU or cb.dgrad_path(g, dtype, prec) != "forward":
+    if not GPU or bc.dgrad_path(g, dtype, prec) != "forward":
         return False
-    g2 = cv.plan(g.out_shape, (g.C, g.Kg, g.R, g.S), ConvolutionConfig(
+    g2 = geo.plan(g.out_shape, (g.C, g.Kg, g.R, g.S), ConvolutionConfig(
         kernel_size=(g.R, g.S), padding=(g.dh * (g.R - 1) - g.ph, g.dw * (g.S - 1) - g.pw),
         dilation=(g.dh, g.dw), groups=g.groups))
-    return cv.family(g2, dtype, prec) == "mma"
+    return cc.family(g2, dtype, prec) == "mma"
 
 
 def bounds(go, x, w, case, dtype, prec, d_wg=None, mma=None):
@@ -426,35 +430,35 @@ def test_bad_input_raises_typed_errors(apis):
 def test_configs_and_candidates():
     """Every config meets its template's static_asserts and shared-memory limit; every
     candidate is a rendered variant; the split and chunk helpers cover the pixels."""
-    for cfg in cb.DGRAD_CONFIGS:
+    for cfg in bc.DGRAD_CONFIGS:
         tx, ty = cfg["bn"] // cfg["tn"], cfg["bm"] // cfg["tm"]
         st = tx * ty
         wx = min(tx, 8)
         assert st % 32 == 0 and tx % wx == 0 and ty % (32 // wx) == 0
         assert st % cfg["bm"] == 0 and cfg["bk"] % (st // cfg["bm"]) == 0
-        assert cb.dgrad_threads(cfg) <= 256 and cb.dgrad_shared_bytes(cfg) <= 227 * 1024
-    for cfg in cb.WGRAD_CONFIGS:
+        assert bc.dgrad_threads(cfg) <= 256 and bc.dgrad_shared_bytes(cfg) <= 227 * 1024
+    for cfg in bc.WGRAD_CONFIGS:
         tx, ty = cfg["bn"] // cfg["tn"], cfg["bm"] // cfg["tm"]
         threads, wx = tx * ty, min(tx, 8)
         mq = threads // cfg["bk"]
         assert threads % 32 == 0 and tx % wx == 0 and ty % (32 // wx) == 0
         assert cfg["bk"] % 8 == 0 and (threads // 32) % (cfg["bk"] // 8) == 0
         assert cfg["bm"] % mq == 0 and cfg["bn"] % mq == 0 and mq % 4 == 0
-        assert cb.wgrad_shared_bytes(cfg) <= 227 * 1024
+        assert bc.wgrad_shared_bytes(cfg) <= 227 * 1024
     variants = cb.template_variants()
-    assert len(variants[cb.DGRAD_TEMPLATE]) == 3 * len(cb.DGRAD_CONFIGS)
-    assert len(variants[cb.WGRAD_TEMPLATE]) == len(cb.WGRAD_CONFIGS)
-    assert {p["kind"] for p in variants[cb.AUX_TEMPLATE]} == set(cb.AUX_KINDS)
+    assert len(variants[bc.DGRAD_TEMPLATE]) == 3 * len(bc.DGRAD_CONFIGS)
+    assert len(variants[bc.WGRAD_TEMPLATE]) == len(bc.WGRAD_CONFIGS)
+    assert {p["kind"] for p in variants[bc.AUX_TEMPLATE]} == set(bc.AUX_KINDS)
     for case in CASES + [((32, 64, 128, 128), (128, 64, 3, 3), (1, 1), (1, 1), (1, 1), 1)]:
         g = geometry(case)
         for sms in (1, 7, 132):
-            assert all(c in cb.DGRAD_CONFIGS for c in cb.candidates(g, sms, "dgrad"))
-            for c in cb.candidates(g, sms, "wgrad"):
-                assert {k: v for k, v in c.items() if k != "waves"} in cb.WGRAD_CONFIGS
-                splits, chunk = cb.wgrad_split(g, c, sms)
+            assert all(c in bc.DGRAD_CONFIGS for c in bc.candidates(g, sms, "dgrad"))
+            for c in bc.candidates(g, sms, "wgrad"):
+                assert {k: v for k, v in c.items() if k != "waves"} in bc.WGRAD_CONFIGS
+                splits, chunk = bc.wgrad_split(g, c, sms)
                 L = g.N * g.P * g.Q
                 assert chunk % c["bk"] == 0 and splits * chunk >= L > (splits - 1) * chunk
-            chunks, chunk = cb.bias_chunks(g, sms)
+            chunks, chunk = bc.bias_chunks(g, sms)
             assert chunks * chunk >= g.N * g.P * g.Q > (chunks - 1) * chunk and chunks <= 65535
 
 
@@ -464,7 +468,7 @@ def test_phase_taps_against_brute_force():
             for size in range(1, 7):
                 for a in range(stride):
                     taps = [r for r in range(size) if (a - r * dil) % stride == 0]
-                    r0, step, out_step, count = cb.phase_taps(a, stride, dil, size)
+                    r0, step, out_step, count = bc.phase_taps(a, stride, dil, size)
                     assert count == len(taps)
                     if taps:
                         assert taps == list(range(r0, size, step))
@@ -490,8 +494,8 @@ def test_kernel_index_math_emulated(case):
             hl, wl = g.H - 1 + g.ph - ah, g.W - 1 + g.pw - aw
             Hph = 0 if hl < 0 else max(0, hl // g.sh - ihb + 1)
             Wph = 0 if wl < 0 else max(0, wl // g.sw - iwb + 1)
-            r0, rstep, pstep, Rv = cb.phase_taps(ah, g.sh, g.dh, g.R)
-            s0, sstep, qstep, Sv = cb.phase_taps(aw, g.sw, g.dw, g.S)
+            r0, rstep, pstep, Rv = bc.phase_taps(ah, g.sh, g.dh, g.R)
+            s0, sstep, qstep, Sv = bc.phase_taps(aw, g.sw, g.dw, g.S)
             pb0 = ihb + (ah - r0 * g.dh) // g.sh if Rv else 0
             qb0 = iwb + (aw - s0 * g.dw) // g.sw if Sv else 0
             for i in range(Hph):
@@ -514,11 +518,11 @@ def test_kernel_index_math_emulated(case):
     # wgrad: split chunks, each thread's pixel l = l_begin + ll advanced by bk with carries
     PQ, L = g.P * g.Q, g.N * g.P * g.Q
     xp = np.pad(x, ((0, 0), (0, 0), (g.ph, g.ph), (g.pw, g.pw)))
-    for cfg in (cb.W_16x64x8, cb.W_128x128x8):
+    for cfg in (bc.W_16x64x8, bc.W_128x128x8):
         bk = cfg["bk"]
         dn, dp = bk // PQ, (bk - bk // PQ * PQ) // g.Q
         dq = bk - dn * PQ - dp * g.Q
-        splits, chunk = cb.wgrad_split(g, {**cfg, "waves": 4}, 132)
+        splits, chunk = bc.wgrad_split(g, {**cfg, "waves": 4}, 132)
         gw = np.zeros(w.shape)
         for z in range(splits):
             l_len = min(chunk, L - z * chunk)
@@ -549,13 +553,13 @@ def test_dgrad_paths():
     g2 = geometry(CASES[0])                  # stride 2
     g3 = geometry(CASES[10])                 # stride 1, 40 channels
     g4 = geometry(CASES[7])                  # padding 3 > dilation * (kernel - 1)
-    assert cb.dgrad_path(g1, DT.FLOAT32, None) == "forward"     # the direct kernel
-    assert cb.dgrad_path(g3, DT.FLOAT32, None) == "forward"    # the forward's 3xTF32 fits
-    assert cb.dgrad_path(g3, DT.FLOAT32, "ieee") == "simt"
-    assert cb.dgrad_path(g3, DT.FLOAT32, "tf32") == "forward"
-    assert cb.dgrad_path(g3, DT.BFLOAT16, None) == "forward"
-    assert cb.dgrad_path(g2, DT.FLOAT16, None) == "simt"
-    assert cb.dgrad_path(g4, DT.FLOAT16, None) == "simt"
+    assert bc.dgrad_path(g1, DT.FLOAT32, None) == "forward"     # the direct kernel
+    assert bc.dgrad_path(g3, DT.FLOAT32, None) == "forward"    # the forward's 3xTF32 fits
+    assert bc.dgrad_path(g3, DT.FLOAT32, "ieee") == "simt"
+    assert bc.dgrad_path(g3, DT.FLOAT32, "tf32") == "forward"
+    assert bc.dgrad_path(g3, DT.BFLOAT16, None) == "forward"
+    assert bc.dgrad_path(g2, DT.FLOAT16, None) == "simt"
+    assert bc.dgrad_path(g4, DT.FLOAT16, None) == "simt"
 
 
 # -- 3xTF32 wgrad (conv2d_wgrad_mma.cu.j2): configs, split arithmetic, index math (CPU) -------
@@ -599,42 +603,42 @@ def test_x3_configs_and_candidates():
     offsets would leave int32 get the SIMT list; the splits cover the pixels with chunks of
     at most X3_MAX_CHUNK pixels (unless the workspace cap needs longer ones)."""
     gen = KernelGenerator(backend=object())
-    variants = cb.template_variants()[cb.WGRAD_X3_TEMPLATE]
-    assert len(variants) == len(cb.WGRAD_X3_CONFIGS)
-    for cfg in cb.WGRAD_X3_CONFIGS:
+    variants = cb.template_variants()[bc.WGRAD_X3_TEMPLATE]
+    assert len(variants) == len(bc.WGRAD_X3_CONFIGS)
+    for cfg in bc.WGRAD_X3_CONFIGS:
         lay = x3_layout(cfg)
-        assert cb.wgrad_is_x3(cfg) and cb.wgrad_template(cfg) == cb.WGRAD_X3_TEMPLATE
+        assert bc.wgrad_is_x3(cfg) and bc.wgrad_template(cfg) == bc.WGRAD_X3_TEMPLATE
         assert cfg["bk"] in (16, 32) and cfg["stages"] >= 2
         assert cfg["bm"] % cfg["wm"] == 0 and cfg["bn"] % cfg["wn"] == 0
         assert cfg["wm"] % 16 == 0 and cfg["wn"] % 16 == 0
         assert cfg["bm"] % lay["row_step"] == 0 and cfg["bn"] % lay["row_step"] == 0
         assert lay["row_step"] % 8 == 0 or 8 % lay["row_step"] == 0
         assert lay["a_iters"] <= 32 and lay["threads"] <= 1024
-        assert cb.wgrad_shared_bytes(cfg) + 16 * cfg["bn"] <= 227 * 1024
-        assert cb.wgrad_shared_bytes(cfg) == \
+        assert bc.wgrad_shared_bytes(cfg) + 16 * cfg["bn"] <= 227 * 1024
+        assert bc.wgrad_shared_bytes(cfg) == \
             cfg["stages"] * (cfg["bm"] + cfg["bn"]) * cfg["bk"] * 4
-        _, src = gen.render_kernel(cb.WGRAD_X3_TEMPLATE, **{**dtype_params(DT.FLOAT32), **cfg})
-        assert defined_int(src, "THREADS") == cb.wgrad_threads(cfg) == lay["threads"]
+        _, src = gen.render_kernel(bc.WGRAD_X3_TEMPLATE, **{**dtype_params(DT.FLOAT32), **cfg})
+        assert defined_int(src, "THREADS") == bc.wgrad_threads(cfg) == lay["threads"]
     for case in CASES + X3_CASES + [((32, 64, 128, 128), (128, 64, 3, 3), (1, 1), (1, 1),
                                      (1, 1), 1)]:
         g = geometry(case)
         L = g.N * g.P * g.Q
         for sms in (1, 7, 132):
-            simt = cb.candidates(g, sms, "wgrad")
+            simt = bc.candidates(g, sms, "wgrad")
             for dtype, prec in ((DT.FLOAT32, None), (DT.FLOAT32, "fp32"), (DT.FLOAT32, "tf32")):
-                cands = cb.candidates(g, sms, "wgrad", dtype, prec)
-                x3 = [c for c in cands if cb.wgrad_is_x3(c)]
+                cands = bc.candidates(g, sms, "wgrad", dtype, prec)
+                x3 = [c for c in cands if bc.wgrad_is_x3(c)]
                 assert x3 and cands == x3 + simt
                 for c in x3:
-                    assert {k: v for k, v in c.items() if k != "waves"} in cb.WGRAD_X3_CONFIGS
-                    splits, chunk = cb.wgrad_split(g, c, sms)
+                    assert {k: v for k, v in c.items() if k != "waves"} in bc.WGRAD_X3_CONFIGS
+                    splits, chunk = bc.wgrad_split(g, c, sms)
                     assert chunk % c["bk"] == 0 and splits * chunk >= L > (splits - 1) * chunk
-                    assert chunk <= max(cb.X3_MAX_CHUNK, c["bk"])
+                    assert chunk <= max(bc.X3_MAX_CHUNK, c["bk"])
             for dtype, prec in ((DT.FLOAT32, "ieee"), (DT.FLOAT16, None), (DT.BFLOAT16, None)):
-                assert cb.candidates(g, sms, "wgrad", dtype, prec) == simt
-    big = cv.plan((1, 2, 40000, 40000), (4, 2, 3, 3), ConvolutionConfig(3, padding=1))
-    assert not cb.wgrad_x3_fits(big, DT.FLOAT32, None)       # 2 * 1.6e9 elements
-    assert cb.wgrad_x3_fits(geometry(X3_CASES[0]), DT.FLOAT32, None)
+                assert bc.candidates(g, sms, "wgrad", dtype, prec) == simt
+    big = geo.plan((1, 2, 40000, 40000), (4, 2, 3, 3), ConvolutionConfig(3, padding=1))
+    assert not bc.wgrad_x3_fits(big, DT.FLOAT32, None)       # 2 * 1.6e9 elements
+    assert bc.wgrad_x3_fits(geometry(X3_CASES[0]), DT.FLOAT32, None)
 
 
 def split_tf32(v):
@@ -787,7 +791,7 @@ def test_x3_fragment_layout():
     a0..a3 = A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4], b0, b1 = B[k=t][n=g], B[k=t+4][n=g]
     (g = lane / 4, t = lane % 4), and each 8-lane phase reads 8 distinct 16-byte bank
     groups (conflict-free). Each shared float holds its own (row, k) code here."""
-    for cfg in cb.WGRAD_X3_CONFIGS:
+    for cfg in bc.WGRAD_X3_CONFIGS:
         lay = x3_layout(cfg)
         bm, bn, bk, wm, wn = (cfg[k] for k in ("bm", "bn", "bk", "wm", "wn"))
         rb = lay["rb"]
@@ -837,10 +841,10 @@ def test_x3_kernel_index_math_emulated(case, monkeypatch):
     g = geometry(case)
     go, x, w = (rng.standard_normal(s) for s in (g.out_shape, case[0], case[1]))
     ref = ref_backward(go, x, w, *case[2:])[1]
-    for cfg in cb.WGRAD_X3_CONFIGS:
-        for cap in (cb.X3_MAX_CHUNK, 24):
-            monkeypatch.setattr(cb, "X3_MAX_CHUNK", cap)
-            splits, chunk = cb.wgrad_split(g, {**cfg, "waves": 2}, 132)
+    for cfg in bc.WGRAD_X3_CONFIGS:
+        for cap in (bc.X3_MAX_CHUNK, 24):
+            monkeypatch.setattr(bc, "X3_MAX_CHUNK", cap)
+            splits, chunk = bc.wgrad_split(g, {**cfg, "waves": 2}, 132)
             L = g.N * g.P * g.Q
             assert splits == -(-L // chunk) and (cap > 100 or L <= max(cap, cfg["bk"]) or
                                                   splits > 1)
@@ -860,8 +864,8 @@ def recording_math():
     kernel = m.kernel
 
     def with_aux_block(template, device_id, **params):
-        if template == cb.AUX_TEMPLATE:
-            params = {**params, "block_size": cb.AUX_BLOCK}
+        if template == bc.AUX_TEMPLATE:
+            params = {**params, "block_size": bc.AUX_BLOCK}
         return kernel(template, device_id, **params)
     m.kernel = with_aux_block
     return m
@@ -881,21 +885,21 @@ def test_x3_launches_recorded(case):
     g = geometry(case)
     CRS, L = g.Cg * g.R * g.S, g.N * g.P * g.Q
     go, x, w = (m.backend.empty(s, DT.FLOAT32) for s in (g.out_shape, case[0], case[1]))
-    for cfg in cb.WGRAD_X3_CONFIGS:
+    for cfg in bc.WGRAD_X3_CONFIGS:
         for waves in (1, 2, 4):
             wcfg = {**cfg, "waves": waves}
             m.backend.launches.clear()
-            prog = cb.build_program(m, g, DT.FLOAT32, None, 0, ("wgrad",), None, wcfg)
+            prog = bp.build_program(m, g, DT.FLOAT32, None, 0, ("wgrad",), None, wcfg)
             _, gw, _ = prog.run(m, go, x, w, direct=False)
-            splits, chunk = cb.wgrad_split(g, wcfg, 132)
+            splits, chunk = bc.wgrad_split(g, wcfg, 132)
             mt, nt = -(-g.Kg // cfg["bm"]), -(-CRS // cfg["bn"])
             assert mt * cfg["bm"] >= g.Kg and nt * cfg["bn"] >= CRS
             assert splits * chunk >= L > (splits - 1) * chunk
             (k, grid, smem, values), *rest = m.backend.launches
-            assert k.template == cb.WGRAD_X3_TEMPLATE
+            assert k.template == bc.WGRAD_X3_TEMPLATE
             assert {p: k.params[p] for p in cfg} == cfg
             assert grid == (splits * mt * nt, 1, g.groups)
-            assert smem == cb.wgrad_shared_bytes(cfg)
+            assert smem == bc.wgrad_shared_bytes(cfg)
             out = values[2]
             assert values[:2] == [go.ptr, x.ptr] and (out == gw.ptr) == (splits == 1)
             assert values[3:] == [int(CRS % 4 == 0), g.N, g.C, g.H, g.W, g.Cg, g.Kg, g.K,
@@ -917,9 +921,9 @@ def test_x3_launches_recorded(case):
         _, gw, _ = cb.conv2d_backward(m, go, x, w, cfg, False, prec, (False, True, False))
         assert gw.shape == case[1] and gw.dtype is dtype
         name, cands = m.picked
-        assert name == op and cb.wgrad_is_x3(cands[0]) == (op == "conv2d_wgrad_x3")
+        assert name == op and bc.wgrad_is_x3(cands[0]) == (op == "conv2d_wgrad_x3")
         k = next(k for k, *_ in m.backend.launches[::-1] if k.template.startswith("conv2d_wgrad"))
-        assert k.template == (cb.WGRAD_X3_TEMPLATE if op.endswith("x3") else cb.WGRAD_TEMPLATE)
+        assert k.template == (bc.WGRAD_X3_TEMPLATE if op.endswith("x3") else bc.WGRAD_TEMPLATE)
 
 
 # -- GPU ----------------------------------------------------------------------------------------
@@ -935,18 +939,18 @@ def test_gpu_every_config(apis, case, fam, monkeypatch):
     """Each dgrad config and each wgrad config (waves 1, 2, 4, splits allowed down to one
     k-tile, so small shapes split too): exact on integers, within the bounds on normals."""
     m, _ = apis
-    monkeypatch.setattr(cb, "MIN_SPLIT_TILES", 1)
+    monkeypatch.setattr(bc, "MIN_SPLIT_TILES", 1)
     dtype, prec = FAMILIES[fam]
     rng = np.random.default_rng(7)
     g = geometry(case)
-    runs = [("dgrad", c, None) for c in cb.DGRAD_CONFIGS] + \
-        [("wgrad", None, {**c, "waves": wv}) for c in cb.WGRAD_CONFIGS for wv in (1, 2, 4)]
+    runs = [("dgrad", c, None) for c in bc.DGRAD_CONFIGS] + \
+        [("wgrad", None, {**c, "waves": wv}) for c in bc.WGRAD_CONFIGS for wv in (1, 2, 4)]
     for ints in (True, False):
         (go, hgo), (x, hx), (w, hw) = operands(m, rng, case, dtype, ints)
         for part, dcfg, wcfg in runs:
             refs, bds = bounds(hgo, hx, hw, case, dtype, None,
                                wgrad_depth(g, [wcfg]) if wcfg else None, mma=False)
-            prog = cb.build_program(m, g, dtype, prec, 0, (part,), dcfg, wcfg)
+            prog = bp.build_program(m, g, dtype, prec, 0, (part,), dcfg, wcfg)
             gi, gw, _ = prog.run(m, go, x, w, direct=False)
             got, k = (gi, 0) if part == "dgrad" else (gw, 1)
             what = f"{part} {dcfg or wcfg} ints={ints}"
@@ -1043,20 +1047,20 @@ def test_gpu_every_x3_wgrad_config(apis, case, monkeypatch):
     (their TF32 splits are exact), within U_OUT |ref| + x3_depth u (sum of |terms|) on
     normal draws, every element written (finite)."""
     m, _ = apis
-    monkeypatch.setattr(cb, "MIN_SPLIT_TILES", 1)
+    monkeypatch.setattr(bc, "MIN_SPLIT_TILES", 1)
     rng = np.random.default_rng(14)
     g = geometry(case)
-    caps = (cb.X3_MAX_CHUNK, 24)
+    caps = (bc.X3_MAX_CHUNK, 24)
     for ints in (True, False):
         (go, hgo), (x, hx), (w, hw) = operands(m, rng, case, DT.FLOAT32, ints)
         ref = ref_backward(hgo, hx, hw, *case[2:])[1]
         mag = ref_backward(np.abs(hgo), np.abs(hx), np.abs(hw), *case[2:])[1]
-        for cfg in cb.WGRAD_X3_CONFIGS:
+        for cfg in bc.WGRAD_X3_CONFIGS:
             for waves in (1, 2, 4):
                 for cap in caps:
-                    monkeypatch.setattr(cb, "X3_MAX_CHUNK", cap)
+                    monkeypatch.setattr(bc, "X3_MAX_CHUNK", cap)
                     wcfg = {**cfg, "waves": waves}
-                    prog = cb.build_program(m, g, DT.FLOAT32, None, 0, ("wgrad",), None, wcfg)
+                    prog = bp.build_program(m, g, DT.FLOAT32, None, 0, ("wgrad",), None, wcfg)
                     _, gw, _ = prog.run(m, go, x, w, direct=False)
                     got = m.to_numpy(gw).astype(np.float64)
                     what = f"{wcfg} cap {cap} ints={ints}"
@@ -1087,8 +1091,8 @@ def test_gpu_x3_wgrad_infinities(apis):
     with np.errstate(invalid="ignore"):
         ref = ref_backward(hgo, hx, np.ones(case[1]), *case[2:])[1]
     assert np.isinf(ref).any() and np.isnan(ref).any() and np.isfinite(ref).any()
-    for cfg in cb.WGRAD_X3_CONFIGS:
-        prog = cb.build_program(m, g, DT.FLOAT32, None, 0, ("wgrad",), None,
+    for cfg in bc.WGRAD_X3_CONFIGS:
+        prog = bp.build_program(m, g, DT.FLOAT32, None, 0, ("wgrad",), None,
                                 {**cfg, "waves": 2})
         _, gw, _ = prog.run(m, go, x, w, direct=False)
         got = m.to_numpy(gw).astype(np.float64)
@@ -1118,14 +1122,14 @@ def test_gpu_dgrad_default_precision_3xtf32(backend, tmp_path_factory, monkeypat
     m = tuned_math(backend, tmp_path_factory)
     cv.warm_up(m, workers=16, dtypes=(DT.FLOAT32,))
     if forced:
-        every = cv.candidates
-        monkeypatch.setattr(cv, "candidates",
+        every = cc.candidates
+        monkeypatch.setattr(cc, "candidates",
                             lambda *args: [c for c in every(*args) if c.get("x3")])
     rng = np.random.default_rng(11)
     for case in X3_DGRAD_CASES:
         g = geometry(case)
-        assert cb.dgrad_path(g, DT.FLOAT32, None) == "forward"
-        assert cb.dgrad_path(g, DT.FLOAT32, "ieee") == "simt"
+        assert bc.dgrad_path(g, DT.FLOAT32, None) == "forward"
+        assert bc.dgrad_path(g, DT.FLOAT32, "ieee") == "simt"
         depth = g.R * g.S * -(-g.Kg // 8) * 8
         for ints in (False, True):
             (go, hgo), (x, hx), (w, hw) = operands(m, rng, case, DT.FLOAT32, ints)

@@ -20,7 +20,7 @@ import pytest
 
 import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
-from cuda_backend import dlpack
+from cuda_backend import dlpack_abi as abi
 from cuda_backend import driver as driver_module
 from cuda_backend import streams as streams_module
 from cuda_backend.cuda_math import get_cuda_math
@@ -77,14 +77,14 @@ class Counting:
         nd = len(shp) if ndim is None else ndim
         self.shape = (ctypes.c_int64 * max(nd, 1))(*shp)
         self.strides = None if strides is None else (ctypes.c_int64 * max(nd, 1))(*strides)
-        kind = dlpack.DLManagedTensorVersioned if versioned else dlpack.DLManagedTensor
+        kind = abi.DLManagedTensorVersioned if versioned else abi.DLManagedTensor
         mt = self.managed = kind()
         dl = mt.dl_tensor
         dl.data = array.ctypes.data if data is None else (data or None)
         dl.byte_offset = offset
         dl.device.device_type, dl.device.device_id = device
         dl.ndim = nd
-        code, nbits = dl_dtype or (dlpack.KDL_FLOAT, array.dtype.itemsize * 8)
+        code, nbits = dl_dtype or (abi.KDL_FLOAT, array.dtype.itemsize * 8)
         dl.dtype.code, dl.dtype.bits, dl.dtype.lanes = code, nbits, lanes
         if not null_shape:
             dl.shape = ctypes.cast(self.shape, ctypes.POINTER(ctypes.c_int64))
@@ -253,7 +253,7 @@ def test_deleter_runs_once_at_free(versioned):
     p = Counting(x, versioned=versioned)
     t = cb.from_dlpack(p)
     assert t.ptr == x.ctypes.data and p.calls == 0
-    assert p.kwargs == [{"stream": None, "max_version": dlpack.MAX_VERSION}]
+    assert p.kwargs == [{"stream": None, "max_version": abi.MAX_VERSION}]
     np.testing.assert_array_equal(get_cuda_math().to_numpy(t), x)
     t.free()
     assert p.calls == 1
@@ -312,7 +312,7 @@ def test_strides_tensors_cannot_share_are_copied(m, case):
 @needs_fallback
 def test_strides_of_size_one_dims_are_shared(m):
     x = np.arange(12, dtype=np.int32)
-    p = Counting(x, dl_dtype=(dlpack.KDL_INT, 32), shape=(1, 12, 1), strides=(999, 1, -7))
+    p = Counting(x, dl_dtype=(abi.KDL_INT, 32), shape=(1, 12, 1), strides=(999, 1, -7))
     t = cb.from_dlpack(p, copy=False)
     assert t.ptr == x.ctypes.data and p.calls == 0
     np.testing.assert_array_equal(m.to_numpy(t).reshape(-1), x)
@@ -321,12 +321,12 @@ def test_strides_of_size_one_dims_are_shared(m):
 @needs_fallback
 def test_read_only_exports_are_copied(m):
     x = np.arange(6, dtype=np.float32)
-    p = Counting(x, flags=dlpack.FLAG_READ_ONLY)
+    p = Counting(x, flags=abi.FLAG_READ_ONLY)
     t = cb.from_dlpack(p)
     assert t.ptr != x.ctypes.data and p.calls == 1
     m.fill(t, 5.0)
     np.testing.assert_array_equal(x, np.arange(6, dtype=np.float32))
-    q = Counting(x, flags=dlpack.FLAG_READ_ONLY)
+    q = Counting(x, flags=abi.FLAG_READ_ONLY)
     with pytest.raises(InvalidArgumentError, match="read-only"):
         cb.from_dlpack(q, copy=False)
     assert q.calls == 0
@@ -346,7 +346,7 @@ def test_copy_true_always_copies():
 
 # -- rejected capsules: typed errors, nothing consumed -----------------------------------------
 BAD = {
-    "int8": (dict(dl_dtype=(dlpack.KDL_INT, 8)), DTypeMismatchError, "unsupported DLPack dtype"),
+    "int8": (dict(dl_dtype=(abi.KDL_INT, 8)), DTypeMismatchError, "unsupported DLPack dtype"),
     "complex": (dict(dl_dtype=(5, 64)), DTypeMismatchError, "unsupported DLPack dtype"),
     "two lanes": (dict(lanes=2), DTypeMismatchError, "2 lanes"),
     "metal": (dict(device=(8, 0)), InvalidArgumentError, "kDLMetal"),
@@ -460,12 +460,12 @@ def test_consumer_stream_waits_for_the_producer_stream(monkeypatch, consumer, pr
     t.stream = None if producer is None else _FakeStream(producer)
     capsule = t.__dlpack__(stream=consumer, max_version=(1, 0))
     assert calls == waits
-    mt = dlpack.DLManagedTensorVersioned.from_address(
+    mt = abi.DLManagedTensorVersioned.from_address(
         ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
             ("PyCapsule_GetPointer", ctypes.pythonapi))(capsule, b"dltensor_versioned"))
     dl = mt.dl_tensor
-    assert (dl.device.device_type, dl.device.device_id) == (dlpack.KDL_CUDA, 0)
-    assert dl.data == t.ptr and (dl.dtype.code, dl.dtype.bits) == (dlpack.KDL_FLOAT, 32)
+    assert (dl.device.device_type, dl.device.device_id) == (abi.KDL_CUDA, 0)
+    assert dl.data == t.ptr and (dl.dtype.code, dl.dtype.bits) == (abi.KDL_FLOAT, 32)
 
 
 def test_a_view_waits_for_its_base_stream_too(monkeypatch):
@@ -497,7 +497,7 @@ class _FakeBackend:
 @pytest.mark.parametrize("current", [None, 0x6000])
 def test_the_import_passes_this_threads_stream(monkeypatch, current):
     x = np.arange(6, dtype=np.float32)
-    p = Counting(x, device=(dlpack.KDL_CUDA, 0))
+    p = Counting(x, device=(abi.KDL_CUDA, 0))
     if current is not None:
         class _Block:                     # a `with stream:` block's entry on the stack
             device_id = 0
@@ -505,7 +505,7 @@ def test_the_import_passes_this_threads_stream(monkeypatch, current):
         monkeypatch.setattr(streams_module.local_state, "stack", [_Block()], raising=False)
     t = cb.from_dlpack(p, backend=_FakeBackend())
     assert p.kwargs == [{"stream": 1 if current is None else current,
-                         "max_version": dlpack.MAX_VERSION}]
+                         "max_version": abi.MAX_VERSION}]
     assert t.ptr == x.ctypes.data and not t.on_host and t.device_id == 0
     assert (t.stream is None) == (current is None)
     t.free()
@@ -618,7 +618,7 @@ def test_gpu_free_while_torch_holds_the_memory(m):
 @pytest.mark.gpu
 def test_gpu_deleter_runs_once(m):
     t = m.from_numpy(np.arange(12, dtype=np.float32))
-    p = Counting(np.empty(12, np.float32), data=t.ptr, device=(dlpack.KDL_CUDA, t.device_id))
+    p = Counting(np.empty(12, np.float32), data=t.ptr, device=(abi.KDL_CUDA, t.device_id))
     r = m.from_dlpack(p)
     assert r.ptr == t.ptr and p.calls == 0
     assert p.kwargs[0]["stream"] == 1

@@ -20,7 +20,7 @@ from cuda_backend import (CudaDataType as DT, CudaTensor, DeviceMismatchError,
                           DTypeMismatchError, InvalidArgumentError, ShapeMismatchError,
                           TensorFreedError, from_bfloat16_bits, to_bfloat16_bits)
 from cuda_backend.driver import load_driver
-from cuda_backend.ops import elementwise as ew
+from cuda_backend.ops import elementwise as ew, elementwise_broadcast as ewb
 
 FLOATS = [DT.FLOAT32, DT.FLOAT64, DT.FLOAT16, DT.BFLOAT16]
 INTS = [DT.INT32, DT.INT64]
@@ -562,7 +562,7 @@ def emulate_plan(plan, itemsize, bases, a_flat, b_flat, out_size):
     written = np.zeros(out_size, np.int64)
     for (po, pa, pb, n, ndim, vectorize, *rest) in plan:
         sizes, sa, sb = rest[0:6], rest[6:12], rest[12:18]
-        assert 0 < n < ew._LAUNCH_LIMIT and n == math.prod(sizes)
+        assert 0 < n < ewb.LAUNCH_LIMIT and n == math.prod(sizes)
         assert all(s == 1 for s in sizes[ndim:]) and sa[0] in (0, 1) and sb[0] in (0, 1)
         i = np.arange(n, dtype=np.int64)
         oa = np.zeros(n, np.int64)
@@ -601,7 +601,7 @@ def plan_case(draw):
 def test_broadcast_plan_covers_every_element(case):
     sa, sb, itemsize, small, shifts = case
     out_shape = np.broadcast_shapes(sa, sb)
-    dims = ew._collapse(out_shape, sa, sb)
+    dims = ewb.collapse(out_shape, sa, sb)
     if dims is None:       # same elements: the contiguous path
         assert math.prod(sa) == math.prod(sb) == math.prod(out_shape)
         return
@@ -610,7 +610,7 @@ def test_broadcast_plan_covers_every_element(case):
     xb = rng.standard_normal(sb)
     limit, chunk = (64, 16) if small else (0, 0)
     bases = [(k << 40) + s * itemsize for k, s in zip((2, 0, 1), shifts)]
-    plan = list(ew._broadcast_plan(dims, itemsize, *bases, limit=limit, chunk=chunk))
+    plan = list(ewb.broadcast_plan(dims, itemsize, *bases, limit=limit, chunk=chunk))
     if small:
         for p in plan:
             assert p[3] < 64 or (p[4] == 1 and p[3] <= 16)
@@ -619,19 +619,19 @@ def test_broadcast_plan_covers_every_element(case):
 
 
 def test_broadcast_plan_bias_add_is_vectorized():
-    dims = ew._collapse((4097, 64), (4097, 64), (64,))
+    dims = ewb.collapse((4097, 64), (4097, 64), (64,))
     assert dims == [(4097, 64, 0), (64, 1, 1)]
-    plan = list(ew._broadcast_plan(dims, 4, 0, 256, 1024))
+    plan = list(ewb.broadcast_plan(dims, 4, 0, 256, 1024))
     assert len(plan) == 1
     po, pa, pb, n, ndim, vectorize, *rest = plan[0]
     assert (n, ndim, vectorize) == (4097 * 64, 2, 1)
     assert rest[:2] == [64, 4097] and rest[6:8] == [1, 64] and rest[12:14] == [1, 0]
     # an unaligned row operand turns vectors off
-    assert next(ew._broadcast_plan(dims, 4, 0, 256, 1028))[5] == 0
+    assert next(ewb.broadcast_plan(dims, 4, 0, 256, 1028))[5] == 0
     # more than 6 collapsed dims: the outer ones are looped over
-    dims = ew._collapse((3, 4, 5, 6, 7, 8, 2), (3, 1, 5, 1, 7, 1, 2), (1, 4, 1, 6, 1, 8, 2))
+    dims = ewb.collapse((3, 4, 5, 6, 7, 8, 2), (3, 1, 5, 1, 7, 1, 2), (1, 4, 1, 6, 1, 8, 2))
     assert len(dims) == 7
-    plan = list(ew._broadcast_plan(dims, 4, 0, 0, 0))
+    plan = list(ewb.broadcast_plan(dims, 4, 0, 0, 0))
     assert len(plan) == 3 and all(p[4] == 6 for p in plan)
 
 
@@ -639,17 +639,17 @@ def test_broadcast_plan_cuts_huge_outputs_by_elements():
     """An output of 2^31 elements or more takes a few launches, each under the limit, however
     many rows it has (not one per row), and the plan is made lazily: host memory does not
     grow with the rows."""
-    dims = ew._collapse((1000, 7), (1000, 7), (7,))   # limit 64: runs of 9 rows or fewer
-    plan = list(ew._broadcast_plan(dims, 4, 0, 1 << 40, 2 << 40, limit=64, chunk=32))
+    dims = ewb.collapse((1000, 7), (1000, 7), (7,))   # limit 64: runs of 9 rows or fewer
+    plan = list(ewb.broadcast_plan(dims, 4, 0, 1 << 40, 2 << 40, limit=64, chunk=32))
     assert len(plan) == 112 and sum(p[3] for p in plan) == 7000
     assert all(p[3] < 64 and p[4] == 2 for p in plan)
     for shape, row, itemsize, vectors in (((2**21, 1024), (1024,), 2, True),
                                           ((2**30, 2), (2,), 4, False)):
-        dims = ew._collapse(shape, shape, row)
+        dims = ewb.collapse(shape, shape, row)
         tracemalloc.start()
         try:
             plan = list(itertools.islice(
-                ew._broadcast_plan(dims, itemsize, 0, 1 << 40, 2 << 40), 8))
+                ewb.broadcast_plan(dims, itemsize, 0, 1 << 40, 2 << 40), 8))
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -680,18 +680,18 @@ def test_broadcast_plan_forced_small_limit_matches_numpy(monkeypatch, sa, sb):
     """The plan under the module's (forced small) limit, its index math emulated in NumPy
     at aligned and unaligned bases: NumPy broadcasting, every launch under the limit, and
     up to 6 collapsed dims in fewer than 3 * elements / (limit - 1) + 1 launches."""
-    monkeypatch.setattr(ew, "_LAUNCH_LIMIT", PLAN_LIMIT)
-    monkeypatch.setattr(ew, "_CHUNK", PLAN_CHUNK)
+    monkeypatch.setattr(ewb, "LAUNCH_LIMIT", PLAN_LIMIT)
+    monkeypatch.setattr(ewb, "CHUNK", PLAN_CHUNK)
     rng = np.random.default_rng(20240611)
     for first, second in ((sa, sb), (sb, sa)):
         out_shape = np.broadcast_shapes(first, second)
         total = math.prod(out_shape)
-        dims = ew._collapse(out_shape, first, second)
+        dims = ewb.collapse(out_shape, first, second)
         xa, xb = rng.standard_normal(first), rng.standard_normal(second)
         for itemsize, shift in ((4, 0), (2, 0), (8, 1), (2, 3)):
             bases = [(2 << 40) + shift * itemsize, 0, 1 << 40]
-            plan = list(ew._broadcast_plan(dims, itemsize, *bases))
-            if len(dims) <= ew.MAX_BCAST_DIMS:
+            plan = list(ewb.broadcast_plan(dims, itemsize, *bases))
+            if len(dims) <= ewb.MAX_BCAST_DIMS:
                 assert len(plan) < 3 * total / (PLAN_LIMIT - 1) + 1
             got = emulate_plan(plan, itemsize, bases, xa.ravel(), xb.ravel(), total)
             np.testing.assert_array_equal(got.reshape(out_shape), xa + xb)
@@ -702,8 +702,8 @@ def test_broadcast_plan_forced_small_limit_matches_numpy(monkeypatch, sa, sb):
 def test_broadcast_forced_small_launch_limit(m, monkeypatch, dtype):
     """Broadcast adds on odd shapes with the launch limit and row chunk forced small (each
     call many launches at pointer offsets) against NumPy, outputs poisoned."""
-    monkeypatch.setattr(ew, "_LAUNCH_LIMIT", PLAN_LIMIT)
-    monkeypatch.setattr(ew, "_CHUNK", PLAN_CHUNK)
+    monkeypatch.setattr(ewb, "LAUNCH_LIMIT", PLAN_LIMIT)
+    monkeypatch.setattr(ewb, "CHUNK", PLAN_CHUNK)
     grids = []
     launch = m.backend.launch_kernel
 
@@ -722,7 +722,7 @@ def test_broadcast_forced_small_launch_limit(m, monkeypatch, dtype):
             grids.clear()
             ew.binary(m, "add", a, b, out=out)
             check(stored(m, out), ref, dtype, "add")
-            if m.gpu and len(ew._collapse(ref.shape, first, second)) <= ew.MAX_BCAST_DIMS:
+            if m.gpu and len(ewb.collapse(ref.shape, first, second)) <= ewb.MAX_BCAST_DIMS:
                 assert 1 < len(grids) < 3 * ref.size / (PLAN_LIMIT - 1) + 1
 
 

@@ -29,7 +29,7 @@ TIMEOUT_S = 180
 GPU = load_driver()[0] is not None  # the mode the subprocesses will be in
 
 # Package bug (fallback mode): a fallback pool block gives itself back in a Python __del__
-# (memory._HostBlock.__del__). A KeyboardInterrupt that arrives while such a block is being
+# (memory_host._HostBlock.__del__). A KeyboardInterrupt that arrives while such a block is being
 # collected is raised inside __del__, where CPython can only print "Exception ignored in" and
 # drop it: Ctrl-C is lost (the program keeps running) and the block's bytes stay counted as
 # active for good. test_interrupt_while_tensors_are_collected shows it deterministically.

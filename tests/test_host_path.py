@@ -191,6 +191,7 @@ GEMM_SCRIPT = script(STUBS, r'''
     from cuda_backend.errors import (DTypeMismatchError, InvalidArgumentError,
                                      ShapeMismatchError, TensorFreedError)
     from cuda_backend.ops import attention as fa, linear as lin, matmul as mm
+    from cuda_backend.ops import matmul_launch as mml
 ''', BACKEND, r'''
     m._autotuner = Autotuner(b, path=os.path.join(tempfile.mkdtemp(), "t.json"))
     ml = CudaML(m)
@@ -203,13 +204,13 @@ GEMM_SCRIPT = script(STUBS, r'''
         x.free()
         return x
 
-    real_run_config, real_fa_run_config = mm.run_config, fa.run_config
+    real_run_config, real_fa_run_config = mml.run_config, fa.run_config
     def general_path_off():
         def off(*a, **k):
             raise AssertionError("general path taken")
-        mm.run_config = fa.run_config = off
+        mml.run_config = fa.run_config = off
     def general_path_on():
-        mm.run_config, fa.run_config = real_run_config, real_fa_run_config
+        mml.run_config, fa.run_config = real_run_config, real_fa_run_config
 
     def same_as_general(call, key, n=None):
         """Warm call (compiles, autotunes), then a general-path call (key dropped: the plan
@@ -274,7 +275,7 @@ GEMM_SCRIPT = script(STUBS, r'''
     # the wgmma case took the transpose + wgmma launches
     a, bb = t(512, 512), t(512, 512)
     m.matrix_multiply(a, bb, precision="tf32")
-    hit = mm._cache(m)[(mm.plan_shapes(a.shape, bb.shape), DT.FLOAT32, "tf32", 0, True)]
+    hit = mm.memo(m)[(mm.plan_shapes(a.shape, bb.shape), DT.FLOAT32, "tf32", 0, True)]
     assert hit[0] == mm.WGMMA_TEMPLATE, hit
     # the @ operator reaches the same plans
     m.matrix_multiply(X, X)
@@ -864,7 +865,8 @@ NN_SCRIPT = script(STUBS, r'''
                        cfg.kernel_size, cfg.stride, cfg.padding, cfg.dilation, cfg.groups,
                        bias is None, prec)
                 ml.conv2d(X, W, cfg, bias, prec).free()      # tunes
-                from cuda_backend.ops.conv2d import family, plan as geometry
+                from cuda_backend.ops.conv2d_configs import family
+                from cuda_backend.ops.conv2d_geometry import plan as geometry
                 fam = family(geometry(xs, ws, cfg), DT.from_any(dt),
                              "tf32" if prec else None)
                 same_as_general(lambda: ml.conv2d(X, W, cfg, bias, prec), key,

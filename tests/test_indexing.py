@@ -18,9 +18,10 @@ from cuda_backend import (CudaDataType as DT, DTypeMismatchError, IndexOutOfRang
                           to_bfloat16_bits)
 from cuda_backend.driver import load_driver
 from cuda_backend.ops import indexing as ix
+from cuda_backend.ops import indexing_bounds as ixb, indexing_kernels as ixk, indexing_take as ixt
 
 ALL = list(DT)
-OPS = list(ix.COMPARE_OPS)
+OPS = list(ixk.COMPARE_OPS)
 NP_OPS = {"equal": np.equal, "not_equal": np.not_equal, "less": np.less,
           "less_equal": np.less_equal, "greater": np.greater, "greater_equal": np.greater_equal}
 needs_fallback = pytest.mark.skipif(
@@ -261,7 +262,7 @@ def test_gather_take_along_axis(m, dtype, index_dtype):
 
 # -- take's row kernel: its index math in NumPy, then on the GPU -----------------------------------
 def fast_div(n, d, mul, shift):
-    """shape.fast_divisor's FastDiv (64-bit) as _strided.cuh.j2 computes it."""
+    """shape_layouts.fast_divisor's FastDiv (64-bit) as _strided.cuh.j2 computes it."""
     t = (mul * n) >> 64
     return (t + ((n - t) >> min(shift, 1))) >> max(shift - 1, 0)
 
@@ -272,14 +273,14 @@ def emulate_take_rows(src, idx, geo):
     unit, lanes = geo["unit"], geo["lanes"]
     gx, gy, _ = geo["grid"]
     n_rows, size, row_units, d, mul, shift, lanes_arg = geo["args"]
-    assert lanes_arg == lanes and lanes & (lanes - 1) == 0 and ix.ROW_BLOCK % lanes == 0
+    assert lanes_arg == lanes and lanes & (lanes - 1) == 0 and ixk.ROW_BLOCK % lanes == 0
     units = np.ascontiguousarray(src).view(np.uint8).reshape(-1, unit)
     out = np.full((n_rows * row_units, unit), 0xAB, np.uint8)
     written = np.zeros(n_rows * row_units, np.int64)
-    rpb, ustep = ix.ROW_BLOCK // lanes, gy * lanes
+    rpb, ustep = ixk.ROW_BLOCK // lanes, gy * lanes
     for bx in range(gx):
         for by in range(gy):
-            for t in range(ix.ROW_BLOCK):
+            for t in range(ixk.ROW_BLOCK):
                 lane = t & (lanes - 1)
                 r = bx * rpb + t // lanes
                 while r < n_rows:
@@ -290,12 +291,12 @@ def emulate_take_rows(src, idx, geo):
                     s0, d0 = (o * size + (j if ok else 0)) * row_units, r * row_units
                     u = by * lanes + lane
                     while u < row_units:
-                        for k in range(ix.ROW_UNROLL):
+                        for k in range(ixk.ROW_UNROLL):
                             uk = u + k * ustep
                             if uk < row_units:
                                 out[d0 + uk] = units[s0 + uk] if ok else 0
                                 written[d0 + uk] += 1
-                        u += ix.ROW_UNROLL * ustep
+                        u += ixk.ROW_UNROLL * ustep
                     r += gx * rpb
     assert (written == 1).all()
     return out.reshape(-1)
@@ -318,35 +319,40 @@ def test_take_rows_index_math(dtype):
         idx = rng.integers(-n, n, ishape)
         idx.flat[-1] = n + 3 if idx.size > 2 else idx.flat[-1]      # out of range: zeros
         item = x.dtype.itemsize
-        geo = ix.take_geometry(shape, ax, idx.size, item, 4096 + misalign * item, 8192, 132)
-        row_bytes = int(np.prod(shape[ax + 1:])) * item
-        assert row_bytes % geo["unit"] == 0 and (misalign * item) % geo["unit"] == 0
-        assert geo["unit"] == max(u for u in ix.UNITS
-                                  if row_bytes % u == 0 and (misalign * item) % u == 0)
-        got = emulate_take_rows(x, idx.ravel(), geo).view(dtype)
         j = np.where(idx < 0, idx + n, idx)
         bad = (j < 0) | (j >= n)
         want = np.take(x, np.where(bad, 0, j), axis=ax)
         want = np.where(bad.reshape((1,) * ax + idx.shape + (1,) * (x.ndim - ax - 1)),
                         np.zeros((), dtype), want)
-        np.testing.assert_array_equal(got.reshape(want.shape), want, err_msg=f"{shape} {ax}")
-    long = ix.take_geometry((3, 20000), 0, 2, 4, 0, 0, 132)
-    assert long["lanes"] == ix.ROW_BLOCK and long["grid"][1] > 1        # a split row
-    emb = ix.take_geometry((50000, 768), 0, 8192, 4, 0, 0, 132)        # the embedding lookup
-    assert (emb["unit"], emb["lanes"], emb["grid"]) == (16, 64, (2048, 1, 1))
+        for sms in (132, 1):   # 1: a resident wave of ROW_RESIDENT blocks, several trips each
+            geo = ixt.take_geometry(shape, ax, idx.size, item, 4096 + misalign * item, 8192,
+                                    sms)
+            row_bytes = int(np.prod(shape[ax + 1:])) * item
+            assert row_bytes % geo["unit"] == 0 and (misalign * item) % geo["unit"] == 0
+            assert geo["unit"] == max(u for u in ixk.UNITS
+                                      if row_bytes % u == 0 and (misalign * item) % u == 0)
+            got = emulate_take_rows(x, idx.ravel(), geo).view(dtype)
+            np.testing.assert_array_equal(got.reshape(want.shape), want,
+                                          err_msg=f"{shape} {ax} sms={sms}")
+    long = ixt.take_geometry((3, 20000), 0, 2, 4, 0, 0, 132)
+    assert long["lanes"] == ixk.ROW_BLOCK and long["grid"][1] > 1        # a split row
+    # the embedding lookup: 2048 blocks of rows in 4 trips of 512 (<= 132 * 5 resident)
+    emb = ixt.take_geometry((50000, 768), 0, 8192, 4, 0, 0, 132)
+    assert (emb["unit"], emb["lanes"], emb["grid"]) == (16, 64, (512, 1, 1))
+    assert ixt.take_geometry((50000, 768), 0, 8192, 4, 0, 0, 1)["grid"] == (5, 1, 1)
 
 
 def test_bounds_check_grid_covers_every_index():
     """The "check" kernel's grid-stride loop visits every index once (as the template)."""
     for n in (1, 1023, 1024, 1025, 4096 * 3 + 7, 600_001):
-        grid = ix.check_grid(n)
-        assert 1 <= grid <= ix.CHECK_MAX_BLOCKS
-        per = ix.CHECK_BLOCK * ix.CHECK_UNROLL
+        grid = ixb.check_grid(n)
+        assert 1 <= grid <= ixk.CHECK_MAX_BLOCKS
+        per = ixk.CHECK_BLOCK * ixk.CHECK_UNROLL
         steps = -(-n // (grid * per))
-        b, t, k, st = np.meshgrid(np.arange(grid), np.arange(ix.CHECK_BLOCK),
-                                  np.arange(ix.CHECK_UNROLL), np.arange(steps), indexing="ij")
+        b, t, k, st = np.meshgrid(np.arange(grid), np.arange(ixk.CHECK_BLOCK),
+                                  np.arange(ixk.CHECK_UNROLL), np.arange(steps), indexing="ij")
         i0 = b * per + t + st * grid * per
-        i = (i0 + k * ix.CHECK_BLOCK)[i0 < n]          # a thread's loop runs while i0 < n
+        i = (i0 + k * ixk.CHECK_BLOCK)[i0 < n]          # a thread's loop runs while i0 < n
         i = i[i < n]
         assert np.array_equal(np.sort(i), np.arange(n))
 
@@ -509,7 +515,7 @@ EPS = {DT.FLOAT64: 2.0**-53, DT.FLOAT32: 2.0**-24, DT.FLOAT16: 2.0**-11, DT.BFLO
 
 
 @pytest.mark.parametrize("index_dtype", [DT.INT32, DT.INT64], ids=ids([DT.INT32, DT.INT64]))
-@pytest.mark.parametrize("dtype", list(ix.SCATTER_DTYPES), ids=ids(ix.SCATTER_DTYPES))
+@pytest.mark.parametrize("dtype", list(ixk.SCATTER_DTYPES), ids=ids(ixk.SCATTER_DTYPES))
 def test_scatter_add_repeated_indices(m, dtype, index_dtype):
     """np.add.at in float64 with heavily repeated indices (every axis of odd shapes): floats
     within count * eps * sum |terms| of each element (plus the final rounding), ints exact."""
@@ -577,11 +583,11 @@ def test_scatter_add_out_of_range_and_errors(m):
 
 # -- host-side helpers -----------------------------------------------------------------------------
 def test_template_variants():
-    sets = ix.template_variants()[ix.TEMPLATE]
+    sets = ix.template_variants()[ixk.TEMPLATE]
     assert sum(p["kind"] == "map" and p["op"] != "where" for p in sets) == len(OPS) * len(ALL)
     assert {(p["elem"], p["index_dtype"]) for p in sets if p["kind"] == "gather"} == \
-        set(itertools.product(ix.ELEMS, ("int32", "int64")))
-    assert len([p for p in sets if p["kind"] == "scatter_add"]) == 2 * len(ix.SCATTER_DTYPES)
+        set(itertools.product(ixk.ELEMS, ("int32", "int64")))
+    assert len([p for p in sets if p["kind"] == "scatter_add"]) == 2 * len(ixk.SCATTER_DTYPES)
 
 
 def test_reference():

@@ -16,6 +16,7 @@ from cuda_backend import CudaDataType as DT
 from cuda_backend.cuda_math import CudaMath
 from cuda_backend.cuda_ml import CudaML
 from cuda_backend.ops import normalization as nm
+from cuda_backend.ops import layer_norm_plans as lp
 from cuda_backend.tensor import CudaTensor
 
 FLOATS = [DT.FLOAT32, DT.FLOAT64, DT.FLOAT16, DT.BFLOAT16]
@@ -69,7 +70,7 @@ def case(m, rows, D, dtype, rng, affine=(True, True), eps=1e-5, offset=0.5, cfg=
     if cfg is None:
         nm.layer_norm(m, x, wt, bt, eps, out=out)
     else:
-        nm._ln_launch(m, cfg, x, out, wt, bt, x.size // D, D, eps, max_grid)
+        lp.ln_launch(m, cfg, x, out, wt, bt, x.size // D, D, eps, max_grid)
     check(m.to_numpy(out), a, w, b, eps, dtype,
           f"{shape} {dtype.name_str} {affine} {cfg} grid<={max_grid}")
     for t in (x, wt, bt, out):
@@ -116,14 +117,14 @@ def test_matches_numpy(m, dtype):
 def test_every_register_config_float32(m, vec):
     """Each (threads_per_row, vpt, block) configuration at full, partial and 1-vector rows."""
     rng = np.random.default_rng(1192)
-    configs = nm.LN_VEC_CONFIGS if vec else nm.LN_SCALAR_CONFIGS
+    configs = lp.LN_VEC_CONFIGS if vec else lp.LN_SCALAR_CONFIGS
     v = 4 if vec else 1
     for tpr, vpt, block in configs:
         cap = tpr * vpt * v
         for D in sorted({cap, cap - v, cap // 2 + v, v}):
             case(m, 5, D, DT.FLOAT32, rng, cfg=(tpr, vpt, block, v, 0))
     for D in [v, 1000 * v, 9001 * v]:  # the looping kernel
-        case(m, 3, D, DT.FLOAT32, rng, cfg=(nm.LN_LOOP_BLOCK, 0, nm.LN_LOOP_BLOCK, v, 0))
+        case(m, 3, D, DT.FLOAT32, rng, cfg=(lp.LN_LOOP_BLOCK, 0, lp.LN_LOOP_BLOCK, v, 0))
 
 
 @pytest.mark.gpu
@@ -136,7 +137,7 @@ def test_prefetch_configs(m, dtype):
     rng = np.random.default_rng(2470)
     v = 16 // dtype.itemsize
     sms = m.backend.get_device_info(0).multiprocessor_count
-    for tpr, vpt, block in nm.LN_PREFETCH_CONFIGS:
+    for tpr, vpt, block in lp.LN_PREFETCH_CONFIGS:
         cap = tpr * vpt * v
         cfg = (tpr, vpt, block, v, 1)
         for D in (cap - v, cap, cap // 2 + v):
@@ -144,25 +145,25 @@ def test_prefetch_configs(m, dtype):
                 case(m, 7, D, dtype, rng, cfg=cfg, max_grid=grid)
         case(m, 7, cap, dtype, rng, affine=(False, False), cfg=cfg, max_grid=2)
         case(m, 7, cap, dtype, rng, affine=(True, False), cfg=cfg, max_grid=3)
-        resident = sms * nm._ln_params(dtype, tpr, vpt, block, v, True)["min_blocks"]
+        resident = sms * lp.ln_params(dtype, tpr, vpt, block, v, True)["min_blocks"]
         case(m, 2 * resident + 1, cap - v, dtype, rng, cfg=cfg)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
 def test_every_candidate_at_boundaries(m, dtype):
-    """Every candidate `_ln_candidates` offers, at D = capacity - 1 vector, capacity,
+    """Every candidate `ln_candidates` offers, at D = capacity - 1 vector, capacity,
     capacity + 1 vector of each block-per-row config (and primes, scalar configs)."""
     rng = np.random.default_rng(2272)
     v = 16 // dtype.itemsize
     dims = {1031, 4099, 8191}
-    for tpr, vpt, _ in nm.LN_VEC_CONFIGS + nm.LN_PREFETCH_CONFIGS:
+    for tpr, vpt, _ in lp.LN_VEC_CONFIGS + lp.LN_PREFETCH_CONFIGS:
         if tpr > 32:
             cap = tpr * vpt * v
             dims |= {cap - v, cap, cap + v}
     for D in sorted(dims):
         use_vec = D % v == 0
-        for cfg in nm._ln_candidates(D, dtype, use_vec):
+        for cfg in lp.ln_candidates(D, dtype, use_vec):
             case(m, 5, D, dtype, rng, cfg=cfg, max_grid=2)
 
 
@@ -236,19 +237,19 @@ def test_candidates():
             for use_vec in (True, False):
                 if use_vec and D % vec:
                     continue
-                cands = nm._ln_candidates(D, dtype, use_vec)
+                cands = lp.ln_candidates(D, dtype, use_vec)
                 for tpr, vpt, block, v, pf in cands:
                     assert v == (vec if use_vec else 1)
                     assert vpt == 0 or tpr * vpt * v >= D
                     assert block % tpr == 0
                     assert not pf or (tpr == block and use_vec)
-    assert nm._ln_candidates(4096, DT.FLOAT32, True) == [
+    assert lp.ln_candidates(4096, DT.FLOAT32, True) == [
         (128, 8, 128, 4, 0), (256, 4, 256, 4, 0), (512, 2, 512, 4, 0), (256, 4, 256, 4, 1),
         (512, 2, 512, 4, 1)]
-    assert nm._ln_candidates(1024, DT.FLOAT32, True) == [(32, 8, 256, 4, 0)]
-    assert nm._ln_candidates(4096, DT.BFLOAT16, True) == [
+    assert lp.ln_candidates(1024, DT.FLOAT32, True) == [(32, 8, 256, 4, 0)]
+    assert lp.ln_candidates(4096, DT.BFLOAT16, True) == [
         (128, 4, 128, 8, 0), (256, 2, 256, 8, 0), (128, 4, 128, 8, 1), (256, 2, 256, 8, 1)]
-    assert nm._ln_candidates(1 << 20, DT.FLOAT32, True)[0][1] == 0
+    assert lp.ln_candidates(1 << 20, DT.FLOAT32, True)[0][1] == 0
 
 
 def test_register_budgets():
@@ -257,15 +258,15 @@ def test_register_budgets():
     block."""
     for dt in FLOATS:
         v = 16 // dt.itemsize
-        for tpr, vpt, block in nm.LN_VEC_CONFIGS:
-            p = nm._ln_params(dt, tpr, vpt, block, v)
+        for tpr, vpt, block in lp.LN_VEC_CONFIGS:
+            p = lp.ln_params(dt, tpr, vpt, block, v)
             if tpr == 32:
                 assert p["min_blocks"] == 1024 // block
             else:
                 assert 65536 // (block * p["min_blocks"]) >= vpt * 4 + 16
-        for tpr, vpt, block in nm.LN_PREFETCH_CONFIGS:
+        for tpr, vpt, block in lp.LN_PREFETCH_CONFIGS:
             assert tpr == block
-            p = nm._ln_params(dt, tpr, vpt, block, v, True)
+            p = lp.ln_params(dt, tpr, vpt, block, v, True)
             assert p["prefetch"] and 65536 // (block * p["min_blocks"]) >= 2 * vpt * 4 + 16
 
 

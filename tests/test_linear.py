@@ -190,7 +190,7 @@ def test_gpu_linear_every_config(ml, fam):
     bias, into a poisoned output: a fast-but-wrong config can never win the autotuner."""
     m = ml.math
     dtype, prec, bound = FAMS[fam]
-    family, _ = mm._linear_family(dtype, prec)
+    family, _ = mm.linear_family(dtype, prec)
     rng = np.random.default_rng(754)
     dev = m.backend.current_device
     n_vec = 130 if dtype is DT.FLOAT64 else 136
@@ -257,7 +257,7 @@ def test_gpu_fused_linear_gelu_is_one_launch(ml, dtype):
             ml.fused_linear_gelu(tx, tw, bias).free()
             rows = int(np.prod(x_shape[:-1]))
             p = mm.Plan(1, rows, n, x_shape[-1], 0, 0, (rows, n))
-            hits = [v for k, v in mm._cache(m).items()
+            hits = [v for k, v in mm.memo(m).items()
                     if k[:2] == ("linear", p) and k[2] is dtype and k[-1] == "bias_gelu"]
             skinny = bool(hits) and bool(hits[0][1].get("skinny"))
             backend.enable_profiling = True
@@ -296,8 +296,8 @@ def test_fallback_is_float64_accurate(fm, dtype, bound):
 def test_fallback_tf32_rounds_inputs(fm):
     m = fm.math
     (tx, tw, tb), (xr, wr, br) = _inputs(m, np.random.default_rng(4626), DT.FLOAT32, (16, 256), 8)
-    rx = mm._round_tf32(xr.astype(np.float32)).astype(np.float64)
-    rw = mm._round_tf32(wr.astype(np.float32)).astype(np.float64)
+    rx = mm.round_tf32(xr.astype(np.float32)).astype(np.float64)
+    rw = mm.round_tf32(wr.astype(np.float32)).astype(np.float64)
     ref, _ = _reference(rx, rw, br)
     got = m.to_numpy(lin.fused_linear_gelu(m, tx, tw, tb, precision="tf32"))
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-6
@@ -340,7 +340,7 @@ def test_linear_launches_one_kernel_with_its_arguments(fam, shape, with_bias):
     assert mm.linear(m, x, w, b, "bias_gelu", prec, out=y) is y
     assert len(m.backend.launches) == 1
     k, grid, smem, values = m.backend.launches[0]
-    family, _ = mm._linear_family(dtype, prec)
+    family, _ = mm.linear_family(dtype, prec)
     vw = 16 // dtype.itemsize
     vec = K % vw == 0 and N % vw == 0
     assert k.params["vec"] is vec
@@ -378,7 +378,7 @@ def test_linear_variants_are_the_configs_it_launches():
               if "b_trans" in p and p.get("kind") != "skinny" and t != mm.SKINNY_TEMPLATE}
     want = set()
     for dtype, prec, _ in FAMS.values():
-        family, _ = mm._linear_family(dtype, prec)
+        family, _ = mm.linear_family(dtype, prec)
         for vec in (True, False):
             for cfg in mm.linear_configs(dtype, prec, vec):
                 template = mm.config_template(cfg, family)
@@ -486,8 +486,8 @@ def test_x3_linear_configs_are_float32_default_candidates():
 
 def test_precision_ieee_is_accepted_and_named():
     assert mm.normalize_precision("IEEE", DT.FLOAT32) == "ieee"
-    assert mm._op_name(mm.SIMT_TEMPLATE, DT.FLOAT32, None, True) != \
-        mm._op_name(mm.SIMT_TEMPLATE, DT.FLOAT32, "ieee", True)
+    assert mm.op_name(mm.SIMT_TEMPLATE, DT.FLOAT32, None, True) != \
+        mm.op_name(mm.SIMT_TEMPLATE, DT.FLOAT32, "ieee", True)
     with pytest.raises(cb.InvalidArgumentError, match="'ieee'"):
         mm.normalize_precision("fast", DT.FLOAT32)
 
@@ -571,7 +571,7 @@ def test_gpu_fused_linear_gelu_plan_path(ml, fam, monkeypatch):
             poisoned(m, x_shape[:-1] + (n,), dtype).free()
             with monkeypatch.context() as mp:
                 if second:
-                    mp.setattr(mm, "run_config", _no_general_path)
+                    mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
                 y = ml.fused_linear_gelu(tx, tw, tb, precision=prec)
             assert key in m.plans
             assert y.shape == x_shape[:-1] + (n,) and y.dtype is dtype
@@ -602,7 +602,7 @@ def test_gpu_sketched_linear_plan_path(ml, dtype, dims, monkeypatch):
         with monkeypatch.context() as mp:
             if second:
                 mp.setattr(m, "matrix_multiply", _no_general_path)
-                mp.setattr(mm, "run_config", _no_general_path)
+                mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
             y = ml.sketched_linear(tx, U, V, tb)
         assert key in m.plans
         Uh, Vh = m.to_numpy(U).astype(np.float64), m.to_numpy(V).astype(np.float64)
@@ -837,19 +837,19 @@ def test_gpu_linear_skinny_public_and_plan_path(ml, fam, monkeypatch):
         ckey = ("linear", p, dtype, mm.normalize_precision(prec, dtype), dev, True, "bias_gelu")
         key = lin._linear_key(tx, tw, tb, prec)
         for cfg in mm.skinny_candidates(dtype, prec, p, 132)[::2]:
-            mm._cache(m)[ckey] = (mm.SIMT_TEMPLATE, cfg)
+            mm.memo(m)[ckey] = (mm.SIMT_TEMPLATE, cfg)
             m.plans.pop(key, None)
             for second in (False, True):
                 poisoned(m, (M, N), dtype).free()
                 with monkeypatch.context() as mp:
                     if second:
-                        mp.setattr(mm, "run_config", _no_general_path)
+                        mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
                     y = lin.fused_linear_gelu(m, tx, tw, tb, precision=prec)
                 assert key in m.plans
                 err = _err(m.to_numpy(y), ref, scale)
                 assert err <= bound, (cfg, (M, K, N), second, err)
                 y.free()
-        mm._cache(m).pop(ckey, None)
+        mm.memo(m).pop(ckey, None)
         m.plans.pop(key, None)
 
 
@@ -1042,19 +1042,19 @@ def test_gpu_linear_cluster_public_and_plan_path(ml, fam, monkeypatch):
                                       info.compute_capability, True)
         assert cands
         for cfg in cands:
-            mm._cache(m)[ckey] = (mm.SKINNY_TEMPLATE, cfg)
+            mm.memo(m)[ckey] = (mm.SKINNY_TEMPLATE, cfg)
             m.plans.pop(key, None)
             for second in (False, True):
                 poisoned(m, (M, N), dtype).free()
                 with monkeypatch.context() as mp:
                     if second:
-                        mp.setattr(mm, "run_config", _no_general_path)
+                        mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
                     y = lin.fused_linear_gelu(m, tx, tw, tb, precision=prec)
                 assert key in m.plans
                 err = _err(m.to_numpy(y), ref, scale)
                 assert err <= bound, (cfg, (M, K, N), second, err)
                 y.free()
-        mm._cache(m).pop(ckey, None)
+        mm.memo(m).pop(ckey, None)
         m.plans.pop(key, None)
 
 
@@ -1067,7 +1067,7 @@ def test_gpu_gelu_backward_cluster_recompute_plan_path(ml, monkeypatch):
     m = ml.math
     _need_clusters(m)
     import test_matmul_backward as tmb
-    from cuda_backend.ops import matmul_backward as mb
+    from cuda_backend.ops import matmul_backward_layers as mbl
     dtype = DT.FLOAT32
     rng = np.random.default_rng(43)
     dev = m.backend.current_device
@@ -1077,19 +1077,19 @@ def test_gpu_gelu_backward_cluster_recompute_plan_path(ml, monkeypatch):
     refs, bounds = tmb.layer_bounds(g, x, w, b, dtype, None, True)
     p = mm.Plan(1, M, N, K, 0, 0, (M, N))
     ckey = ("linear", p, dtype, None, dev, True, mm.GRAD_EPILOGUE)
-    key = mb.layer_plan_key("fused_linear_gelu_backward", tg, tx, tw, tb, None)
+    key = mbl.layer_plan_key("fused_linear_gelu_backward", tg, tx, tw, tb, None)
     for cfg in mm.cluster_candidates(dtype, None, p, info.multiprocessor_count,
                                      info.compute_capability, True):
-        mm._cache(m)[ckey] = (mm.SKINNY_TEMPLATE, cfg)
+        mm.memo(m)[ckey] = (mm.SKINNY_TEMPLATE, cfg)
         m.plans.pop(key, None)
         m.plans.pop(("bias_gelu_grad",) + key[1:], None)
         for second in (False, True):
             with monkeypatch.context() as mp:
                 if second:
-                    mp.setattr(mm, "run_config", _no_general_path)
+                    mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
                 res = ml.fused_linear_gelu_backward(tg, tx, tw, tb)
             assert key in m.plans
             for got, ref, bd in zip(res, refs, bounds):
                 tmb.check(m.to_numpy(got).astype(np.float64), ref, bd, f"{cfg} {second}")
                 got.free()
-    mm._cache(m).pop(ckey, None)
+    mm.memo(m).pop(ckey, None)

@@ -166,7 +166,7 @@ def test_template_variants_cover_every_candidate():
     from cuda_backend.kernels import dtype_params
     for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT32, "ieee"), (DT.FLOAT64, None),
                      (DT.FLOAT32, "tf32"), (DT.FLOAT16, None), (DT.BFLOAT16, None)):
-        family, table = mm._family(dt, prec)
+        family, table = mm.gemm_family(dt, prec)
         for cls in table:
             for vec in (True, False):
                 for cfg in mm.candidates(dt, prec, cls, vec):
@@ -383,7 +383,7 @@ def test_multistage_configs():
 def test_round_tf32_matches_rna():
     x = np.array([1.0, 1.0 + 2**-11, 1.0 + 2**-10 + 2**-11, -1.0 - 2**-11, np.inf, 3e38],
                  np.float32)
-    r = mm._round_tf32(x)
+    r = mm.round_tf32(x)
     assert r[0] == 1.0 and r[1] == 1.0 + 2**-10 and r[2] == 1.0 + 2**-9
     assert r[3] == -1.0 - 2**-10 and np.isinf(r[4]) and np.isfinite(r[5])
     assert (r.view(np.uint32)[np.isfinite(r)] & 0x1FFF == 0).all()
@@ -410,7 +410,7 @@ def test_fallback_tf32_rounds_inputs(fm):
     rng = np.random.default_rng(9882)
     av, bv = rand(rng, (16, 64), DT.FLOAT32), rand(rng, (64, 8), DT.FLOAT32)
     a, b = fm.from_numpy(av), fm.from_numpy(bv)
-    ref = mm._round_tf32(av).astype(np.float64) @ mm._round_tf32(bv).astype(np.float64)
+    ref = mm.round_tf32(av).astype(np.float64) @ mm.round_tf32(bv).astype(np.float64)
     got = fm.to_numpy(mm.matmul(fm, a, b, "tf32"))
     assert rel_err(got, ref) < 1e-5
     assert rel_err(fm.to_numpy(mm.matmul(fm, a, b)), av.astype(np.float64) @ bv) < 1e-5
@@ -510,7 +510,7 @@ def test_gpu_every_candidate_config_is_correct(m, fam):
     """Every tile config the autotuner can pick, aligned (vec) and not, with split-K forced
     for the SIMT kernels, on odd shapes: a fast-but-wrong config can never win."""
     dtype, prec, bound = FAMILIES[fam]
-    template, _ = mm._family(dtype, prec)
+    template, _ = mm.gemm_family(dtype, prec)
     rng = np.random.default_rng(7634)
     dev = m.backend.current_device
     n_vec = 130 if dtype is DT.FLOAT64 else 136   # N % 4 == 2 for float64's 2-wide vectors
@@ -616,7 +616,7 @@ def test_gpu_batch_over_grid_z(m, fam):
     rng = np.random.default_rng(70000)
     check(m, fam, (70000, 3, 5), (70000, 5, 2), rng)
     check(m, fam, (70000, 3, 5), (5, 2), rng)
-    template, _ = mm._family(dtype, prec)
+    template, _ = mm.gemm_family(dtype, prec)
     dev = m.backend.current_device
     a = to_dev(m, rand(rng, (70000, 3, 5), dtype), dtype)
     b = to_dev(m, rand(rng, (70000, 5, 2), dtype), dtype)
@@ -668,8 +668,8 @@ def test_gpu_wgmma_configs(m, shape):
     bv = rand(rng, (K, N), DT.FLOAT32)
     a, b = to_dev(m, av, DT.FLOAT32), to_dev(m, bv, DT.FLOAT32)
     p = mm.plan_shapes(a.shape, b.shape)
-    ra = mm._round_tf32(m.to_numpy(a)).astype(np.float64)
-    rb = mm._round_tf32(m.to_numpy(b)).astype(np.float64)
+    ra = mm.round_tf32(m.to_numpy(a)).astype(np.float64)
+    rb = mm.round_tf32(m.to_numpy(b)).astype(np.float64)
     ref = ra @ rb
     scale = np.abs(ra) @ np.abs(rb)
     for cfg in [c for c in mm.all_configs(DT.FLOAT32, "tf32") if c.get("wgmma")] + \
@@ -692,7 +692,7 @@ def test_gpu_wgmma_batched_b_and_public_path(m):
     av, bv = rand(rng, (3, 65, 132), DT.FLOAT32), rand(rng, (3, 132, 70), DT.FLOAT32)
     a, b = to_dev(m, av, DT.FLOAT32), to_dev(m, bv, DT.FLOAT32)
     p = mm.plan_shapes(a.shape, b.shape)
-    ref = mm._round_tf32(av).astype(np.float64) @ mm._round_tf32(bv).astype(np.float64)
+    ref = mm.round_tf32(av).astype(np.float64) @ mm.round_tf32(bv).astype(np.float64)
     out = poisoned(m, ref.shape, DT.FLOAT32)
     mm.run_config(m, mm.WGMMA_TEMPLATE, mm.W_128x128_s3, a, b, out, p, DT.FLOAT32, True, dev)
     assert rel_err(m.to_numpy(out), ref, np.abs(ref) + 1e-3) <= 2e-6
@@ -717,8 +717,8 @@ def test_gpu_wgmma_batch_over_grid_z(m):
         b = to_dev(m, rand(rng, b_shape, DT.FLOAT32), DT.FLOAT32)
         p = mm.plan_shapes(a.shape, b.shape)
         assert mm.wgmma_ok(a, p)
-        ra = mm._round_tf32(m.to_numpy(a)).astype(np.float64)
-        rb = mm._round_tf32(m.to_numpy(b)).astype(np.float64)
+        ra = mm.round_tf32(m.to_numpy(a)).astype(np.float64)
+        rb = mm.round_tf32(m.to_numpy(b)).astype(np.float64)
         ref, scale = ra @ rb, np.abs(ra) @ np.abs(rb)
         for cfg in [c for c in mm.all_configs(DT.FLOAT32, "tf32") if c.get("wgmma")]:
             out = poisoned(m, ref.shape, DT.FLOAT32)
@@ -755,7 +755,7 @@ def test_gpu_plan_path(m, fam, monkeypatch):
             poisoned(m, ref.shape, dtype).free()
             with monkeypatch.context() as mp:
                 if second:
-                    mp.setattr(mm, "run_config", _no_general_path)
+                    mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
                 res = m.matrix_multiply(a, b, precision=prec)
             assert key in m.plans
             assert res.shape == ref.shape and res.dtype is dtype
@@ -937,24 +937,24 @@ def test_gpu_skinny_public_and_plan_path(m, monkeypatch):
         ckey = (p, dtype, None, dev, True)
         key = ("matmul", a.shape, b.shape, dtype, dtype, dev, dev, None)
         for cfg in mm.skinny_candidates(dtype, None, p, 132)[::2]:
-            mm._cache(m)[ckey] = (mm.SIMT_TEMPLATE, cfg)
+            mm.memo(m)[ckey] = (mm.SIMT_TEMPLATE, cfg)
             m.plans.pop(key, None)
             for second in (False, True):
                 poisoned(m, ref.shape, dtype).free()
                 with monkeypatch.context() as mp:
                     if second:
-                        mp.setattr(mm, "run_config", _no_general_path)
+                        mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
                     res = m.matrix_multiply(a, b)
                 assert key in m.plans
                 err = rel_err(m.to_numpy(res), ref, scale)
                 assert err <= bound, (cfg, (M, K, N), second, err)
                 res.free()
-        mm._cache(m).pop(ckey, None)
+        mm.memo(m).pop(ckey, None)
         m.plans.pop(key, None)
 
 
 def test_skinny_plan_runner_launches():
-    """The per-call plan of a skinny choice (matmul._runner): a pool block for the partials,
+    """The per-call plan of a skinny choice (mm.config_runner): a pool block for the partials,
     the split-K kernel and the reduce (splitk_reduce for matmul; splitk_epilogue with the
     bias pointer for the linear layer) as prepared launches with run_config's grids and
     arguments, the block released after them."""
@@ -994,7 +994,7 @@ def test_skinny_plan_runner_launches():
         tiles_m, tiles_n = mm.skinny_tiles(cfg, p)
         for epilogue in (None, "bias_gelu"):
             calls.clear()
-            run = mm._runner(Math(), mm.SIMT_TEMPLATE, cfg, p, DT.FLOAT32, True, 0, epilogue)
+            run = mm.config_runner(Math(), mm.SIMT_TEMPLATE, cfg, p, DT.FLOAT32, True, 0, epilogue)
             run(1 << 20, 2 << 20, 3 << 20, 0 if epilogue is None else 4 << 20)
             b_trans = epilogue is not None
             reduce_args = (1 << 30, 3 << 20, 32 * 1024, s) if epilogue is None else \
@@ -1288,7 +1288,7 @@ def test_matmul_cluster_candidates_and_launch(shape):
 
 
 def test_cluster_plan_runner_launches():
-    """The per-call plan of a cluster choice (matmul._runner): one prepared launch with
+    """The per-call plan of a cluster choice (mm.config_runner): one prepared launch with
     run_config's grid, threads, shared memory and arguments (the bias pointer, and G for
     bias_gelu_grad), no workspace."""
     import types
@@ -1322,7 +1322,8 @@ def test_cluster_plan_runner_launches():
         chunk = mm.cluster_chunk(cfg, p.K)
         for epilogue in (None, "bias", "bias_gelu", mm.GRAD_EPILOGUE):
             calls.clear()
-            run = mm._runner(Math(), mm.SKINNY_TEMPLATE, cfg, p, DT.FLOAT32, True, 0, epilogue)
+            run = mm.config_runner(Math(), mm.SKINNY_TEMPLATE, cfg, p, DT.FLOAT32, True, 0,
+                                   epilogue)
             run(1 << 20, 2 << 20, 3 << 20, 0 if epilogue is None else 4 << 20, 5 << 20)
             b_trans = epilogue is not None
             g = (5 << 20,) if epilogue == mm.GRAD_EPILOGUE else ()
@@ -1411,17 +1412,17 @@ def test_gpu_cluster_public_and_plan_path(m, monkeypatch):
                                       info.compute_capability, True)
         assert cands
         for cfg in cands:
-            mm._cache(m)[ckey] = (mm.SKINNY_TEMPLATE, cfg)
+            mm.memo(m)[ckey] = (mm.SKINNY_TEMPLATE, cfg)
             m.plans.pop(key, None)
             for second in (False, True):
                 poisoned(m, ref.shape, dtype).free()
                 with monkeypatch.context() as mp:
                     if second:
-                        mp.setattr(mm, "run_config", _no_general_path)
+                        mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
                     res = m.matrix_multiply(a, b)
                 assert key in m.plans
                 err = rel_err(m.to_numpy(res), ref, scale)
                 assert err <= bound, (cfg, (M, K, N), second, err)
                 res.free()
-        mm._cache(m).pop(ckey, None)
+        mm.memo(m).pop(ckey, None)
         m.plans.pop(key, None)

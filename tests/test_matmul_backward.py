@@ -50,6 +50,7 @@ from cuda_backend.kernels import KernelGenerator
 from cuda_backend.ops import linear as lin
 from cuda_backend.ops import matmul as mm
 from cuda_backend.ops import matmul_backward as mb
+from cuda_backend.ops import matmul_backward_layers as mbl
 from cuda_backend.tensor import CudaTensor
 
 gpu = pytest.mark.gpu
@@ -827,9 +828,9 @@ def test_gpu_plans_take_the_repeated_call(apis):
     (tg, tx, tw, tb), _ = layer_inputs(m, rng, DT.FLOAT32, (70, 33), 40)
     (mg, ma, mb_), _ = matmul_inputs(m, rng, DT.FLOAT32, (3, 70, 33), (33, 40))
     calls = [
-        (mb.layer_plan_key("linear_backward", tg, tx, tw, True, None),
+        (mbl.layer_plan_key("linear_backward", tg, tx, tw, True, None),
          lambda: ml.linear_backward(tg, tx, tw)),
-        (mb.layer_plan_key("fused_linear_gelu_backward", tg, tx, tw, tb, None),
+        (mbl.layer_plan_key("fused_linear_gelu_backward", tg, tx, tw, tb, None),
          lambda: ml.fused_linear_gelu_backward(tg, tx, tw, tb)),
         (mb.matmul_plan_key(mg, ma, mb_, None), lambda: ml.matmul_backward(mg, ma, mb_)),
     ]
@@ -1179,7 +1180,7 @@ def test_gpu_x3_through_the_autotuner(backend, layout, monkeypatch):
         for _ in range(2):
             with monkeypatch.context() as mp:
                 res = x3_call(layout)(m, ta, tb)   # makes the plan, or takes it
-                mp.setattr(mm, "run_config", _no_general_path)
+                mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
                 again = x3_call(layout)(m, ta, tb)
             check(stored(m, res), ref, bound, f"{layout} general")
             check(stored(m, again), ref, bound, f"{layout} plan")

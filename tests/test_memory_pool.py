@@ -8,7 +8,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from cuda_backend import (CudaBackendError, CudaOutOfMemoryError, InvalidArgumentError,
                           InvalidPointerError)
-from cuda_backend.memory import HostBinnedPool, MemoryPool, _round_to_bin
+from cuda_backend.memory import HostBinnedPool, MemoryPool
+from cuda_backend.memory_host import round_to_bin
 
 
 class FakeAllocator:
@@ -42,12 +43,12 @@ def stats(pool):
 
 
 def test_round_to_bin():
-    assert _round_to_bin(1) == 256 and _round_to_bin(256) == 256
-    assert _round_to_bin(257) == 320
-    assert _round_to_bin(1000) == 1024
-    assert _round_to_bin(1 << 20) == 1 << 20
+    assert round_to_bin(1) == 256 and round_to_bin(256) == 256
+    assert round_to_bin(257) == 320
+    assert round_to_bin(1000) == 1024
+    assert round_to_bin(1 << 20) == 1 << 20
     for n in (300, 1234, 99999, 12345678):
-        b = _round_to_bin(n)
+        b = round_to_bin(n)
         assert n <= b < n * 1.25 + 1
 
 
@@ -177,7 +178,7 @@ def test_oom_ladder_free_cached_and_retry():
     assert pool.n_free_blocks() == 1
     alloc.fail_next = 1
     blk = pool.allocate(50_000)   # another bin: the allocator fails once
-    assert blk.size == _round_to_bin(50_000)
+    assert blk.size == round_to_bin(50_000)
     s = stats(pool)
     assert s["oom_retries"] == 1
     assert alloc.failures == 1
@@ -304,7 +305,7 @@ class PoolMachine(RuleBasedStateMachine):
     def allocate_pointer(self, size):
         ptr = self.pool.allocate_memory(size)
         assert ptr not in self.ptrs
-        self.ptrs[ptr] = _round_to_bin(size)
+        self.ptrs[ptr] = round_to_bin(size)
         self.peak = max(self.peak, self.live_bytes())
 
     @rule(size=st.integers(min_value=1, max_value=1 << 20), always=st.booleans())

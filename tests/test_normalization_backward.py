@@ -34,8 +34,10 @@ from cuda_backend import CudaDataType as DT
 from cuda_backend.cuda_math import CudaMath
 from cuda_backend.cuda_ml import CudaML
 from cuda_backend.driver import load_driver
+from cuda_backend.ops import batch_norm_backward_plans as bb
+from cuda_backend.ops import layer_norm_backward_plans as lb
 from cuda_backend.ops import normalization_backward as nb
-from cuda_backend.performance import cases_ml
+from cuda_backend.performance import cases_ml_grads
 
 GPU = load_driver()[0] is not None
 # odd row lengths, and 9000: longer than any register plan (8192; float64 4096): loop mode
@@ -133,7 +135,7 @@ def bn_depth(m, shape, dtype):
     sms = m.backend.get_device_info(0).multiprocessor_count if GPU else 1
     layout = "nc" if S == 1 else "ncs"
     vec = 16 // dtype.itemsize
-    terms = max(nb.bn_geometry(layout, N, C, S, ok, vec, sms)["terms"]
+    terms = max(bb.bn_geometry(layout, N, C, S, ok, vec, sms)["terms"]
                 for ok in (0, 1) if ok == 0 or (C if layout == "nc" else S) % vec == 0)
     return terms + 16
 
@@ -432,7 +434,7 @@ def test_references_agree():
     for a, b in zip(got, want[:3]):
         np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-14)
     assert nb.reference("layer_norm", g, x)[1] is None
-    np.testing.assert_allclose(cases_ml.layer_norm_grad(np, g, x, w), want[0], rtol=1e-13,
+    np.testing.assert_allclose(cases_ml_grads.layer_norm_grad(np, g, x, w), want[0], rtol=1e-13,
                                atol=1e-14)
     gb, xb, gam = rng.standard_normal((3, 4, 2, 5)), rng.standard_normal((3, 4, 2, 5)), \
         rng.uniform(0.5, 1.5, 4)
@@ -442,7 +444,7 @@ def test_references_agree():
         got = nb.reference("batch_norm", gb, xb, gam, *extra, training=training)
         for a, b in zip(got, want[:3]):
             np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-14)
-        np.testing.assert_allclose(cases_ml.batch_norm_grad(np, gb, xb, gam, *extra), want[0],
+        np.testing.assert_allclose(cases_ml_grads.batch_norm_grad(np, gb, xb, gam, *extra), want[0],
                                    rtol=1e-13, atol=1e-14)
     with pytest.raises(cb.InvalidArgumentError, match="unknown normalization"):
         nb.reference("group_norm", g, x)
@@ -451,19 +453,19 @@ def test_references_agree():
 def test_plans_hold_the_row():
     for dt in FLOATS:
         vec = 16 // dt.itemsize
-        top = max(nb.ln_capacity(p, dt) for p in nb.ln_row_plans(dt))
+        top = max(lb.ln_capacity(p, dt) for p in lb.ln_row_plans(dt))
         assert top == (4096 if dt is DT.FLOAT64 else 8192)
         for D in [1, 2, 7, 33, 64, 65, 128, 129, 255, 256, 257, 1000, 1025, 4097, 8192, 8193,
                   33000]:
-            cands = nb.ln_candidates(D, dt)
-            assert cands[0] == nb.ln_plan(D, dt) and cands[-1]["mode"] == "loop"
+            cands = lb.ln_candidates(D, dt)
+            assert cands[0] == lb.ln_plan(D, dt) and cands[-1]["mode"] == "loop"
             for p in cands[:-1]:
-                assert nb.ln_capacity(p, dt) >= D
+                assert lb.ln_capacity(p, dt) >= D
                 if p["mode"] == "warp":
                     assert p["tpr"] <= 32 and p["tpr"] & (p["tpr"] - 1) == 0
-                    assert p["tpr"] == 1 or nb.ln_capacity(dict(p, tpr=p["tpr"] // 2), dt) < D
-            assert (nb.ln_plan(D, dt)["mode"] == "loop") == (D > top)
-        assert nb.ln_plan(32 * vec, dt)["mode"] == "warp"
+                    assert p["tpr"] == 1 or lb.ln_capacity(dict(p, tpr=p["tpr"] // 2), dt) < D
+            assert (lb.ln_plan(D, dt)["mode"] == "loop") == (D > top)
+        assert lb.ln_plan(32 * vec, dt)["mode"] == "warp"
 
 
 def test_block_plans_prefetch_where_the_device_holds_the_stages():
@@ -471,27 +473,27 @@ def test_block_plans_prefetch_where_the_device_holds_the_stages():
     LN_STAGES x (x, g) x nv vectors per thread, and a device whose opt-in shared memory per
     block cannot hold sums + stages + 1 KiB gets the plain kernel."""
     from types import SimpleNamespace
-    p = nb.ln_plan(1024, DT.FLOAT32)
+    p = lb.ln_plan(1024, DT.FLOAT32)
     assert p == {"mode": "block", "nv": 2, "tpr": 128, "block": 512, "prefetch": True}
-    assert nb.ln_prefetches(p, True) and not nb.ln_prefetches(p, False)
-    assert nb.ln_stage_bytes(p, True) == 2 * 2 * 2 * 512 * 16
-    assert nb.ln_stage_bytes(p, False) == 0
-    assert not nb.ln_prefetches(nb.ln_plan(256, DT.FLOAT32), True)      # warp mode
+    assert lb.ln_prefetches(p, True) and not lb.ln_prefetches(p, False)
+    assert lb.ln_stage_bytes(p, True) == 2 * 2 * 2 * 512 * 16
+    assert lb.ln_stage_bytes(p, False) == 0
+    assert not lb.ln_prefetches(lb.ln_plan(256, DT.FLOAT32), True)      # warp mode
     h100 = SimpleNamespace(shared_memory_per_block_optin=227 * 1024)
     a100 = SimpleNamespace(shared_memory_per_block_optin=163 * 1024)
     small = SimpleNamespace(shared_memory_per_block_optin=48 * 1024)
     for dt in FLOATS:
-        for q in nb.ln_row_plans(dt):
+        for q in lb.ln_row_plans(dt):
             if q["mode"] != "block" or not q["prefetch"]:
                 continue
             rpb = q["block"] // q["tpr"]
             acc = 8 if dt is DT.FLOAT64 else 4
-            need = rpb * 2 * nb.ln_capacity(q, dt) * acc + nb.ln_stage_bytes(q, True) + 1024
-            assert nb.ln_prefetch_fits(q, dt, h100)          # every config on H100 / H200
-            assert nb.ln_prefetch_fits(q, dt, a100) == (need <= 163 * 1024)
-            assert not nb.ln_prefetch_fits(q, dt, small)
-    big = nb.ln_plan(8192, DT.FLOAT32)
-    assert big["tpr"] == 1024 and not nb.ln_prefetch_fits(big, DT.FLOAT32, a100)
+            need = rpb * 2 * lb.ln_capacity(q, dt) * acc + lb.ln_stage_bytes(q, True) + 1024
+            assert lb.ln_prefetch_fits(q, dt, h100)          # every config on H100 / H200
+            assert lb.ln_prefetch_fits(q, dt, a100) == (need <= 163 * 1024)
+            assert not lb.ln_prefetch_fits(q, dt, small)
+    big = lb.ln_plan(8192, DT.FLOAT32)
+    assert big["tpr"] == 1024 and not lb.ln_prefetch_fits(big, DT.FLOAT32, a100)
 
 
 def test_prefetch_stages_emulated():
@@ -500,13 +502,13 @@ def test_prefetch_stages_emulated():
     wait for all but the newest copy, read stage s) reads each trip's own row, on every
     trip count a block can get (rows not a multiple of the grid's)."""
     for dt in FLOATS:
-        for q in nb.ln_row_plans(dt):
+        for q in lb.ln_row_plans(dt):
             if not q["prefetch"]:
                 continue
             nv, blk = q["nv"], q["block"]
-            slots = {((st * 2 + ten) * nv + k) * blk + t for st in range(nb.LN_STAGES)
+            slots = {((st * 2 + ten) * nv + k) * blk + t for st in range(lb.LN_STAGES)
                      for ten in range(2) for k in range(nv) for t in range(blk)}
-            assert slots == set(range(nb.ln_stage_bytes(q, True) // 16))
+            assert slots == set(range(lb.ln_stage_bytes(q, True) // 16))
     for rows, grid, rpb, block in ((1, 1, 4, 0), (37, 2, 4, 1), (301, 3, 2, 2), (64, 3, 1, 0)):
         step, sub = grid * rpb, 0
         row = block * rpb + sub
@@ -528,11 +530,11 @@ def test_template_variants():
     ln, bn = v[nb.LN_TEMPLATE], v[nb.BN_TEMPLATE]
     # per dtype: warp nvs x aligned / not; block configs x (aligned with and without
     # prefetch, the element path: one kernel for both); rowstats, apply, finalize
-    assert len(ln) == sum(2 * len(nb.ln_warp_nvs(dt)) + 3 * len(nb.LN_BLOCK_CONFIGS) + 3
+    assert len(ln) == sum(2 * len(lb.ln_warp_nvs(dt)) + 3 * len(lb.LN_BLOCK_CONFIGS) + 3
                           for dt in FLOATS)
     rows = [p for p in ln if p["kernel"] == "rows"]
     assert all(p["aligned"] and p["mode"] == "block" for p in rows if p["prefetch"])
-    assert sum(p["prefetch"] for p in rows) == len(FLOATS) * len(nb.LN_BLOCK_CONFIGS)
+    assert sum(p["prefetch"] for p in rows) == len(FLOATS) * len(lb.LN_BLOCK_CONFIGS)
     assert len(bn) == 4 * (3 * 2 + 2)
     assert {(p["kernel"], p.get("layout"), p.get("mode")) for p in bn} == {
         (k, lay, None) for k in ("reduce", "eval", "apply") for lay in ("nc", "ncs")} | {
@@ -619,7 +621,7 @@ def test_batch_norm_backward_errors(apis):
 
 LN_STUB_SCRIPT = r'''
     from cuda_backend.cuda_ml import CudaML
-    from cuda_backend.ops import normalization_backward as nb
+    from cuda_backend.ops import layer_norm_backward_plans as lb
     ml = CudaML(m)
     rng = np.random.default_rng(0)
     for shape, dtype, weight in (((8192, 1024), DT.FLOAT32, True),
@@ -628,16 +630,16 @@ LN_STUB_SCRIPT = r'''
         G, X = (m.from_numpy(rng.standard_normal(shape).astype(host)) for _ in range(2))
         W = m.from_numpy(np.ones(shape[-1], host)) if weight else None
         D, key = shape[-1], ("layer_norm_backward", shape, dtype, 0, 1e-5, not weight)
-        p = nb.ln_plan(D, dtype)
+        p = lb.ln_plan(D, dtype)
         assert p["mode"] == "block" and p["prefetch"]
         acc = 8 if dtype is DT.FLOAT64 else 4
-        sums = (p["block"] // p["tpr"]) * 2 * nb.ln_capacity(p, dtype) * acc
+        sums = (p["block"] // p["tpr"]) * 2 * lb.ln_capacity(p, dtype) * acc
         m.plans.pop(key, None)
         launches.clear()
         out = ml.layer_norm_backward(G, X, W)
         general = list(launches)
         assert key in m.plans and len(general) == 2          # rows (with the stages), finalize
-        assert general[0][3] == sums + nb.ln_stage_bytes(p, True), general[0][3]
+        assert general[0][3] == sums + lb.ln_stage_bytes(p, True), general[0][3]
         assert general[0][1] == (p["block"], 1, 1) and general[1][3] == 0
         if shape == (8192, 1024):
             assert general[0][0] == (264, 1, 1)              # 2 blocks of 96 KiB per SM
@@ -686,21 +688,21 @@ def test_gpu_layer_norm_every_plan(apis, dtype):
     through a grid of at most 2 blocks (the persistent loop's later trips)."""
     m, _ = apis
     rng = np.random.default_rng(20)
-    caps = sorted({nb.ln_capacity(p, dtype) for p in nb.ln_row_plans(dtype)})
+    caps = sorted({lb.ln_capacity(p, dtype) for p in lb.ln_row_plans(dtype)})
     for D in boundary_lengths(caps):
         for rows in (7, 300 if D <= 1025 else 7):
             g, hg, x, hx, w, hw = ln_inputs(m, rng, (rows, D), dtype, weight=D % 2 == 1)
             xm, base, hxm = misaligned(m, rng.standard_normal((rows, D)) * 2 + 1, dtype)
-            for p in nb.ln_candidates(D, dtype):
+            for p in lb.ln_candidates(D, dtype):
                 for xx, hxx in ((x, hx), (xm, hxm)):
                     aligned = xx is x and D % (16 // dtype.itemsize) == 0
-                    q = nb.ln_prepare(m, p, dtype, D, 0, aligned)
+                    q = lb.ln_prepare(m, p, dtype, D, 0, aligned)
                     if rows == 300 and p["mode"] != "loop":
                         q = dict(q, resident=min(q["resident"], 2))
                     out = (m.create_tensor((rows, D), dtype),
                            m.create_tensor((D,), dtype) if w is not None else None,
                            m.create_tensor((D,), dtype))
-                    nb.ln_launch(m, q, g, xx, w, *out, 1e-5)
+                    lb.ln_launch(m, q, g, xx, w, *out, 1e-5)
                     check_ln(m, out, hg, hxx, hw, 1e-5, dtype, f"D={D} rows={rows} {p} "
                                                                f"aligned={aligned}")
                     free(out)
@@ -718,31 +720,31 @@ def test_gpu_layer_norm_prefetch_pipeline(apis, dtype, monkeypatch):
     rng = np.random.default_rng(25)
     vec = 16 // dtype.itemsize
     for D in (vec * 9, vec * 64 + vec, 1000 - 1000 % vec, 4096 - vec):
-        for p in nb.ln_candidates(D, dtype):
+        for p in lb.ln_candidates(D, dtype):
             if not p["prefetch"]:
                 continue
             for rows, grid in ((1, 1), (5, 1), (37, 2), (64, 3), (301, 3)):
                 g, hg, x, hx, w, hw = ln_inputs(m, rng, (rows, D), dtype, weight=rows % 2 == 1)
-                q = nb.ln_prepare(m, p, dtype, D, 0, True)
-                assert q["prefetch"] and q["smem"] > nb.ln_stage_bytes(p, True)
+                q = lb.ln_prepare(m, p, dtype, D, 0, True)
+                assert q["prefetch"] and q["smem"] > lb.ln_stage_bytes(p, True)
                 q = dict(q, resident=min(q["resident"], grid))
                 out = (m.create_tensor((rows, D), dtype),
                        m.create_tensor((D,), dtype) if w is not None else None,
                        m.create_tensor((D,), dtype))
-                nb.ln_launch(m, q, g, x, w, *out, 1e-5)
+                lb.ln_launch(m, q, g, x, w, *out, 1e-5)
                 check_ln(m, out, hg, hx, hw, 1e-5, dtype, f"D={D} rows={rows} grid={grid} {p}")
                 free(out, g, x, w)
-    monkeypatch.setattr(nb, "ln_prefetch_fits", lambda *a: False)
+    monkeypatch.setattr(lb, "ln_prefetch_fits", lambda *a: False)
     D = 1000 - 1000 % vec
-    p = nb.ln_plan(D, dtype)
-    q = nb.ln_prepare(m, p, dtype, D, 0, True)
+    p = lb.ln_plan(D, dtype)
+    q = lb.ln_prepare(m, p, dtype, D, 0, True)
     assert p["prefetch"] and not q["prefetch"]
-    assert q["smem"] == (p["block"] // p["tpr"]) * 2 * nb.ln_capacity(p, dtype) * \
+    assert q["smem"] == (p["block"] // p["tpr"]) * 2 * lb.ln_capacity(p, dtype) * \
         (8 if dtype is DT.FLOAT64 else 4)
     g, hg, x, hx, w, hw = ln_inputs(m, rng, (77, D), dtype)
     out = (m.create_tensor((77, D), dtype), m.create_tensor((D,), dtype),
            m.create_tensor((D,), dtype))
-    nb.ln_launch(m, dict(q, resident=min(q["resident"], 2)), g, x, w, *out, 1e-5)
+    lb.ln_launch(m, dict(q, resident=min(q["resident"], 2)), g, x, w, *out, 1e-5)
     check_ln(m, out, hg, hx, hw, 1e-5, dtype, f"D={D} without the stages")
     free(out, g, x, w)
 

@@ -9,9 +9,10 @@ import pytest
 from cuda_backend import occupancy
 from cuda_backend.devices import CudaDeviceInfo
 from cuda_backend.dtypes import CudaDataType
-from cuda_backend.ops import matmul as mm
-from cuda_backend.ops import normalization as nm
-from cuda_backend.ops import reduction as red
+from cuda_backend.ops import matmul as mm, matmul_configs as mc
+from cuda_backend.ops import layer_norm_plans as lp
+from cuda_backend.ops import normalization_common as nc
+from cuda_backend.ops import reduction_config as rcfg
 from cuda_backend.ops import softmax as sm
 from cuda_backend.ops import transpose as tr
 
@@ -121,7 +122,7 @@ def test_reads_the_device_limits():
 
 
 # -- the hand-written formulas it replaced ------------------------------------------------
-def old_min_blocks(block, need):   # softmax.block_min_blocks / normalization._ln_min_blocks
+def old_min_blocks(block, need):   # softmax.block_min_blocks / layer_norm_plans.ln_min_blocks
     best = 1
     for blocks in range(1, 2048 // block + 1):
         if (65536 // (block * blocks)) // 8 * 8 >= min(need, 255):
@@ -148,21 +149,21 @@ def test_softmax_min_blocks_unchanged():
 
 
 def test_layer_norm_min_blocks_unchanged():
-    configs = [(c, True, False) for c in nm.LN_VEC_CONFIGS] + \
-        [(c, True, True) for c in nm.LN_PREFETCH_CONFIGS] + \
-        [(c, False, False) for c in nm.LN_SCALAR_CONFIGS] + \
-        [((nm.LN_LOOP_BLOCK, 0, nm.LN_LOOP_BLOCK), v, False) for v in (True, False)]
-    for dt in nm.DTYPES:
+    configs = [(c, True, False) for c in lp.LN_VEC_CONFIGS] + \
+        [(c, True, True) for c in lp.LN_PREFETCH_CONFIGS] + \
+        [(c, False, False) for c in lp.LN_SCALAR_CONFIGS] + \
+        [((lp.LN_LOOP_BLOCK, 0, lp.LN_LOOP_BLOCK), v, False) for v in (True, False)]
+    for dt in nc.DTYPES:
         for (tpr, vpt, block), use_vec, prefetch in configs:
-            vec = nm._vec(dt) if use_vec else 1
+            vec = nc.vec_width(dt) if use_vec else 1
             if tpr == 32 or vpt == 0:
                 want = 1 if block >= 1024 else 1024 // block
             else:
                 words = vpt * max(1, vec * dt.itemsize // 4) * (2 if prefetch else 1)
-                want = old_min_blocks(block, words + (nm.LN_WORK_REGS_F64
+                want = old_min_blocks(block, words + (lp.LN_WORK_REGS_F64
                                                       if dt is CudaDataType.FLOAT64
-                                                      else nm.LN_WORK_REGS))
-            assert nm._ln_min_blocks(dt, tpr, vpt, block, vec, prefetch) == want
+                                                      else lp.LN_WORK_REGS))
+            assert lp.ln_min_blocks(dt, tpr, vpt, block, vec, prefetch) == want
 
 
 def test_transpose_min_blocks_unchanged():
@@ -181,7 +182,7 @@ def test_transpose_min_blocks_unchanged():
 
 
 def _simt_configs():
-    return [v for k, v in vars(mm).items() if k[:2] in ("S_", "D_") and isinstance(v, dict)
+    return [v for k, v in vars(mc).items() if k[:2] in ("S_", "D_") and isinstance(v, dict)
             and "tm" in v]
 
 
@@ -231,27 +232,27 @@ def old_resident(regs, static, threads, info):
 def test_reduction_waves_and_grids_unchanged():
     bare = CudaDeviceInfo(device_id=0, name="stub H100", compute_capability=(9, 0),
                           memory_total=80 << 30, multiprocessor_count=132)
-    threads = {red.BLOCK}
+    threads = {rcfg.BLOCK}
     axis_shapes = [(1, 13, 17, 4, True), (1, 1 << 20, 3, 4, True), (3, 5, 7, 8, True),
                    (1, 4096, 4096, 4, True), (1 << 16, 3, 64, 2, True), (7, 100, 12, 4, False),
                    (1, 2, 1 << 22, 4, True), (5, 999, 1, 4, True)]
     for shape in axis_shapes:
-        c = red.axis_config(*shape, 0)
+        c = rcfg.axis_config(*shape, 0)
         threads.add(c["bx"] * c["by"])
     for info in (H100, bare):
         for regs, static, t in itertools.product((0, 16, 32, 40, 64, 96, 128), (0, 2048, 16384),
                                                  sorted(threads)):
             old = old_resident(regs, static, t, info)
-            new = red.resident_blocks(K(regs, static), info, t)
+            new = rcfg.resident_blocks(K(regs, static), info, t)
             # the old rule ignored the register file's 4 sub-partitions (blocks of 1-3 warps
             # and 5-7: 40 registers x 64 threads fit 24 blocks, not 25) and the 128-byte unit
             assert new == calculator(regs, t, static), (regs, static, t)
             if (t // 32) % 4 == 0:
                 assert new == old, (regs, static, t)
             # the split launches' wave (at most SPLIT_BLOCKS_PER_SM a SM) and grids: unchanged
-            old_wave = 132 * min(red.SPLIT_BLOCKS_PER_SM, old)
-            wave = 132 * min(red.SPLIT_BLOCKS_PER_SM, new)
+            old_wave = 132 * min(rcfg.SPLIT_BLOCKS_PER_SM, old)
+            wave = 132 * min(rcfg.SPLIT_BLOCKS_PER_SM, new)
             for rows, R in [(1, 1 << 28), (64, 1 << 16), (1000, 7), (3, 1025)]:
-                assert red.rows_config(rows, R, 4, wave) == red.rows_config(rows, R, 4, old_wave)
+                assert rcfg.rows_config(rows, R, 4, wave) == rcfg.rows_config(rows, R, 4, old_wave)
             for shape in axis_shapes:
-                assert red.axis_config(*shape, wave) == red.axis_config(*shape, old_wave)
+                assert rcfg.axis_config(*shape, wave) == rcfg.axis_config(*shape, old_wave)

@@ -37,7 +37,7 @@ from cuda_backend.cuda_math import CudaMath
 from cuda_backend.cuda_ml import CudaML, OptimizerState
 from cuda_backend.dtypes import from_bfloat16_bits, to_bfloat16_bits
 from cuda_backend.ops import optimizers as opt
-from cuda_backend.ops.shape import make_view
+from cuda_backend.ops.shape_layouts import make_view
 from cuda_backend.tensor import CudaTensor
 
 SIZES = [1, 3, 4, 5, 7, 8, 9, 1023, 4097, (1 << 20) + 5]

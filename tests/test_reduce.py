@@ -17,6 +17,7 @@ from cuda_backend import CudaDataType as DT
 from cuda_backend.cuda_math import CudaMath
 from cuda_backend.devices import CudaDeviceInfo
 from cuda_backend.ops import reduction as red
+from cuda_backend.ops import reduction_config as rcfg
 from cuda_backend.tensor import CudaTensor
 
 DTYPES = [DT.FLOAT32, DT.FLOAT64, DT.FLOAT16, DT.BFLOAT16, DT.INT32, DT.INT64]
@@ -110,9 +111,9 @@ def test_matches_numpy_every_axis_pattern(m, op, dtype):
     for shape, axis, keepdims in CASES:
         x, a = make(m, shape, dtype, rng)
         ref_shape = reference(op, a, axis, keepdims).shape
-        out = poisoned(m, ref_shape, red.result_dtype(dtype, op))
+        out = poisoned(m, ref_shape, rcfg.result_dtype(dtype, op))
         got = red.reduce(m, op, x, axis, keepdims, out=out)
-        assert got is out and got.dtype is red.result_dtype(dtype, op)
+        assert got is out and got.dtype is rcfg.result_dtype(dtype, op)
         check(op, dtype, m.to_numpy(out), a, axis, keepdims, f"{op} {shape} axis={axis}")
         x.free(), out.free()
 
@@ -282,7 +283,7 @@ def test_empty_reductions(m):
         x = m.create_tensor((3, 0), dtype)
         s = m.reduce_sum(x, axis=1)
         assert s.shape == (3,) and np.all(m.to_numpy(s) == 0)
-        assert s.dtype is red.result_dtype(dtype, "sum")
+        assert s.dtype is rcfg.result_dtype(dtype, "sum")
         mean = m.reduce_mean(x, axis=1)
         assert mean.shape == (3,) and np.all(np.isnan(m.to_numpy(mean)))
         assert m.reduce_sum(x).shape == () and m.to_numpy(m.reduce_sum(x)) == 0
@@ -385,7 +386,7 @@ def test_api_matches_numpy_small(m, dtype):
         for shape, axis, keepdims in CASES[:13]:
             x, a = make(m, shape, dtype, rng)
             r = run_op(m, op, x, axis, keepdims)
-            assert r.dtype is red.result_dtype(dtype, op)
+            assert r.dtype is rcfg.result_dtype(dtype, op)
             check(op, dtype, m.to_numpy(r), a, axis, keepdims, f"{op} {shape} {axis}")
     x, _ = make(m, (13, 17), dtype, rng)
     a = m.to_numpy(x)
@@ -396,7 +397,7 @@ def test_api_matches_numpy_small(m, dtype):
 def test_result_dtypes_follow_numpy():
     for dtype in DTYPES:
         for op in OPS:
-            got = red.result_dtype(dtype, op)
+            got = rcfg.result_dtype(dtype, op)
             if dtype in (DT.FLOAT16, DT.BFLOAT16):
                 assert got is dtype
                 continue
@@ -405,14 +406,14 @@ def test_result_dtypes_follow_numpy():
 
 
 def test_collapse_and_plan_passes():
-    assert red.collapse((2, 3, 4, 5), (1, 2)) == [[2, False], [12, True], [5, False]]
-    assert red.collapse((1, 13, 1, 17), (0, 2)) == [[221, False]]
-    assert red.plan_passes((2, 3, 4, 5), (1, 2)) == [(2, 12, 5)]
-    assert red.plan_passes((2, 3, 4, 5), (1, 3)) == [(24, 5, 1), (2, 3, 4)]
-    assert red.plan_passes((3, 5, 7), (0, 2)) == [(15, 7, 1), (1, 3, 5)]
-    assert red.plan_passes((4, 6), ()) == [(24, 1, 1)]
-    assert red.plan_passes((4, 1), (1,)) == [(4, 1, 1)]
-    assert red.plan_passes((1 << 28,), (0,)) == [(1, 1 << 28, 1)]
+    assert rcfg.collapse((2, 3, 4, 5), (1, 2)) == [[2, False], [12, True], [5, False]]
+    assert rcfg.collapse((1, 13, 1, 17), (0, 2)) == [[221, False]]
+    assert rcfg.plan_passes((2, 3, 4, 5), (1, 2)) == [(2, 12, 5)]
+    assert rcfg.plan_passes((2, 3, 4, 5), (1, 3)) == [(24, 5, 1), (2, 3, 4)]
+    assert rcfg.plan_passes((3, 5, 7), (0, 2)) == [(15, 7, 1), (1, 3, 5)]
+    assert rcfg.plan_passes((4, 6), ()) == [(24, 1, 1)]
+    assert rcfg.plan_passes((4, 1), (1,)) == [(4, 1, 1)]
+    assert rcfg.plan_passes((1 << 28,), (0,)) == [(1, 1 << 28, 1)]
 
 
 H100 = CudaDeviceInfo(device_id=0, name="stub H100", compute_capability=(9, 0),
@@ -424,15 +425,15 @@ def test_rows_config_covers_rows_and_fills_the_gpu():
     for rows, R, itemsize in [(1, 1, 4), (1000, 7, 4), (5, 1024, 4), (3, 1025, 4),
                               (1, 1 << 28, 4), (1 << 14, 1 << 14, 4), (64, 1 << 16, 2),
                               (1 << 20, 1, 8)]:
-        group, splits, grid = red.rows_config(rows, R, itemsize, wave)
-        assert group == red.BLOCK or (1 <= group <= 32 and group & (group - 1) == 0)
+        group, splits, grid = rcfg.rows_config(rows, R, itemsize, wave)
+        assert group == rcfg.BLOCK or (1 <= group <= 32 and group & (group - 1) == 0)
         if group <= 32:  # short rows only, every row covered
-            assert splits == 1 and grid * (red.BLOCK // group) >= rows
+            assert splits == 1 and grid * (rcfg.BLOCK // group) >= rows
             assert R <= 32 * (16 // itemsize) * 8
         else:
             assert grid == rows * splits and 1 <= splits <= wave
-            assert splits == 1 or rows <= red.MAX_SPLIT_GROUPS
-    assert red.rows_config(1, 1 << 28, 4, wave)[1] == wave  # a full reduction: one wave
+            assert splits == 1 or rows <= rcfg.MAX_SPLIT_GROUPS
+    assert rcfg.rows_config(1, 1 << 28, 4, wave)[1] == wave  # a full reduction: one wave
 
 
 def test_axis_config_shapes():
@@ -441,26 +442,26 @@ def test_axis_config_shapes():
                                                (3, 5, 7, 8, True), (1, 4096, 4096, 4, True),
                                                (1 << 16, 3, 64, 2, True), (7, 100, 12, 4, False),
                                                (1, 2, 1 << 22, 4, True)]:
-        c = red.axis_config(outer, R, inner, itemsize, aligned, wave)
+        c = rcfg.axis_config(outer, R, inner, itemsize, aligned, wave)
         w = 16 // itemsize if c["vec_on"] else 1
-        assert c["bx"] * c["by"] <= red.BLOCK and c["width"] == c["bx"] * w
+        assert c["bx"] * c["by"] <= rcfg.BLOCK and c["width"] == c["bx"] * w
         assert c["tiles"] * c["width"] >= inner and (c["tiles"] - 1) * c["width"] < inner
         assert c["splits"] * c["rows_per_split"] >= R
         assert (c["splits"] - 1) * c["rows_per_split"] < R
         assert c["splits"] <= 65535 and c["groups"] == outer * c["tiles"]
         assert not c["vec_on"] or (aligned and inner % (16 // itemsize) == 0)
         if c["splits"] > 1:
-            assert c["groups"] <= red.MAX_SPLIT_GROUPS
+            assert c["groups"] <= rcfg.MAX_SPLIT_GROUPS
 
 
 def test_resident_blocks():
     class K:
         num_regs, static_shared_bytes = 40, 0
-    assert red.resident_blocks(K, H100, 256) == 6  # 40 regs -> 10240 regs a block
+    assert rcfg.resident_blocks(K, H100, 256) == 6  # 40 regs -> 10240 regs a block
     K.num_regs = 32
-    assert red.resident_blocks(K, H100, 256) == 8
+    assert rcfg.resident_blocks(K, H100, 256) == 8
     K.static_shared_bytes = 32 * 1024
-    assert red.resident_blocks(K, H100, 256) >= 1
+    assert rcfg.resident_blocks(K, H100, 256) >= 1
 
 
 def test_template_variants_are_listed_once():

@@ -19,6 +19,7 @@ import pytest
 import cuda_backend.test_cuda_performance as tcp
 from cuda_backend.driver import load_driver
 from cuda_backend.performance import cases_math, cases_ml, cases_training, charts, render, schema
+from cuda_backend.performance import cases_ml_forward
 from cuda_backend.performance.ceilings import compute_peaks
 from cuda_backend.performance.config import TestConfiguration as Config
 from cuda_backend.performance.progress import Progress
@@ -493,21 +494,21 @@ def test_ml_references_match_direct_loops():
     # two float64 sums of the same 27 products in different orders differ by at most
     # 2 * 27 * eps * sum|terms| (cancellation makes a relative bound meaningless)
     bound = 2 * 27 * np.finfo(np.float64).eps * magnitude
-    assert np.all(np.abs(cases_ml.conv2d_nchw(np, x, w) - direct) <= bound)
+    assert np.all(np.abs(cases_ml_forward.conv2d_nchw(np, x, w) - direct) <= bound)
     y = rng.standard_normal((1, 2, 4, 6))
-    assert cases_ml.pool2x2(y, "max")[0, 1, 1, 2] == y[0, 1, 2:4, 4:6].max()
+    assert cases_ml_forward.pool2x2(y, "max")[0, 1, 1, 2] == y[0, 1, 2:4, 4:6].max()
     q, k, v = (rng.standard_normal((1, 1, 5, 4)) for _ in range(3))
-    out = cases_ml.attention(np, q, k, v, causal=True)
+    out = cases_ml_forward.attention(np, q, k, v, causal=True)
     s0 = q[0, 0, 2] @ k[0, 0, :3].T / 2.0
     p = np.exp(s0 - s0.max())
     np.testing.assert_allclose(out[0, 0, 2], (p / p.sum()) @ v[0, 0, :3], rtol=1e-12)
     p, g = rng.standard_normal(8), rng.standard_normal(8)
     p0 = p.copy()
-    cases_ml.adam(np, p, g, np.zeros(8), np.zeros(8))
+    cases_ml_forward.adam(np, p, g, np.zeros(8), np.zeros(8))
     # first bias-corrected step from zero moments: p moves by lr * g / (|g| + eps)
     np.testing.assert_allclose(p, p0 - 1e-3 * g / (np.abs(g) + 1e-8), rtol=1e-9)
     buf = np.ones(8)
-    cases_ml.sgd(np, p0, g, buf)
+    cases_ml_forward.sgd(np, p0, g, buf)
     np.testing.assert_allclose(buf, 0.9 + g, rtol=1e-12)
 
 

@@ -21,6 +21,8 @@ from cuda_backend import (CudaDataType as DT, DTypeMismatchError,
                           ShapeMismatchError, from_bfloat16_bits, to_bfloat16_bits)
 from cuda_backend.driver import load_driver
 from cuda_backend.ops import shape as sh
+from cuda_backend.ops import shape_copy as sc
+from cuda_backend.ops import shape_layouts as sl
 
 ALL = list(DT)
 needs_fallback = pytest.mark.skipif(
@@ -386,7 +388,7 @@ PAIRS = [(s, d) for s in ALL for d in ALL]
 @pytest.mark.parametrize("src, dst", PAIRS, ids=[f"{s.name_str}-{d.name_str}" for s, d in PAIRS])
 def test_astype_every_pair(m, src, dst):
     """Every dtype pair on special values (NaN, infinities, out of range, ties of rounding,
-    subnormals) against the documented semantics (shape.convert_host), and against NumPy's
+    subnormals) against the documented semantics (shape_copy.convert_host), and against NumPy's
     astype where NumPy's result is defined (finite values in the target's range)."""
     rng = np.random.default_rng(11)
     vals = _source_values(src, rng)
@@ -395,7 +397,7 @@ def test_astype_every_pair(m, src, dst):
     out = m.astype(x, dst)
     assert out.dtype is dst and out.shape == x.shape and out.ptr != x.ptr
     got = m.backend.to_host(out)
-    expected = sh.convert_host(stored, src, dst)
+    expected = sc.convert_host(stored, src, dst)
     if dst.is_floating:                            # NaN == NaN, any NaN bits
         g = from_bfloat16_bits(got) if dst is DT.BFLOAT16 else got
         e = from_bfloat16_bits(expected) if dst is DT.BFLOAT16 else expected
@@ -512,11 +514,11 @@ def test_permute_and_getitem_property(m, layout, dtype):
 
 # -- host-side planning (no device) ---------------------------------------------------------------
 def test_collapse_merges_what_every_operand_walks_alike():
-    assert sh.collapse((2, 3, 4), [12, 4, 1], [12, 4, 1]) == ([24], [[1], [1]])
-    assert sh.collapse((2, 3, 4), [1, 2, 6], [12, 4, 1]) == ([2, 3, 4], [[1, 2, 6], [12, 4, 1]])
-    assert sh.collapse((3, 1, 4), [4, 99, 1], [0, 7, 1]) == ([3, 4], [[4, 1], [0, 1]])
-    assert sh.collapse((1, 1), [5, 6]) == ([1], [[1]])
-    assert sh.collapse((2, 5, 7), [0, 0, 1], [35, 7, 1]) == ([10, 7], [[0, 1], [7, 1]])
+    assert sl.collapse((2, 3, 4), [12, 4, 1], [12, 4, 1]) == ([24], [[1], [1]])
+    assert sl.collapse((2, 3, 4), [1, 2, 6], [12, 4, 1]) == ([2, 3, 4], [[1, 2, 6], [12, 4, 1]])
+    assert sl.collapse((3, 1, 4), [4, 99, 1], [0, 7, 1]) == ([3, 4], [[4, 1], [0, 1]])
+    assert sl.collapse((1, 1), [5, 6]) == ([1], [[1]])
+    assert sl.collapse((2, 5, 7), [0, 0, 1], [35, 7, 1]) == ([10, 7], [[0, 1], [7, 1]])
 
 
 @pytest.mark.parametrize("bits", [32, 64])
@@ -529,7 +531,7 @@ def test_fast_divisor_is_exact(bits):
     ns = [0, 1, 2, 3, 63, 64, 65, 2**31 - 1, 2**31, 2**32 - 65, (1 << bits) - 1]
     ns += [int(n) for n in rng.integers(0, 2**32 - 1, 50)]
     for d in divisors:
-        dd, mult, l = sh.fast_divisor(d, bits)
+        dd, mult, l = sl.fast_divisor(d, bits)
         assert dd == d and 0 < mult < (1 << bits)
         s1, s2 = min(l, 1), max(l - 1, 0)
         for n in ns:
@@ -551,15 +553,15 @@ class _Stub:
 
 
 def _plan(shape, axes, dtype=DT.FLOAT32, src=0, dst=0):
-    xs = sh.contiguous_strides(shape)
+    xs = sl.contiguous_strides(shape)
     out_shape = tuple(shape[a] for a in axes)
-    return sh.plan_copy(_Stub, 0, dtype, out_shape, [xs[a] for a in axes],
-                        sh.contiguous_strides(out_shape), src, dst)
+    return sc.plan_copy(_Stub, 0, dtype, out_shape, [xs[a] for a in axes],
+                        sl.contiguous_strides(out_shape), src, dst)
 
 
 def test_plan_copy_picks_the_kernel():
     (g,) = _plan((64, 8, 4), (1, 0, 2))                   # innermost stays: 16-byte gather
-    assert g.params == sh.copy_params("gather", 4, 32) and g.args[2] == 1     # mode 1
+    assert g.params == sc.copy_params("gather", 4, 32) and g.args[2] == 1     # mode 1
     assert g.args[0] == 64 * 8 * 4 // 4 and g.args[3] == 1                   # items, contig
     (g,) = _plan((64, 8, 4), (1, 0, 2), src=4)              # misaligned source: elements
     assert g.args[2] == 0 and g.args[0] == 64 * 8 * 4
@@ -568,13 +570,13 @@ def test_plan_copy_picks_the_kernel():
     launches = _plan((2, 33, 65), (0, 2, 1))                 # batched 2-D: transpose.cu.j2
     assert launches and all(L.template == "transpose.cu.j2" for L in launches)
     (t,) = _plan((33, 65), (1, 0), DT.UINT8)              # 1-byte elements: tile
-    assert t.params == sh.copy_params("tile", 1, 32)
+    assert t.params == sc.copy_params("tile", 1, 32)
     assert _plan((0, 3), (1, 0)) == []
-    big = sh.plan_copy(_Stub, 0, DT.FLOAT32, (3, 2**32), [1, 3], [2**32, 1], 0, 0)
+    big = sc.plan_copy(_Stub, 0, DT.FLOAT32, (3, 2**32), [1, 3], [2**32, 1], 0, 0)
     assert big[0].params["index"] == 64 and big[0].params["kind"] == "tile"   # sizes >= 2^32
-    mid = sh.plan_copy(_Stub, 0, DT.FLOAT32, (3, 2**31), [1, 3], [2**31, 1], 0, 0)
+    mid = sc.plan_copy(_Stub, 0, DT.FLOAT32, (3, 2**31), [1, 3], [2**31, 1], 0, 0)
     assert mid[0].params["index"] == 32
-    (b,) = sh.plan_copy(_Stub, 0, DT.FLOAT32, (4, 64), [1, 0], [64, 1], 0, 0)   # broadcast
+    (b,) = sc.plan_copy(_Stub, 0, DT.FLOAT32, (4, 64), [1, 0], [64, 1], 0, 0)   # broadcast
     assert b.params["kind"] == "gather" and b.args[2] == 2                   # mode 2
 
 
@@ -588,6 +590,6 @@ def test_template_variants_cover_every_kind_and_pair():
 
 
 def test_parse_key_offsets_and_strides():
-    assert sh.parse_key((3, 4), (1, slice(None, None, -1))) == ((4,), [-1], 7)
-    assert sh.parse_key((3, 4), (None, Ellipsis, 2)) == ((1, 3), [0, 4], 2)
-    assert sh.parse_key((3, 4), slice(5, 9)) == ((0, 4), [4, 1], 0)
+    assert sl.parse_key((3, 4), (1, slice(None, None, -1))) == ((4,), [-1], 7)
+    assert sl.parse_key((3, 4), (None, Ellipsis, 2)) == ((1, 3), [0, 4], 2)
+    assert sl.parse_key((3, 4), slice(5, 9)) == ((0, 4), [4, 1], 0)

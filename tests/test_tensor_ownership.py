@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cuda_backend import CudaBackend, InvalidDeviceError, TensorFreedError, get_cuda_backend
-from cuda_backend import tensor as tensor_module
+from cuda_backend import tensor_math
 from cuda_backend.driver import load_driver
 
 needs_fallback = pytest.mark.skipif(
@@ -56,7 +56,7 @@ def test_operators_use_the_tensors_backend(env, op):
     y = rng.standard_normal((48, 48)).astype(np.float32)
     a, b = m2.from_numpy(x), m2.from_numpy(y)
     assert a._pool is b2.memory_pools[0] and a._pool.owner is b2
-    assert tensor_module._math_of(a) is m2
+    assert tensor_math.math_of(a) is m2
     ours, ref = OPS[op]
     ours(a, b).free()               # compiles (GPU) and makes the op's plan
     b2.synchronize()
@@ -79,9 +79,9 @@ def test_backend_without_math_gets_one_made_and_registered(env):
     out = a + a
     assert out._pool is b1.memory_pools[0]
     assert counts(glob.backend, b2) == before
-    m1 = tensor_module._math_of(a)
+    m1 = tensor_math.math_of(a)
     assert m1.backend is b1 and m1 is not glob and m1 is not m2
-    assert tensor_module._math_of(out) is m1          # made once, then reused
+    assert tensor_math.math_of(out) is m1          # made once, then reused
     np.testing.assert_array_equal(out.numpy(), 2 * np.arange(6, dtype=np.float32))
     out.free(), a.free()
 
@@ -91,7 +91,7 @@ def test_first_math_made_for_a_backend_wins(env):
     glob, b1, b2, m2 = env
     other = CudaMath(b2)
     a = m2.from_numpy(np.ones(4, np.float32))
-    assert tensor_module._math_of(a) is m2 and other is not m2
+    assert tensor_math.math_of(a) is m2 and other is not m2
     a.free()
 
 
@@ -126,5 +126,5 @@ def test_freed_and_poolless_tensors(env):
         a.to(1)
     z = m2.create_tensor((0, 3))                       # zero-size: no pool block
     assert z._pool is None
-    assert tensor_module._math_of(z).backend is get_cuda_backend()
+    assert tensor_math.math_of(z).backend is get_cuda_backend()
     assert (z + z).shape == (0, 3)

@@ -122,7 +122,7 @@ def _alpha(op: str, dtype: CudaDataType, alpha: Any) -> float:
         alpha = default
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.integer, np.floating)):
         raise InvalidArgumentError(f"alpha must be a real number, got {alpha!r}")
-    from .elementwise import scalar_arg
+    from .elementwise_kernels import scalar_arg
     return float(scalar_arg(dtype, alpha, "alpha"))
 
 
@@ -221,5 +221,5 @@ def _make_plan(m: Any, op: str, dtype: CudaDataType, dev: int,
 
 def _store(m: Any, values: np.ndarray, res: CudaTensor) -> CudaTensor:
     """Fallback: float64 values rounded once into res."""
-    from .elementwise import store_host
+    from .elementwise_host import store_host
     return store_host(m, values, res)

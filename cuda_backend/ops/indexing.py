@@ -54,77 +54,33 @@ kernel was queued; stream order makes them visible).
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional, Tuple, cast
 
 import numpy as np
 
 from ..dtypes import CudaDataType, to_bfloat16_bits
-from ..errors import (DTypeMismatchError, GraphCaptureError, IndexOutOfRangeError,
-                      InvalidArgumentError, ShapeMismatchError, driver_failure)
-from ..kernels import dtype_params
-from ..tensor import CudaTensor, pool_tensor
+from ..errors import (DTypeMismatchError, IndexOutOfRangeError, InvalidArgumentError,
+                      ShapeMismatchError)
+from ..tensor import CudaTensor
 from . import common
-from .shape import (MAX_DIMS, _dims_args, _grid, _one_axis, _pad, collapse,
-                    contiguous_strides, fast_divisor, make_view, record)
+from .indexing_bounds import checked_indices, checked_launch, host_indices, raise_bounds
+from .indexing_kernels import (BLOCK, COMPARE_OPS, ELEMS, INDEX_DTYPES, SCATTER_DTYPES,
+                               TEMPLATE, UNITS, check_dims, check_params, compare_params,
+                               gather_params, scatter_params, take_rows_params, where_params)
+from .indexing_take import gather, take  # noqa: F401  (ops' entries, as CudaMath calls them)
+from .shape import one_axis
+from .shape_copy import MAX_DIMS, grid_blocks, record
+from .shape_layouts import collapse, contiguous_strides, dims_args, pad
 
 DT = CudaDataType
-TEMPLATE = "indexing.cu.j2"
 TEMPLATES = (TEMPLATE,)
-BLOCK = 128
-COMPARE_OPS = ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal")
-INDEX_DTYPES = (DT.INT32, DT.INT64)
-SCATTER_DTYPES = common.FLOATS + (DT.INT32, DT.INT64)
-ELEMS = (1, 2, 4, 8)
-# take: rows copied in units of UNITS bytes (the widest dividing the row and both pointers) by
-# ROW_BLOCK-thread blocks, ROW_UNROLL units per thread in flight (as the template), about
-# ROW_BLOCKS_PER_SM blocks per SM for a few long rows (grid y splits each row)
-UNITS = (16, 8, 4, 2, 1)
-ROW_BLOCK = 256
-ROW_UNROLL = 4
-ROW_BLOCKS_PER_SM = 8
-# the bounds check: blocks of CHECK_BLOCK threads, CHECK_UNROLL indices each per step, at most
-# CHECK_MAX_BLOCKS flag words read back
-CHECK_BLOCK = 256
-CHECK_UNROLL = 4
-CHECK_MAX_BLOCKS = 512
 _NP_COMPARE = {"equal": np.equal, "not_equal": np.not_equal, "less": np.less,
                "less_equal": np.less_equal, "greater": np.greater,
                "greater_equal": np.greater_equal}
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-# -- template parameters ------------------------------------------------------------------------
-def compare_params(op: str, dtype: CudaDataType) -> Dict[str, Any]:
-    p = dtype_params(dtype)
-    if dtype is DT.BOOL:
-        p["ctype"] = "unsigned char"
-    return {"kind": "map", "op": op, **p, "block_size": BLOCK}
-
-
-def where_params(elem: int) -> Dict[str, Any]:
-    return {"kind": "map", "op": "where", "elem": elem, "block_size": BLOCK}
-
-
-def gather_params(elem: int, index_dtype: CudaDataType) -> Dict[str, Any]:
-    return {"kind": "gather", "elem": elem, "index_dtype": index_dtype.name_str,
-            "block_size": BLOCK}
-
-
-def take_rows_params(unit: int, index_dtype: CudaDataType) -> Dict[str, Any]:
-    return {"kind": "take_rows", "unit": unit, "index_dtype": index_dtype.name_str,
-            "block_size": ROW_BLOCK}
-
-
-def check_params(index_dtype: CudaDataType) -> Dict[str, Any]:
-    return {"kind": "check", "index_dtype": index_dtype.name_str, "block_size": CHECK_BLOCK}
-
-
-def scatter_params(dtype: CudaDataType, index_dtype: CudaDataType) -> Dict[str, Any]:
-    return {"kind": "scatter_add", **dtype_params(dtype), "index_dtype": index_dtype.name_str,
-            "block_size": BLOCK}
-
-
+# -- the contract -------------------------------------------------------------------------------
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     """Comparisons per op and dtype, where and gather per element size (gather per index
     dtype too), take's row copy per unit and index dtype, the bounds check per index dtype,
@@ -194,15 +150,10 @@ def _bcast_strides(shape: Tuple[int, ...], t_shape: Tuple[int, ...]) -> List[int
     return out
 
 
-def _check_dims(nd: int, shape: Tuple[int, ...], what: str) -> None:
-    if nd > MAX_DIMS:
-        raise InvalidArgumentError(
-            f"{what}: {nd} dims after merging those that can be merged; at most {MAX_DIMS} "
-            f"are supported (shape {shape})")
 
 
 def _scalar_for(dtype: CudaDataType, value: Any, what: str) -> Any:
-    from .elementwise import scalar_arg
+    from .elementwise_kernels import scalar_arg
     if dtype is DT.BOOL:
         v = scalar_arg(DT.INT64, value, what)
         if v not in (0, 1):
@@ -250,13 +201,13 @@ def compare(m: Any, op: str, a: Any, b: Any) -> CudaTensor:
     sa = _bcast_strides(shape, a.shape) if ta else [0] * len(shape)
     sb = _bcast_strides(shape, b.shape) if tb else [0] * len(shape)
     sizes, (sa, sb) = collapse(shape, sa, sb)
-    _check_dims(len(sizes), shape, op)
+    check_dims(len(sizes), shape, op)
     mode = (0 if ta else 1) | (0 if tb else 2)
     name = m.kernel(TEMPLATE, dev, **compare_params(op, dtype)).name
     record(dev, *[x for x in (a, b) if isinstance(x, CudaTensor)])
-    args = [n, len(sizes), mode] + _dims_args(sizes[::-1], 64, MAX_DIMS) + \
-        _pad(sa[::-1], MAX_DIMS) + _pad(sb[::-1], MAX_DIMS)
-    m.backend.launch_kernel(name, _grid(n, BLOCK), out, a if ta else 0, b if tb else 0,
+    args = [n, len(sizes), mode] + dims_args(sizes[::-1], 64, MAX_DIMS) + \
+        pad(sa[::-1], MAX_DIMS) + pad(sb[::-1], MAX_DIMS)
+    m.backend.launch_kernel(name, grid_blocks(n, BLOCK), out, a if ta else 0, b if tb else 0,
                             va, vb, *args, block_size=(BLOCK, 1, 1), device_id=dev)
     return out
 
@@ -299,370 +250,18 @@ def where(m: Any, cond: Any, a: Any, b: Any) -> CudaTensor:
     sa = _bcast_strides(shape, a.shape) if ta else [0] * len(shape)
     sb = _bcast_strides(shape, b.shape) if tb else [0] * len(shape)
     sizes, (sc, sa, sb) = collapse(shape, sc, sa, sb)
-    _check_dims(len(sizes), shape, "where")
+    check_dims(len(sizes), shape, "where")
     mode = (0 if ta else 1) | (0 if tb else 2)
     unsigned = _UNSIGNED[dtype.itemsize]
     bits_a = 0 if ta else int(cast(np.ndarray, va).view(unsigned))
     bits_b = 0 if tb else int(cast(np.ndarray, vb).view(unsigned))
     name = m.kernel(TEMPLATE, dev, **where_params(dtype.itemsize)).name
     record(dev, *tensors)
-    args = [n, len(sizes), mode] + _dims_args(sizes[::-1], 64, MAX_DIMS) + \
-        _pad(sc[::-1], MAX_DIMS) + _pad(sa[::-1], MAX_DIMS) + _pad(sb[::-1], MAX_DIMS)
-    m.backend.launch_kernel(name, _grid(n, BLOCK), out, cond, a if ta else 0, b if tb else 0,
+    args = [n, len(sizes), mode] + dims_args(sizes[::-1], 64, MAX_DIMS) + \
+        pad(sc[::-1], MAX_DIMS) + pad(sa[::-1], MAX_DIMS) + pad(sb[::-1], MAX_DIMS)
+    m.backend.launch_kernel(name, grid_blocks(n, BLOCK), out, cond, a if ta else 0, b if tb else 0,
                             bits_a, bits_b, *args, block_size=(BLOCK, 1, 1), device_id=dev)
     return out
-
-
-# -- take / gather ---------------------------------------------------------------------------------
-def _indices(indices: Any, what: str) -> CudaTensor:
-    if not isinstance(indices, CudaTensor):
-        raise InvalidArgumentError(
-            f"{what}: indices must be an int32 or int64 CudaTensor, got "
-            f"{type(indices).__name__} (use from_numpy first)")
-    common.check_tensor(indices, "indices")
-    if indices.dtype not in INDEX_DTYPES:
-        raise DTypeMismatchError(
-            f"{what}: indices must be int32 or int64, got {indices.dtype.name_str}")
-    return indices
-
-
-def _bounds_message(what: str, ax: int, size: int) -> str:
-    return (f"{what}: an index is out of bounds for axis {ax} with size {size} (indices must "
-            f"be in [{-size}, {size}))")
-
-
-def check_grid(n: int) -> int:
-    """Blocks of the bounds check over n indices (its flag words)."""
-    return max(1, min(-(-n // (CHECK_BLOCK * CHECK_UNROLL)), CHECK_MAX_BLOCKS))
-
-
-def refuse_capture(what: str, dev: int, check_bounds: bool) -> None:
-    """GraphCaptureError when a bounds-checked call is made inside a capture (the host waits
-    for its check); called before anything is allocated, so the capture's pool is untouched."""
-    if check_bounds:
-        from ..streams import capturing
-        if capturing(dev):
-            raise GraphCaptureError(
-                f"{what} with check_bounds=True cannot be recorded into a CUDA graph (the host "
-                f"waits for its bounds check); pass check_bounds=False inside the capture")
-
-
-class BoundsCheck:
-    """The bounds check of one call, before its main kernel (see the module doc): the check
-    kernel writes a flag word per block, an asynchronous copy brings them to page-locked host
-    memory and an event marks the copy; the caller then queues its main kernel and calls
-    finish(), which waits for the event only (not for the main kernel) and raises."""
-
-    __slots__ = ("host", "event", "device_id", "_error")
-
-    def __init__(self, m: Any, idx: CudaTensor, size: int, what: str,
-                 prepared: Any = None) -> None:
-        from ..driver import load_driver
-        from ..streams import current_stream
-        dev = self.device_id = idx.device_id
-        refuse_capture(what, dev, True)
-        backend = m.backend
-        n = idx.size
-        grid = check_grid(n)
-        self._error = load_driver()[0].Error
-        self.event = backend.event(dev, timing=False)
-        self.host = backend.pinned_empty((grid,), np.int32)
-        flags = backend.empty((grid,), DT.INT32, dev)
-        try:
-            if prepared is not None:   # a per-call plan's launch of the check over n indices
-                prepared(flags._ptr, idx._ptr, n, size)
-            else:
-                name = m.kernel(TEMPLATE, dev, **check_params(idx.dtype)).name
-                backend.launch_kernel(name, (grid, 1, 1), flags, idx, n, size,
-                                      block_size=(CHECK_BLOCK, 1, 1), device_id=dev)
-            backend.copy_from_device_async(flags, self.host, None, dev)
-            self.event.record(current_stream(dev))
-        finally:
-            flags.free()   # stream-ordered: reused only after the copy
-
-    def abandon(self) -> None:
-        """Wait for the copy without checking (the call failed before finish): the host
-        buffer goes back to its pool only once nothing writes into it."""
-        try:
-            self.event.synchronize()
-        except self._error:
-            pass
-
-    def finish(self, what: str, ax: int, size: int, out: Optional[CudaTensor] = None) -> None:
-        """Wait for the flags (the main kernel may still run); raise IndexOutOfRangeError
-        when one is set, out freed first."""
-        try:
-            self.event.synchronize()
-        except self._error as exc:
-            raise driver_failure(f"{what}: the bounds check", exc, self.device_id) from None
-        if self.host.any():
-            if out is not None:
-                out.free()
-            raise IndexOutOfRangeError(_bounds_message(what, ax, size))
-
-
-def _start_check(m: Any, idx: CudaTensor, size: int, what: str, check_bounds: bool,
-                 out: Optional[CudaTensor] = None, prepared: Any = None) -> Optional[BoundsCheck]:
-    """A started BoundsCheck when asked for (None otherwise); out is freed when it cannot
-    start (e.g. GraphCaptureError)."""
-    if not check_bounds:
-        return None
-    try:
-        return BoundsCheck(m, idx, size, what, prepared)
-    except BaseException:
-        if out is not None:
-            out.free()
-        raise
-
-
-def _host_indices(idx: np.ndarray, size: int, check_bounds: bool, what: str,
-                  ax: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Fallback: (indices wrapped into [0, size) with bad ones at 0, mask of the bad ones)."""
-    j = idx.astype(np.int64)
-    j = np.where(j < 0, j + size, j)
-    bad = (j < 0) | (j >= size)
-    return np.where(bad, 0, j), bad
-
-
-def _gather_launch(m: Any, what: str, x: CudaTensor, idx: CudaTensor, out: CudaTensor,
-                   shape: Tuple[int, ...], s_src: List[int], s_idx: List[int], ax_size: int,
-                   ax_stride: int, check_bounds: bool, ax: int) -> CudaTensor:
-    """The "gather" kernel over out (contiguous, of shape) and the bounds check."""
-    dev = x.device_id
-    itemsize = x.dtype.itemsize
-    sizes, (ss, si) = collapse(shape, s_src, s_idx)
-    _check_dims(len(sizes), shape, what)
-    w = 16 // itemsize
-    mode = 0
-    if w > 1 and ss[-1] == 1 and si[-1] == 0 and sizes[-1] % w == 0 and ax_stride % w == 0 \
-            and all(s % w == 0 for s in ss[:-1]) and not (x.ptr | out.ptr) % 16:
-        mode = 1
-        sizes[-1] //= w
-        ss[-1] = w
-    items = math.prod(sizes)
-    name = m.kernel(TEMPLATE, dev, **gather_params(itemsize, idx.dtype)).name
-    record(dev, x, idx)
-    args = [items, ax_size, ax_stride, len(sizes), mode] + \
-        _dims_args(sizes[::-1], 64, MAX_DIMS) + _pad(ss[::-1], MAX_DIMS) + \
-        _pad(si[::-1], MAX_DIMS)
-    check = _start_check(m, idx, ax_size, what, check_bounds, out)
-    try:
-        m.backend.launch_kernel(name, _grid(items, BLOCK), out, x, idx, *args,
-                                block_size=(BLOCK, 1, 1), device_id=dev)
-    except BaseException:
-        if check is not None:
-            check.abandon()
-        raise
-    if check is not None:
-        check.finish(what, ax, ax_size, out)
-    return out
-
-
-def take(m: Any, x: CudaTensor, indices: Any, axis: Optional[int] = 0,
-         check_bounds: bool = True) -> CudaTensor:
-    """np.take(x, indices, axis): out.shape = x.shape[:axis] + indices.shape +
-    x.shape[axis+1:] (axis=None: from the flattened x). See the module doc for bounds."""
-    if type(x) is CudaTensor and type(indices) is CudaTensor and type(axis) is int and \
-            type(check_bounds) is bool:
-        fast = m.plans.get(("take", x.shape, x.dtype, indices.shape, indices.dtype,
-                            x.device_id, axis, check_bounds))
-        if fast is not None and m.backend.direct_launch(x.device_id):
-            res = fast(x, indices)
-            if res is not None:
-                return res
-    x = common.check_tensor(x, "tensor")
-    idx = _indices(indices, "take")
-    common.same_device(x, idx)
-    if axis is None:
-        x = make_view(x, (x.size,))
-        axis = 0
-    if x.ndim == 0:
-        raise InvalidArgumentError("take needs a tensor of at least 1 dimension (or axis=None)")
-    ax = _one_axis(axis, x.ndim, "take")
-    size = x.shape[ax]
-    shape = x.shape[:ax] + idx.shape + x.shape[ax + 1:]
-    if size == 0 and idx.size:
-        raise IndexOutOfRangeError(f"take: cannot take from axis {ax} of size 0")
-    refuse_capture("take", x.device_id, check_bounds)
-    out = m.backend.empty(shape, x.dtype, x.device_id)
-    if out.size == 0:
-        return out
-    if not m.gpu:
-        j, bad = _host_indices(idx.host_view, size, check_bounds, "take", ax)
-        if check_bounds and bad.any():
-            out.free()
-            _raise_bounds("take", ax, size)
-        res = np.take(x.host_view, j, axis=ax)
-        if bad.any():
-            mask = bad.reshape((1,) * ax + idx.shape + (1,) * (x.ndim - ax - 1))
-            res = np.where(mask, np.zeros((), res.dtype), res)
-        out.host_view[...] = res
-        return out
-    dev = x.device_id
-    geo = take_geometry(x.shape, ax, idx.size, x.dtype.itemsize, x.ptr, out.ptr,
-                        m.backend.get_device_info(dev).multiprocessor_count)
-    name = m.kernel(TEMPLATE, dev, **take_rows_params(geo["unit"], idx.dtype)).name
-    record(dev, x, idx)
-    check = _start_check(m, idx, size, "take", check_bounds, out)
-    try:
-        m.backend.launch_kernel(name, geo["grid"], out, x, idx, *geo["args"],
-                                block_size=(ROW_BLOCK, 1, 1), device_id=dev)
-    except BaseException:
-        if check is not None:
-            check.abandon()
-        out.free()
-        raise
-    if check is not None:
-        check.finish("take", ax, size, out)
-    if type(axis) is int and type(check_bounds) is bool:
-        key = ("take", x.shape, x.dtype, idx.shape, idx.dtype, dev, axis, check_bounds)
-        if key not in m.plans:
-            common.remember_plan(m, key, _take_plan(m, x, idx, ax, check_bounds))
-    return out
-
-
-def row_unit(row_bytes: int, *ptrs: int) -> int:
-    """The widest of UNITS dividing a row's bytes and every pointer (16: 16-byte vectors)."""
-    for u in UNITS:
-        if row_bytes % u == 0 and not any(p % u for p in ptrs):
-            return u
-    return 1
-
-
-def take_geometry(shape: Tuple[int, ...], ax: int, nidx: int, itemsize: int, src_ptr: int,
-                  out_ptr: int, sms: int) -> Dict[str, Any]:
-    """The "take_rows" launch of np.take(x of shape, nidx indices, axis ax) (nidx >= 1, a
-    non-empty result): {"unit", "lanes", "grid", "args"} (args: the kernel's after out, src,
-    idx). lanes: the fewest (a power of two <= ROW_BLOCK) whose ROW_UNROLL units each cover
-    the row; grid x = the rows / rows per block; grid y splits each row when that leaves
-    fewer than ROW_BLOCKS_PER_SM blocks per SM and a lane more than one step."""
-    outer = math.prod(shape[:ax])
-    size = shape[ax]
-    row_bytes = math.prod(shape[ax + 1:]) * itemsize
-    unit = row_unit(row_bytes, src_ptr, out_ptr)
-    row_units = row_bytes // unit
-    lanes = min(ROW_BLOCK, 1 << max(0, -(-row_units // ROW_UNROLL) - 1).bit_length())
-    n_rows = outer * nidx
-    gx = max(1, min(-(-n_rows // (ROW_BLOCK // lanes)), 2**31 - 1))
-    steps = -(-row_units // (lanes * ROW_UNROLL))
-    gy = max(1, min(steps, 65535, -(-(sms * ROW_BLOCKS_PER_SM) // gx)))
-    d, mul, shift = fast_divisor(nidx)
-    return {"unit": unit, "lanes": lanes, "grid": (gx, gy, 1),
-            "args": (n_rows, size, row_units, d, mul, shift, lanes)}
-
-
-def _take_plan(m: Any, x: CudaTensor, idx: CudaTensor, ax: int, check_bounds: bool) -> Any:
-    """The per-call plan of take for x and indices shaped like these (ops/common.py
-    remember_plan): run(x, indices) -> the result, or None (the general path then runs) when
-    an operand is freed or on a stream, or a pointer does not allow the widest unit of the
-    row (the plan's)."""
-    backend = m.backend
-    dev, shape, dtype, ishape = x.device_id, x.shape, x.dtype, idx.shape
-    geo = take_geometry(shape, ax, idx.size, dtype.itemsize, 0, 0,
-                        backend.get_device_info(dev).multiprocessor_count)
-    oshape = shape[:ax] + ishape + shape[ax + 1:]
-    n_out = math.prod(oshape)
-    nbytes = n_out * dtype.itemsize
-    size, unit = shape[ax], geo["unit"]
-    rows = backend.prepare_launch(
-        backend.get_kernel(m.kernel(TEMPLATE, dev, **take_rows_params(unit, idx.dtype)).name,
-                           dev), geo["grid"], (ROW_BLOCK, 1, 1), 0, dev)
-    checker = backend.prepare_launch(
-        backend.get_kernel(m.kernel(TEMPLATE, dev, **check_params(idx.dtype)).name, dev),
-        (check_grid(idx.size), 1, 1), (CHECK_BLOCK, 1, 1), 0, dev) if check_bounds else None
-    args = geo["args"]
-    pool = backend.memory_pools[dev]
-    alloc = pool.allocate_current
-    direct = backend.direct_launch
-
-    def run(x: CudaTensor, indices: Any) -> Optional[CudaTensor]:
-        px, pi = x._ptr, indices._ptr
-        if px is None or pi is None or indices.device_id != dev or x.stream is not None or \
-                indices.stream is not None or px % unit or not direct(dev):
-            return None
-        refuse_capture("take", dev, check_bounds)
-        out = pool_tensor(oshape, dtype, dev, alloc(nbytes), pool, n_out, nbytes)
-        if out._ptr % unit:
-            out.free()
-            return None
-        check = _start_check(m, indices, size, "take", check_bounds, out, checker)
-        try:
-            rows(out._ptr, px, pi, *args)
-        except BaseException:
-            if check is not None:
-                check.abandon()
-            out.free()
-            raise
-        if check is not None:
-            check.finish("take", ax, size, out)
-        return out
-    return run
-
-
-def _raise_bounds(what: str, ax: int, size: int) -> None:
-    raise IndexOutOfRangeError(_bounds_message(what, ax, size))
-
-
-def gather(m: Any, x: CudaTensor, indices: Any, axis: Optional[int],
-           check_bounds: bool = True) -> CudaTensor:
-    """np.take_along_axis(x, indices, axis): indices has x's number of dims and broadcasts
-    against x off the axis; out[..., i, ...] = x[..., indices[..., i, ...], ...]."""
-    x = common.check_tensor(x, "tensor")
-    idx = _indices(indices, "gather")
-    common.same_device(x, idx)
-    if axis is None:
-        if idx.ndim != 1:
-            raise ShapeMismatchError(f"gather with axis=None needs 1-d indices, got shape "
-                                     f"{idx.shape}")
-        x = make_view(x, (x.size,))
-        axis = 0
-    if idx.ndim != x.ndim:
-        raise ShapeMismatchError(
-            f"gather: indices must have as many dimensions as the tensor ({x.ndim}), got "
-            f"{idx.ndim} (shape {idx.shape})")
-    if x.ndim == 0:
-        raise InvalidArgumentError("gather needs a tensor of at least 1 dimension")
-    ax = _one_axis(axis, x.ndim, "gather")
-    shape: Any = []          # the result's dimensions, then their tuple
-    for d in range(x.ndim):
-        if d == ax:
-            shape.append(idx.shape[d])
-            continue
-        p, q = x.shape[d], idx.shape[d]
-        if p != q and p != 1 and q != 1:
-            raise ShapeMismatchError(
-                f"gather: the tensor {x.shape} and indices {idx.shape} do not broadcast off "
-                f"axis {ax} (dimension {d}: {p} vs {q})")
-        shape.append(max(p, q) if p and q else 0)
-    shape = tuple(shape)
-    size = x.shape[ax]
-    if size == 0 and idx.size:
-        raise IndexOutOfRangeError(f"gather: cannot take from axis {ax} of size 0")
-    refuse_capture("gather", x.device_id, check_bounds)
-    out = m.backend.empty(shape, x.dtype, x.device_id)
-    if out.size == 0:
-        return out
-    if not m.gpu:
-        j, bad = _host_indices(idx.host_view, size, check_bounds, "gather", ax)
-        if check_bounds and bad.any():
-            out.free()
-            _raise_bounds("gather", ax, size)
-        bshape = list(shape)
-        bshape[ax] = size
-        src = np.broadcast_to(x.host_view, tuple(bshape))
-        jshape = list(shape)
-        res = np.take_along_axis(src, np.broadcast_to(j, tuple(jshape)), axis=ax)
-        if bad.any():
-            res = np.where(np.broadcast_to(bad, shape), np.zeros((), res.dtype), res)
-        out.host_view[...] = res
-        return out
-    xs, ids = contiguous_strides(x.shape), contiguous_strides(idx.shape)
-    s_src = [xs[d] if (d != ax and x.shape[d] == shape[d] and shape[d] != 1) else 0
-             for d in range(x.ndim)]
-    s_idx = [ids[d] if idx.shape[d] == shape[d] and shape[d] != 1 else 0
-             for d in range(x.ndim)]
-    return _gather_launch(m, "gather", x, idx, out, shape, s_src, s_idx, size, xs[ax],
-                          check_bounds, ax)
 
 
 # -- scatter_add --------------------------------------------------------------------------------
@@ -670,14 +269,14 @@ def scatter_add(m: Any, target: CudaTensor, indices: Any, src: CudaTensor, axis:
                 check_bounds: bool = True) -> CudaTensor:
     """np.add.at(target, (:,) * axis + (indices,), src), in place; returns target."""
     target = common.check_tensor(target, "target")
-    idx = _indices(indices, "scatter_add")
+    idx = checked_indices(indices, "scatter_add")
     src = common.check_tensor(src, "src")
     common.same_device(target, idx, src)
     common.require_dtype(target, SCATTER_DTYPES, "scatter_add")
     common.same_dtype(target, src)
     if target.ndim == 0:
         raise InvalidArgumentError("scatter_add needs a target of at least 1 dimension")
-    ax = _one_axis(axis, target.ndim, "scatter_add")
+    ax = one_axis(axis, target.ndim, "scatter_add")
     expected = target.shape[:ax] + idx.shape + target.shape[ax + 1:]
     if src.shape != expected:
         raise ShapeMismatchError(
@@ -689,7 +288,7 @@ def scatter_add(m: Any, target: CudaTensor, indices: Any, src: CudaTensor, axis:
     if size == 0:
         raise IndexOutOfRangeError(f"scatter_add: cannot add into axis {ax} of size 0")
     if not m.gpu:
-        j, bad = _host_indices(idx.host_view, size, check_bounds, "scatter_add", ax)
+        j, bad = host_indices(idx.host_view, size, check_bounds, "scatter_add", ax)
         vals = common.host_array(m, src)
         if bad.any():
             mask = bad.reshape((1,) * ax + idx.shape + (1,) * (target.ndim - ax - 1))
@@ -697,10 +296,10 @@ def scatter_add(m: Any, target: CudaTensor, indices: Any, src: CudaTensor, axis:
         acc = common.host_array(m, target).copy()
         with np.errstate(all="ignore"):
             np.add.at(acc, cast(Any, (slice(None),) * ax + (j,)), vals)
-        from .elementwise import store_host
+        from .elementwise_host import store_host
         store_host(m, acc, target)
         if check_bounds and bad.any():
-            _raise_bounds("scatter_add", ax, size)
+            raise_bounds("scatter_add", ax, size)
         return target
     dev = target.device_id
     ts, ids = contiguous_strides(target.shape), contiguous_strides(idx.shape)
@@ -708,20 +307,13 @@ def scatter_add(m: Any, target: CudaTensor, indices: Any, src: CudaTensor, axis:
     s_t = ts[:ax] + [0] * k + ts[ax + 1:]
     s_i = [0] * ax + ids + [0] * (target.ndim - ax - 1)
     sizes, (st, si) = collapse(src.shape, s_t, s_i)
-    _check_dims(len(sizes), src.shape, "scatter_add")
+    check_dims(len(sizes), src.shape, "scatter_add")
     n = src.size
     name = m.kernel(TEMPLATE, dev, **scatter_params(target.dtype, idx.dtype)).name
     record(dev, target, idx, src)
-    args = [n, size, ts[ax], len(sizes)] + _dims_args(sizes[::-1], 64, MAX_DIMS) + \
-        _pad(st[::-1], MAX_DIMS) + _pad(si[::-1], MAX_DIMS)
-    check = _start_check(m, idx, size, "scatter_add", check_bounds)
-    try:
-        m.backend.launch_kernel(name, _grid(n, BLOCK), target, src, idx, *args,
-                                block_size=(BLOCK, 1, 1), device_id=dev)
-    except BaseException:
-        if check is not None:
-            check.abandon()
-        raise
-    if check is not None:
-        check.finish("scatter_add", ax, size)
+    args = [n, size, ts[ax], len(sizes)] + dims_args(sizes[::-1], 64, MAX_DIMS) + \
+        pad(st[::-1], MAX_DIMS) + pad(si[::-1], MAX_DIMS)
+    checked_launch(m, "scatter_add", idx, size, ax, check_bounds, None, False,
+                   m.backend.launch_kernel, name, grid_blocks(n, BLOCK), target, src, idx,
+                   *args, block_size=(BLOCK, 1, 1), device_id=dev)
     return target

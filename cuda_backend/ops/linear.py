@@ -46,7 +46,7 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     from . import matmul as mm
     out: Dict[str, List[Dict[str, Any]]] = {mm.SIMT_TEMPLATE: [], mm.MMA_TEMPLATE: []}
     for dt, prec in LINEAR_FAMILIES:
-        family, _ = mm._linear_family(dt, prec)
+        family, _ = mm.linear_family(dt, prec)
         for vec in (True, False):
             for cfg in mm.linear_configs(dt, prec, vec):
                 template = mm.config_template(cfg, family)

@@ -14,103 +14,42 @@ register configs that hold a row equally tightly, the autotuner picks for large 
 """
 from __future__ import annotations
 
-import functools
 import math
-import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import occupancy
 from ..dtypes import CudaDataType, to_bfloat16_bits
 from ..errors import InvalidArgumentError, ShapeMismatchError
-from ..kernels import dtype_params
-from ..tensor import CudaTensor, pool_tensor
+from ..tensor import CudaTensor
 from . import common
-from .pooling import fast_divisor
+from .batch_norm_plans import BN_TEMPLATE, bn_call_plan, bn_geometry, bn_launch, bn_params
+from .layer_norm_plans import (LN_LOOP_BLOCK, LN_PREFETCH_CONFIGS, LN_SCALAR_CONFIGS,
+                               LN_TEMPLATE, LN_VEC_CONFIGS, ln_call_plan, ln_candidates,
+                               ln_geometry, ln_launch, ln_params, ln_pick)
+from .normalization_common import DT, DTYPES, bn_layout, vec_width
 
-DT = CudaDataType
-DTYPES = common.FLOATS
-BN_TEMPLATE = "batch_norm.cu.j2"
-LN_TEMPLATE = "layer_norm.cu.j2"
 TEMPLATES = (BN_TEMPLATE, LN_TEMPLATE)
-BLOCK = 256
-UNROLL = 4            # rows (nc) or items (ncs) per thread in the normalize kernels
-STATS_BLOCKS_PER_SM = 4  # statistics pass: about one resident wave of looping blocks
-
-# layer_norm register configs (threads_per_row, vpt, block_size), by capacity in vectors.
-LN_VEC_CONFIGS = ((32, 1, 256), (32, 2, 256), (32, 4, 256), (32, 8, 256),
-                  (128, 4, 128), (128, 8, 128), (256, 2, 256), (256, 4, 256), (256, 8, 256),
-                  (512, 2, 512), (512, 4, 512), (512, 8, 512), (1024, 2, 1024),
-                  (1024, 4, 1024), (1024, 8, 1024))
-# the same kernel, persistent with next-row prefetch (block per row only)
-LN_PREFETCH_CONFIGS = ((128, 4, 128), (256, 2, 256), (256, 4, 256), (512, 2, 512),
-                       (512, 4, 512), (1024, 2, 1024))
-LN_SCALAR_CONFIGS = ((32, 4, 256), (256, 4, 256), (1024, 8, 1024))
-LN_LOOP_BLOCK = 512
-LN_PERSIST_WAVES = 1  # persistent grid: this many times the resident blocks per SM
-LN_WORK_REGS = 24     # registers besides the row's vectors (block per row; float64: next)
-LN_WORK_REGS_F64 = 32
-# layer_norm candidate lists already compiled, per CudaMath: (device, dtype, D, use_vec)
-_ln_compiled: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
 
 
-def _vec(dtype: CudaDataType) -> int:
-    return 16 // dtype.itemsize
-
-
-# -- template parameter sets ---------------------------------------------------------------
-def _bn_params(dtype: CudaDataType, kernel: str, layout: str = "",
-               mode: str = "") -> Dict[str, Any]:
-    """batch_norm.cu.j2 parameters: only the keys the kernel's branch of the template uses."""
-    p: Dict[str, Any] = {**dtype_params(dtype), "kernel": kernel, "block_size": BLOCK}
-    if kernel != "finalize":
-        p.update(layout=layout, vec=_vec(dtype))
-    if kernel == "normalize":
-        p["mode"] = mode
-    return p
-
-
-@functools.lru_cache(maxsize=None)
-def _ln_min_blocks(dtype: CudaDataType, tpr: int, vpt: int, block: int, vec: int,
-                   prefetch: bool) -> int:
-    """Resident blocks per SM the kernel's register budget allows (__launch_bounds__).
-    Warp-per-row and looping kernels keep their measured 1024 threads per SM; block-per-row
-    ones take as many blocks as the register file holds for their vectors (x2 with prefetch)
-    plus the working registers (occupancy.blocks_per_sm, Hopper's limits). All compile
-    spill-free."""
-    if tpr == 32 or vpt == 0:
-        return 1 if block >= 1024 else 1024 // block
-    words = vpt * max(1, vec * dtype.itemsize // 4) * (2 if prefetch else 1)
-    need = words + (LN_WORK_REGS_F64 if dtype is DT.FLOAT64 else LN_WORK_REGS)
-    return occupancy.blocks_per_sm(occupancy.KernelResources(need), None, block)
-
-
-def _ln_params(dtype: CudaDataType, tpr: int, vpt: int, block: int, vec: int,
-               prefetch: bool = False) -> Dict[str, Any]:
-    return {**dtype_params(dtype), "threads_per_row": tpr, "vpt": vpt, "vec": vec,
-            "block_size": block,
-            "min_blocks": _ln_min_blocks(dtype, tpr, vpt, block, vec, prefetch),
-            "prefetch": bool(prefetch)}
-
-
+# -- the family contract (registry.CONTRACT) ------------------------------------------
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     """Every parameter set batch_norm and layer_norm render."""
     bn, ln = [], []
     for dt in DTYPES:
         for layout in ("nc", "ncs"):
             for mode in ("infer", "train"):
-                bn.append(_bn_params(dt, "normalize", layout, mode))
-            bn.append(_bn_params(dt, "stats", layout))
-        bn.append(_bn_params(dt, "finalize"))
+                bn.append(bn_params(dt, "normalize", layout, mode))
+            bn.append(bn_params(dt, "stats", layout))
+        bn.append(bn_params(dt, "finalize"))
         for tpr, vpt, block in LN_VEC_CONFIGS:
-            ln.append(_ln_params(dt, tpr, vpt, block, _vec(dt)))
+            ln.append(ln_params(dt, tpr, vpt, block, vec_width(dt)))
         for tpr, vpt, block in LN_PREFETCH_CONFIGS:
-            ln.append(_ln_params(dt, tpr, vpt, block, _vec(dt), True))
+            ln.append(ln_params(dt, tpr, vpt, block, vec_width(dt), True))
         for tpr, vpt, block in LN_SCALAR_CONFIGS:
-            ln.append(_ln_params(dt, tpr, vpt, block, 1))
-        for vec in (_vec(dt), 1):
-            ln.append(_ln_params(dt, LN_LOOP_BLOCK, 0, LN_LOOP_BLOCK, vec))
+            ln.append(ln_params(dt, tpr, vpt, block, 1))
+        for vec in (vec_width(dt), 1):
+            ln.append(ln_params(dt, LN_LOOP_BLOCK, 0, LN_LOOP_BLOCK, vec))
     return {BN_TEMPLATE: bn, LN_TEMPLATE: ln}
 
 
@@ -149,6 +88,9 @@ def reference(op: str, x: Any, *params: Any, eps: float = 1e-5,
     raise InvalidArgumentError(f"unknown normalization {op!r}: 'batch_norm' or 'layer_norm'")
 
 
+candidates = ln_candidates   # the registry's contract name: layer_norm's autotuned configs
+
+
 # -- batch norm ----------------------------------------------------------------------------
 def batch_norm(m: Any, x: CudaTensor, gamma: CudaTensor, beta: CudaTensor, mean: CudaTensor,
                var: CudaTensor, eps: float = 1e-5, training: bool = False,
@@ -165,6 +107,32 @@ def batch_norm(m: Any, x: CudaTensor, gamma: CudaTensor, beta: CudaTensor, mean:
             res = fast(x, gamma, beta, mean, var)
             if res is not None:
                 return res
+    dev, eps, momentum = _bn_checks(x, gamma, beta, mean, var, eps, momentum, training, out)
+    if not m.gpu:
+        return _bn_host(m, x, gamma, beta, mean, var, eps, training, momentum, out)
+    owned = out is None
+    if out is None:     # (owned)
+        out = m.backend.empty(x.shape, x.dtype, dev)
+    if x.size == 0:
+        return out
+    N, C, S, count, layout, vec, can_vec = bn_layout(x.shape, x.dtype)
+    aligned = x.ptr % 16 == 0 and out.ptr % 16 == 0
+    vec_ok = int(aligned and can_vec)
+    sm = m.backend.get_device_info(dev).multiprocessor_count
+    geo = bn_geometry(layout, N, C, S, vec_ok, vec, sm)
+    bn_launch(m, geo, layout, training, x, out, gamma, beta, mean, var, eps, momentum, C, S,
+              count)
+    if owned and type(training) is bool:
+        key = ("batch_norm", x.shape, x.dtype, dev, eps, momentum, training)
+        if key not in m.plans:
+            common.remember_plan(m, key, bn_call_plan(m, x, eps, momentum, bool(training), sm))
+    return out
+
+
+def _bn_checks(x: CudaTensor, gamma: CudaTensor, beta: CudaTensor, mean: CudaTensor,
+               var: CudaTensor, eps: Any, momentum: Any, training: Any,
+               out: Optional[CudaTensor]) -> Tuple[int, float, float]:
+    """batch_norm's argument checks, in order: (device, eps, momentum)."""
     common.check_tensor(x, "input")
     for t, name in ((gamma, "gamma"), (beta, "beta"), (mean, "mean"), (var, "var")):
         common.check_tensor(t, name)
@@ -182,187 +150,14 @@ def batch_norm(m: Any, x: CudaTensor, gamma: CudaTensor, beta: CudaTensor, mean:
     dev = common.same_device(x, gamma, beta, mean, var)
     eps = _real(eps, "eps", minimum=0.0)
     momentum = _real(momentum, "momentum")
-    N = x.shape[0]
-    S = int(np.prod(x.shape[2:], dtype=np.int64)) if x.ndim > 2 else 1
-    count = N * S
+    count = bn_layout(x.shape, x.dtype)[3]     # values per channel
     if training and C > 0 and count <= 1:
         raise InvalidArgumentError(
             f"batch_norm training needs more than 1 value per channel, got input shape "
             f"{x.shape} ({count} per channel)")
     if out is not None:
         _check_out(out, x)
-    if not m.gpu:
-        return _bn_host(m, x, gamma, beta, mean, var, eps, training, momentum, out)
-    owned = out is None
-    if out is None:     # (owned)
-        out = m.backend.empty(x.shape, x.dtype, dev)
-    if x.size == 0:
-        return out
-    layout = "nc" if S == 1 else "ncs"
-    vec = _vec(x.dtype)
-    aligned = x.ptr % 16 == 0 and out.ptr % 16 == 0
-    vec_ok = int(aligned and (C % vec == 0 if layout == "nc" else S % vec == 0))
-    sm = m.backend.get_device_info(dev).multiprocessor_count
-    geo = _bn_geometry(layout, N, C, S, vec_ok, vec, sm)
-    tail = geo["tail"]
-    if not training:
-        kernel = m.kernel(BN_TEMPLATE, dev, **_bn_params(x.dtype, "normalize", layout, "infer"))
-        m.backend.launch_kernel(kernel.name, geo["grid"], x, out, gamma, beta, mean, var, eps,
-                                *tail, block_size=geo["block"], device_id=dev)
-    else:
-        acc_itemsize = 8 if x.dtype is DT.FLOAT64 else 4
-        acc_dtype = DT.FLOAT64 if x.dtype is DT.FLOAT64 else DT.FLOAT32
-        splits = geo["splits"]
-        ws = m.backend.empty(((splits * 2 + 2) * C,), acc_dtype, dev)
-        try:
-            base = ws.ptr
-            partials = base
-            ws_mean = base + splits * 2 * C * acc_itemsize
-            ws_scale = ws_mean + C * acc_itemsize
-            stats = m.kernel(BN_TEMPLATE, dev, **_bn_params(x.dtype, "stats", layout))
-            m.backend.launch_kernel(stats.name, geo["stats_grid"], x, partials,
-                                    *geo["stats_args"], block_size=geo["stats_block"],
-                                    device_id=dev)
-            fin = m.kernel(BN_TEMPLATE, dev, **_bn_params(x.dtype, "finalize"))
-            m.backend.launch_kernel(fin.name, (-(-C // BLOCK), 1, 1), x, partials, splits, C,
-                                    1 if layout == "nc" else S, count, gamma, mean, var,
-                                    ws_mean, ws_scale, eps, momentum, block_size=(BLOCK, 1, 1),
-                                    device_id=dev)
-            norm = m.kernel(BN_TEMPLATE, dev, **_bn_params(x.dtype, "normalize", layout,
-                                                           "train"))
-            m.backend.launch_kernel(norm.name, geo["grid"], x, out, ws_mean, ws_scale, beta,
-                                    *tail, block_size=geo["block"], device_id=dev)
-        finally:
-            ws.free()  # stream-ordered: a later allocation's kernels run after these
-    if owned and type(training) is bool:
-        key = ("batch_norm", x.shape, x.dtype, dev, eps, momentum, training)
-        if key not in m.plans:
-            common.remember_plan(m, key, _bn_plan(m, x, eps, momentum, bool(training), sm))
-    return out
-
-
-def _bn_geometry(layout: str, N: int, C: int, S: int, vec_ok: int, vec: int,
-                 sm: int) -> Dict[str, Any]:
-    """The launch sizes of batch_norm for one input shape and vec_ok: the normalize kernel's
-    grid, block and trailing arguments (N, C, items, S/W and C as FastDiv, vec_ok), the
-    statistics pass's grid, block, splits and arguments after (x, partials)."""
-    w = vec if vec_ok else 1
-    SW = S // w if layout == "ncs" else 1  # items per plane ("nc": vectors run along C)
-    tail = (N, C, N * C * SW, *fast_divisor(SW), *fast_divisor(C)[1:], vec_ok)
-    grid, block = _normalize_geometry(layout, N, C, S, w)
-    if layout == "nc":
-        bx, by = nc_block(C // w)
-        gx = -(-(C // w) // bx)
-        splits = max(1, min(-(-N // by), -(-(sm * STATS_BLOCKS_PER_SM) // gx), 65535))
-        stats_grid, stats_block = (gx, splits, 1), (bx, by, 1)
-        chunk = 0
-    else:
-        per_channel = N * SW
-        splits = max(1, min(-(-per_channel // (BLOCK * UNROLL)),
-                            -(-(sm * STATS_BLOCKS_PER_SM) // C), 65535))
-        chunk = -(-per_channel // splits)
-        splits = -(-per_channel // chunk)  # no empty split
-        stats_grid, stats_block = (C, splits, 1), (BLOCK, 1, 1)
-    return {"tail": tail, "grid": grid, "block": block, "splits": splits,
-            "stats_grid": stats_grid, "stats_block": stats_block,
-            "stats_args": (N, C, S, *fast_divisor(SW), chunk, vec_ok)}
-
-
-def _bn_plan(m: Any, x: CudaTensor, eps: float, momentum: float, training: bool,
-             sm: int) -> Any:
-    """The per-call plan of batch_norm on inputs shaped like x (ops/common.py
-    remember_plan): gamma, beta and the running statistics checked as the general path
-    would (a mismatch returns None: the general path raises), the result allocated, and the
-    general path's launches prepared for both values of vec_ok (it depends on the pointers
-    and changes the geometry, not the kernels): inference one launch; training the
-    statistics pass, the finalize (which updates the running mean and variance in place)
-    and the normalize pass, with the workspace allocated before and released after them as
-    the general path does."""
-    dev, shape, dtype = x.device_id, x.shape, x.dtype
-    size, nbytes = x.size, x.nbytes
-    N, C = shape[0], shape[1]
-    S = int(np.prod(shape[2:], dtype=np.int64)) if len(shape) > 2 else 1
-    count = N * S
-    layout = "nc" if S == 1 else "ncs"
-    vec = _vec(dtype)
-    can_vec = C % vec == 0 if layout == "nc" else S % vec == 0
-    cshape = (C,)
-    acc_itemsize = 8 if dtype is DT.FLOAT64 else 4
-    prep, bk = m.backend.prepare_launch, m.kernel
-    norm = bk(BN_TEMPLATE, dev, **_bn_params(dtype, "normalize", layout,
-                                             "train" if training else "infer"))
-    if training:
-        stats = bk(BN_TEMPLATE, dev, **_bn_params(dtype, "stats", layout))
-        fin = prep(bk(BN_TEMPLATE, dev, **_bn_params(dtype, "finalize")),
-                   (-(-C // BLOCK), 1, 1), (BLOCK, 1, 1), 0, dev)
-    variants = []  # by vec_ok: (normalize, its tail, stats, its args, splits, ws bytes)
-    for vec_ok in ((0, 1) if can_vec else (0,)):
-        geo = _bn_geometry(layout, N, C, S, vec_ok, vec, sm)
-        go = prep(norm, geo["grid"], geo["block"], 0, dev)
-        if training:
-            splits = geo["splits"]
-            variants.append((go, geo["tail"], prep(stats, geo["stats_grid"],
-                                                   geo["stats_block"], 0, dev),
-                             geo["stats_args"], splits, (splits * 2 + 2) * C * acc_itemsize))
-        else:
-            variants.append((go, geo["tail"], None, (), 0, 0))
-    pool = m.backend.memory_pools[dev]
-    alloc, release = pool.allocate_current, pool.release
-    S_fin = 1 if layout == "nc" else S
-    c_bytes = C * acc_itemsize
-
-    def run(x: CudaTensor, gamma: Any, beta: Any, mean: Any, var: Any) -> Optional[CudaTensor]:
-        px = x._ptr
-        if px is None or x.stream is not None:
-            return None
-        for t in (gamma, beta, mean, var):
-            if type(t) is not CudaTensor or t.shape != cshape or t.dtype is not dtype or \
-                    t.device_id != dev or t.stream is not None or t._ptr is None:
-                return None
-        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
-        po = out._ptr
-        go, tail, stats_go, stats_args, splits, ws_bytes = \
-            variants[1 if can_vec and not (px | po) & 15 else 0]
-        if not training:
-            go(px, po, gamma._ptr, beta._ptr, mean._ptr, var._ptr, eps, *tail)
-            return out
-        ws = alloc(ws_bytes)
-        try:
-            base = int(ws)
-            ws_mean = base + splits * 2 * c_bytes
-            ws_scale = ws_mean + c_bytes
-            stats_go(px, base, *stats_args)
-            fin(px, base, splits, C, S_fin, count, gamma._ptr, mean._ptr, var._ptr, ws_mean,
-                ws_scale, eps, momentum)
-            go(px, po, ws_mean, ws_scale, beta._ptr, *tail)
-        finally:
-            release(ws)  # as ws.free() in the general path
-        return out
-    return run
-
-
-def nc_block(columns: int, block: int = BLOCK) -> Tuple[int, int]:
-    """(bx, by) with bx*by = block: bx threads across the column vectors (a power of two,
-    at least a warp), by rows (also ops/normalization_backward.py's)."""
-    bx = 32
-    while bx < columns and bx < block:
-        bx *= 2
-    return bx, block // bx
-
-
-def _normalize_geometry(layout: str, N: int, C: int, S: int,
-                        w: int) -> Tuple[Tuple[int, int, int], Tuple[int, int, int]]:
-    """(grid, block) of the normalize kernel: "nc" one block per (bx column vectors,
-    by * UNROLL rows); "ncs" one UNROLL-item step per thread. Many short blocks rather than
-    a few long ones, so no partly filled last wave of long blocks."""
-    if layout == "nc":
-        bx, by = nc_block(C // w)
-        gx = -(-(C // w) // bx)
-        gy = max(1, min(-(-N // (by * UNROLL)), 65535))
-        return (gx, gy, 1), (bx, by, 1)
-    items = N * C * (S // w)
-    grid = max(1, min(-(-items // (BLOCK * UNROLL)), 2**31 - 1))
-    return (grid, 1, 1), (BLOCK, 1, 1)
+    return dev, eps, momentum
 
 
 def _bn_host(m: Any, x: CudaTensor, gamma: CudaTensor, beta: CudaTensor, mean: CudaTensor,
@@ -440,131 +235,22 @@ def layer_norm(m: Any, x: CudaTensor, weight: Optional[CudaTensor],
     if x.size == 0:
         return out
     rows = x.size // D
-    vec = _vec(x.dtype)
+    vec = vec_width(x.dtype)
     ptrs = [x.ptr, out.ptr] + [t.ptr for t in (weight, bias) if t is not None]
     use_vec = D % vec == 0 and all(p % 16 == 0 for p in ptrs)
-    cfg = _ln_pick(m, x, out, weight, bias, rows, D, eps, use_vec)
-    _ln_launch(m, cfg, x, out, weight, bias, rows, D, eps)
+    cfg = ln_pick(m, x, out, weight, bias, rows, D, eps, use_vec)
+    ln_launch(m, cfg, x, out, weight, bias, rows, D, eps)
     if owned:
         key = ("layer_norm", x.shape, x.dtype, dev, eps, weight is None, bias is None)
         plan = m.plans.get(key)
         if not hasattr(plan, "variants"):
-            plan = common.remember_plan(m, key, _ln_plan(m, x, weight is not None,
-                                                         bias is not None, eps))
+            plan = common.remember_plan(m, key, ln_call_plan(m, x, weight is not None,
+                                                             bias is not None, eps))
         if use_vec not in plan.variants:  # the config the autotuner picked, if it did
-            kernel, grid, block = _ln_geometry(m, cfg, x.dtype, dev, rows)
+            kernel, grid, block = ln_geometry(m, cfg, x.dtype, dev, rows)
             plan.variants[use_vec] = m.backend.prepare_launch(kernel, (grid, 1, 1),
                                                               (block, 1, 1), 0, dev)
     return out
-
-
-def _ln_plan(m: Any, x: CudaTensor, has_weight: bool, has_bias: bool, eps: float) -> Any:
-    """The per-call plan of layer_norm on inputs shaped like x (ops/common.py
-    remember_plan): weight/bias checked as the general path would (a mismatch returns None:
-    the general path raises), the result allocated, one prepared launch. Which config runs
-    depends on the pointers (use_vec, computed as layer_norm does): `variants` maps use_vec
-    to the launch the general path chose for it, and a use_vec not seen yet returns None
-    (the general path launches it and adds it)."""
-    dev, shape, dtype = x.device_id, x.shape, x.dtype
-    size, nbytes = x.size, x.nbytes
-    D = shape[-1]
-    rows, inv_d, vec = size // D, 1.0 / D, _vec(dtype)
-    vec_rows = D % vec == 0
-    dshape = (D,)
-    pool = m.backend.memory_pools[dev]
-    alloc = pool.allocate_current
-    variants: Dict[bool, Any] = {}
-
-    def run(x: CudaTensor, weight: Any, bias: Any) -> Optional[CudaTensor]:
-        px = x._ptr
-        if px is None or x.stream is not None:
-            return None
-        pw = common.plan_pointer(weight, dshape, dtype, dev) if has_weight else 0
-        pb = common.plan_pointer(bias, dshape, dtype, dev) if has_bias else 0
-        if pw is None or pb is None:
-            return None
-        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
-        po = out._ptr
-        go = variants.get(vec_rows and not (px | po | pw | pb) & 15)
-        if go is None:
-            out.free()
-            return None
-        go(px, po, pw, pb, rows, D, inv_d, eps)
-        return out
-    run.variants = variants  # type: ignore[attr-defined]
-    return run
-
-
-LnConfig = Tuple[int, int, int, int, int]  # threads_per_row, vpt, block, vec, prefetch
-
-
-def _ln_candidates(D: int, dtype: CudaDataType, use_vec: bool) -> List[LnConfig]:
-    """(threads_per_row, vpt, block, vec, prefetch) configs able to hold a row of D, the
-    tightest capacity only (plain before prefetch); the looping kernel when none can."""
-    vec = _vec(dtype) if use_vec else 1
-    configs = [(tpr, vpt, blk, 0) for tpr, vpt, blk in
-               (LN_VEC_CONFIGS if use_vec else LN_SCALAR_CONFIGS)]
-    if use_vec:
-        configs += [(tpr, vpt, blk, 1) for tpr, vpt, blk in LN_PREFETCH_CONFIGS]
-    fits = [c for c in configs if c[0] * c[1] * vec >= D]
-    if not fits:
-        return [(LN_LOOP_BLOCK, 0, LN_LOOP_BLOCK, vec, 0)]
-    tightest = min(tpr * vpt for tpr, vpt, _, _ in fits)
-    return [(tpr, vpt, blk, vec, pf) for tpr, vpt, blk, pf in fits if tpr * vpt == tightest]
-
-
-candidates = _ln_candidates   # the registry's contract name: layer_norm's autotuned configs
-
-
-def _ln_pick(m: Any, x: CudaTensor, out: CudaTensor, weight: Optional[CudaTensor],
-             bias: Optional[CudaTensor], rows: int, D: int, eps: float,
-             use_vec: bool) -> LnConfig:
-    """The config for this row length: autotuned among equally tight ones for large inputs."""
-    cands = _ln_candidates(D, x.dtype, use_vec)
-    if len(cands) == 1 or x.size < 1 << 22:
-        return cands[0]
-    names = ("threads_per_row", "vpt", "block", "vec", "prefetch")
-    keys = [dict(zip(names, c)) for c in cands]
-    size_class = (x.dtype.name_str, D, "large" if x.size >= 1 << 25 else "medium")
-    done = _ln_compiled.setdefault(m, set())
-    if (x.device_id, x.dtype, D, use_vec) not in done:  # compile them all at once
-        common.compile_all(m, [(LN_TEMPLATE, _ln_params(x.dtype, tpr, vpt, blk, vec, bool(pf)))
-                               for tpr, vpt, blk, vec, pf in cands], x.device_id)
-        done.add((x.device_id, x.dtype, D, use_vec))
-    best = m.autotuner.pick("layer_norm", size_class, keys,
-                            lambda k: _ln_launch(m, tuple(k[n] for n in names), x, out, weight,
-                                                 bias, rows, D, eps),
-                            device_id=x.device_id)
-    return tuple(best[n] for n in names)
-
-
-def _ln_launch(m: Any, cfg: LnConfig, x: CudaTensor, out: CudaTensor,
-               weight: Optional[CudaTensor], bias: Optional[CudaTensor], rows: int, D: int,
-               eps: float, max_grid: int = 0) -> None:
-    """One launch of cfg; max_grid (tests) caps a persistent grid below its default of
-    resident blocks per SM x SMs x LN_PERSIST_WAVES."""
-    dev = x.device_id
-    kernel, grid, block = _ln_geometry(m, cfg, x.dtype, dev, rows, max_grid)
-    m.backend.launch_kernel(kernel.name, (grid, 1, 1), x, out,
-                            weight if weight is not None else 0,
-                            bias if bias is not None else 0, rows, D, 1.0 / D, eps,
-                            block_size=(block, 1, 1), device_id=dev)
-
-
-def _ln_geometry(m: Any, cfg: LnConfig, dtype: CudaDataType, dev: int, rows: int,
-                 max_grid: int = 0) -> Tuple[Any, int, int]:
-    """(compiled kernel, grid, block size) of one layer_norm launch of cfg over rows."""
-    tpr, vpt, block, vec, prefetch = cfg
-    params = _ln_params(dtype, tpr, vpt, block, vec, bool(prefetch))
-    kernel = m.kernel(LN_TEMPLATE, dev, **params)
-    rows_per_block = block // tpr
-    grid = -(-rows // rows_per_block)
-    if prefetch:
-        sms = int(m.backend.get_device_info(dev).multiprocessor_count)
-        grid = min(grid, max_grid or sms * params["min_blocks"] * LN_PERSIST_WAVES)
-    if grid > 2**31 - 1:
-        raise InvalidArgumentError(f"layer_norm supports under 2^31 row blocks, got {rows} rows")
-    return kernel, grid, block
 
 
 def _ln_host(m: Any, x: CudaTensor, weight: Optional[CudaTensor], bias: Optional[CudaTensor],

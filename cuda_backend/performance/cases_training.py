@@ -28,8 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from .cases import Case, Context, Prepared
-from .cases_ml import (attention, conv2d_nchw, cross_entropy_loss, gelu_tanh, layer_norm,
-                       pool2x2)
+from .cases_ml_forward import (attention, conv2d_nchw, cross_entropy_loss, gelu_tanh,
+                               layer_norm, pool2x2)
 
 FAMILY = "training"
 U32 = 2.0**-24           # float32 unit roundoff
@@ -81,15 +81,6 @@ def _labels(rng: np.random.Generator, classes: int, shape: Any) -> np.ndarray:
     return rng.integers(0, classes, shape).astype(np.int64)
 
 
-def _torch_linear_gelu(T: Any, in_features: int, out_features: int) -> Any:
-    """PyTorch's Linear followed by GELU (tanh form): our Linear(gelu=True)."""
-
-    class LinearGELU(T.nn.Linear):
-        def forward(self, x: Any) -> Any:
-            return T.nn.functional.gelu(super().forward(x), approximate="tanh")
-    return LinearGELU(in_features, out_features)
-
-
 def classifier_loss(model: Any, ts: List[Any]) -> Any:
     """Ours: the mean cross-entropy of model(inputs) against the labels (ts: inputs, labels;
     no label read-back)."""
@@ -115,7 +106,8 @@ def mlp(gpu: bool) -> Model:
                              nn.Linear(hidden, classes))
 
     def torch_build(T: Any) -> Any:
-        return T.nn.Sequential(_torch_linear_gelu(T, features, hidden),
+        from .cases_training_gpt import torch_linear_gelu
+        return T.nn.Sequential(torch_linear_gelu(T, features, hidden),
                                T.nn.Linear(hidden, classes))
 
     def data(rng: np.random.Generator) -> List[np.ndarray]:
@@ -141,23 +133,21 @@ def cnn(gpu: bool) -> Model:
     batch, size, width = (64, 32, 32) if gpu else (16, 12, 8)
     flat = 2 * width * (size // 4) ** 2
 
+    def layers(lib: Any) -> Any:
+        """The model in lib, cuda_backend.nn or torch.nn (the same names and arguments)."""
+        return lib.Sequential(
+            lib.Conv2d(channels, width, 3, padding=1), lib.BatchNorm2d(width), lib.ReLU(),
+            lib.MaxPool2d(2),
+            lib.Conv2d(width, 2 * width, 3, padding=1), lib.BatchNorm2d(2 * width), lib.ReLU(),
+            lib.AvgPool2d(2),
+            lib.Flatten(), lib.Linear(flat, classes))
+
     def build() -> Any:
         from .. import nn
-        return nn.Sequential(
-            nn.Conv2d(channels, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(width, 2 * width, 3, padding=1), nn.BatchNorm2d(2 * width), nn.ReLU(),
-            nn.AvgPool2d(2),
-            nn.Flatten(), nn.Linear(flat, classes))
+        return layers(nn)
 
     def torch_build(T: Any) -> Any:
-        tnn = T.nn
-        return tnn.Sequential(
-            tnn.Conv2d(channels, width, 3, padding=1), tnn.BatchNorm2d(width), tnn.ReLU(),
-            tnn.MaxPool2d(2),
-            tnn.Conv2d(width, 2 * width, 3, padding=1), tnn.BatchNorm2d(2 * width), tnn.ReLU(),
-            tnn.AvgPool2d(2),
-            tnn.Flatten(), tnn.Linear(flat, classes))
+        return layers(T.nn)
 
     def data(rng: np.random.Generator) -> List[np.ndarray]:
         return [rng.standard_normal((batch, channels, size, size), dtype=np.float32),
@@ -192,10 +182,12 @@ def gpt(gpu: bool) -> Model:
     vocab = 128
 
     def build() -> Any:
-        return _gpt_module(vocab, seq, dim, heads, layers)
+        from .cases_training_gpt import GPT
+        return GPT(vocab, seq, dim, heads, layers)
 
     def torch_build(T: Any) -> Any:
-        return _torch_gpt(T, vocab, seq, dim, heads, layers)
+        from .cases_training_gpt import torch_gpt
+        return torch_gpt(T, vocab, seq, dim, heads, layers)
 
     def data(rng: np.random.Generator) -> List[np.ndarray]:
         return [_labels(rng, vocab, (batch, seq)), np.arange(seq, dtype=np.int64),
@@ -236,81 +228,6 @@ def gpt(gpu: bool) -> Model:
                  loss, torch_loss, reference, "adamw", 3e-3, 3 * forward,
                  layers * (2 * 2 * dim + dim + dim // heads + 2 * seq + dim + dim + 4 * dim)
                  + 2 * dim + dim + vocab + tokens)
-
-
-def _gpt_module(vocab: int, seq: int, dim: int, heads: int, layers: int) -> Any:
-    """Our GPT, parameter names as PyTorch's `_torch_gpt`."""
-    from .. import nn
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            self.ln1 = nn.LayerNorm(dim)
-            self.attn = nn.MultiheadSelfAttention(dim, heads, causal=True)
-            self.ln2 = nn.LayerNorm(dim)
-            self.fc = nn.Linear(dim, 4 * dim, gelu=True)
-            self.proj = nn.Linear(4 * dim, dim)
-
-        def forward(self, x: Any) -> Any:
-            x = x + self.attn(self.ln1(x))
-            return x + self.proj(self.fc(self.ln2(x)))
-
-    class GPT(nn.Module):
-        def __init__(self) -> None:
-            self.tok = nn.Embedding(vocab, dim, check_bounds=False)
-            self.pos = nn.Embedding(seq, dim, check_bounds=False)
-            self.blocks = [Block() for _ in range(layers)]
-            self.ln_f = nn.LayerNorm(dim)
-            self.head = nn.Linear(dim, vocab, bias=False)
-
-        def forward(self, ids: Any, positions: Any) -> Any:
-            x = self.tok(ids) + self.pos(positions)
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.ln_f(x))
-    return GPT()
-
-
-def _torch_gpt(T: Any, vocab: int, seq: int, dim: int, heads: int, layers: int) -> Any:
-    tnn, F = T.nn, T.nn.functional
-    Module: Any = tnn.Module
-
-    class Attention(Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.qkv = tnn.Linear(dim, 3 * dim)
-            self.proj = tnn.Linear(dim, dim)
-
-        def forward(self, x: Any) -> Any:
-            B, S, C = x.shape
-            q, k, v = self.qkv(x).view(B, S, 3, heads, C // heads).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.proj(y.transpose(1, 2).reshape(B, S, C))
-
-    class Block(Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1, self.attn, self.ln2 = tnn.LayerNorm(dim), Attention(), tnn.LayerNorm(dim)
-            self.fc = _torch_linear_gelu(T, dim, 4 * dim)
-            self.proj = tnn.Linear(4 * dim, dim)
-
-        def forward(self, x: Any) -> Any:
-            x = x + self.attn(self.ln1(x))
-            return x + self.proj(self.fc(self.ln2(x)))
-
-    class GPT(Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok, self.pos = tnn.Embedding(vocab, dim), tnn.Embedding(seq, dim)
-            self.blocks = tnn.ModuleList([Block() for _ in range(layers)])
-            self.ln_f = tnn.LayerNorm(dim)
-            self.head = tnn.Linear(dim, vocab, bias=False)
-
-        def forward(self, ids: Any, positions: Any) -> Any:
-            x = self.tok(ids) + self.pos(positions)
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.ln_f(x))
-    return GPT()
 
 
 MODELS: Tuple[Callable[[bool], Model], ...] = (mlp, cnn, gpt)

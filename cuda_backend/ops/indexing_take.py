@@ -1,0 +1,258 @@
+"""take (np.take: the embedding lookup) and gather (np.take_along_axis), the row-copy
+"take_rows" and N-d "gather" kernels of indexing.cu.j2, with take's per-call plan; their
+semantics, the row copy's floor and the bounds check are ops/indexing.py's module doc.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..errors import IndexOutOfRangeError, InvalidArgumentError, ShapeMismatchError
+from ..tensor import CudaTensor, pool_tensor
+from . import common
+from .indexing_bounds import (check_grid, checked_indices, checked_launch, host_indices,
+                              raise_bounds, refuse_capture, start_check)
+from .indexing_kernels import (BLOCK, CHECK_BLOCK, ROW_BLOCK, ROW_BLOCKS_PER_SM, ROW_RESIDENT,
+                               ROW_UNROLL, TEMPLATE, UNITS, check_dims, check_params, gather_params,
+                               take_rows_params)
+from .shape import one_axis
+from .shape_copy import MAX_DIMS, grid_blocks, record
+from .shape_layouts import collapse, contiguous_strides, dims_args, fast_divisor, make_view, pad
+
+
+def _result(m: Any, what: str, x: CudaTensor, idx: CudaTensor, shape: Tuple[int, ...],
+            size: int, ax: int, check_bounds: bool) -> CudaTensor:
+    """take's or gather's result, allocated once the call can go on: IndexOutOfRangeError
+    for indices into an empty axis, GraphCaptureError for a bounds-checked call inside a
+    capture (refuse_capture)."""
+    if size == 0 and idx.size:
+        raise IndexOutOfRangeError(f"{what}: cannot take from axis {ax} of size 0")
+    refuse_capture(what, x.device_id, check_bounds)
+    return m.backend.empty(shape, x.dtype, x.device_id)
+
+
+def _host_take_indices(idx: CudaTensor, size: int, check_bounds: bool, what: str, ax: int,
+                       out: CudaTensor) -> Tuple[np.ndarray, np.ndarray]:
+    """Fallback: host_indices of idx, raising IndexOutOfRangeError (out freed first) for an
+    index out of range when check_bounds."""
+    j, bad = host_indices(idx.host_view, size, check_bounds, what, ax)
+    if check_bounds and bad.any():
+        out.free()
+        raise_bounds(what, ax, size)
+    return j, bad
+
+
+def _gather_launch(m: Any, what: str, x: CudaTensor, idx: CudaTensor, out: CudaTensor,
+                   shape: Tuple[int, ...], s_src: List[int], s_idx: List[int], ax_size: int,
+                   ax_stride: int, check_bounds: bool, ax: int) -> CudaTensor:
+    """The "gather" kernel over out (contiguous, of shape) and the bounds check."""
+    dev = x.device_id
+    itemsize = x.dtype.itemsize
+    sizes, (ss, si) = collapse(shape, s_src, s_idx)
+    check_dims(len(sizes), shape, what)
+    w = 16 // itemsize
+    mode = 0
+    if w > 1 and ss[-1] == 1 and si[-1] == 0 and sizes[-1] % w == 0 and ax_stride % w == 0 \
+            and all(s % w == 0 for s in ss[:-1]) and not (x.ptr | out.ptr) % 16:
+        mode = 1
+        sizes[-1] //= w
+        ss[-1] = w
+    items = math.prod(sizes)
+    name = m.kernel(TEMPLATE, dev, **gather_params(itemsize, idx.dtype)).name
+    record(dev, x, idx)
+    args = [items, ax_size, ax_stride, len(sizes), mode] + \
+        dims_args(sizes[::-1], 64, MAX_DIMS) + pad(ss[::-1], MAX_DIMS) + \
+        pad(si[::-1], MAX_DIMS)
+    checked_launch(m, what, idx, ax_size, ax, check_bounds, out, False,
+                   m.backend.launch_kernel, name, grid_blocks(items, BLOCK), out, x, idx, *args,
+                   block_size=(BLOCK, 1, 1), device_id=dev)
+    return out
+
+
+def take(m: Any, x: CudaTensor, indices: Any, axis: Optional[int] = 0,
+         check_bounds: bool = True) -> CudaTensor:
+    """np.take(x, indices, axis): out.shape = x.shape[:axis] + indices.shape +
+    x.shape[axis+1:] (axis=None: from the flattened x). See the module doc for bounds."""
+    if type(x) is CudaTensor and type(indices) is CudaTensor and type(axis) is int and \
+            type(check_bounds) is bool:
+        fast = m.plans.get(("take", x.shape, x.dtype, indices.shape, indices.dtype,
+                            x.device_id, axis, check_bounds))
+        if fast is not None and m.backend.direct_launch(x.device_id):
+            res = fast(x, indices)
+            if res is not None:
+                return res
+    x = common.check_tensor(x, "tensor")
+    idx = checked_indices(indices, "take")
+    common.same_device(x, idx)
+    if axis is None:
+        x = make_view(x, (x.size,))
+        axis = 0
+    if x.ndim == 0:
+        raise InvalidArgumentError("take needs a tensor of at least 1 dimension (or axis=None)")
+    ax = one_axis(axis, x.ndim, "take")
+    size = x.shape[ax]
+    shape = x.shape[:ax] + idx.shape + x.shape[ax + 1:]
+    out = _result(m, "take", x, idx, shape, size, ax, check_bounds)
+    if out.size == 0:
+        return out
+    if not m.gpu:
+        j, bad = _host_take_indices(idx, size, check_bounds, "take", ax, out)
+        res = np.take(x.host_view, j, axis=ax)
+        if bad.any():
+            mask = bad.reshape((1,) * ax + idx.shape + (1,) * (x.ndim - ax - 1))
+            res = np.where(mask, np.zeros((), res.dtype), res)
+        out.host_view[...] = res
+        return out
+    dev = x.device_id
+    geo = take_geometry(x.shape, ax, idx.size, x.dtype.itemsize, x.ptr, out.ptr,
+                        m.backend.get_device_info(dev).multiprocessor_count)
+    name = m.kernel(TEMPLATE, dev, **take_rows_params(geo["unit"], idx.dtype)).name
+    record(dev, x, idx)
+    checked_launch(m, "take", idx, size, ax, check_bounds, out, True,
+                   m.backend.launch_kernel, name, geo["grid"], out, x, idx, *geo["args"],
+                   block_size=(ROW_BLOCK, 1, 1), device_id=dev)
+    if type(axis) is int and type(check_bounds) is bool:
+        key = ("take", x.shape, x.dtype, idx.shape, idx.dtype, dev, axis, check_bounds)
+        if key not in m.plans:
+            common.remember_plan(m, key, _take_plan(m, x, idx, ax, check_bounds))
+    return out
+
+
+def row_unit(row_bytes: int, *ptrs: int) -> int:
+    """The widest of UNITS dividing a row's bytes and every pointer (16: 16-byte vectors)."""
+    for u in UNITS:
+        if row_bytes % u == 0 and not any(p % u for p in ptrs):
+            return u
+    return 1
+
+
+def take_geometry(shape: Tuple[int, ...], ax: int, nidx: int, itemsize: int, src_ptr: int,
+                  out_ptr: int, sms: int) -> Dict[str, Any]:
+    """The "take_rows" launch of np.take(x of shape, nidx indices, axis ax) (nidx >= 1, a
+    non-empty result): {"unit", "lanes", "grid", "args"} (args: the kernel's after out, src,
+    idx). lanes: the fewest (a power of two <= ROW_BLOCK) whose ROW_UNROLL units each cover
+    the row; grid x = the rows / rows per block, at most one resident wave (every block
+    takes the same number of trips; the kernel loads a trip's index one trip ahead); grid y
+    splits each row when that leaves fewer than ROW_BLOCKS_PER_SM blocks per SM and a lane
+    more than one step."""
+    outer = math.prod(shape[:ax])
+    size = shape[ax]
+    row_bytes = math.prod(shape[ax + 1:]) * itemsize
+    unit = row_unit(row_bytes, src_ptr, out_ptr)
+    row_units = row_bytes // unit
+    lanes = min(ROW_BLOCK, 1 << max(0, -(-row_units // ROW_UNROLL) - 1).bit_length())
+    n_rows = outer * nidx
+    row_blocks = -(-n_rows // (ROW_BLOCK // lanes))
+    trips = -(-row_blocks // (sms * ROW_RESIDENT))   # one resident wave, even trips
+    gx = max(1, min(-(-row_blocks // trips), 2**31 - 1))
+    steps = -(-row_units // (lanes * ROW_UNROLL))
+    gy = max(1, min(steps, 65535, -(-(sms * ROW_BLOCKS_PER_SM) // gx)))
+    d, mul, shift = fast_divisor(nidx)
+    return {"unit": unit, "lanes": lanes, "grid": (gx, gy, 1),
+            "args": (n_rows, size, row_units, d, mul, shift, lanes)}
+
+
+def _take_plan(m: Any, x: CudaTensor, idx: CudaTensor, ax: int, check_bounds: bool) -> Any:
+    """The per-call plan of take for x and indices shaped like these (ops/common.py
+    remember_plan): run(x, indices) -> the result, or None (the general path then runs) when
+    an operand is freed or on a stream, or a pointer does not allow the widest unit of the
+    row (the plan's)."""
+    backend = m.backend
+    dev, shape, dtype, ishape = x.device_id, x.shape, x.dtype, idx.shape
+    geo = take_geometry(shape, ax, idx.size, dtype.itemsize, 0, 0,
+                        backend.get_device_info(dev).multiprocessor_count)
+    oshape = shape[:ax] + ishape + shape[ax + 1:]
+    n_out = math.prod(oshape)
+    nbytes = n_out * dtype.itemsize
+    size, unit = shape[ax], geo["unit"]
+    rows = backend.prepare_launch(
+        backend.get_kernel(m.kernel(TEMPLATE, dev, **take_rows_params(unit, idx.dtype)).name,
+                           dev), geo["grid"], (ROW_BLOCK, 1, 1), 0, dev)
+    checker = backend.prepare_launch(
+        backend.get_kernel(m.kernel(TEMPLATE, dev, **check_params(idx.dtype)).name, dev),
+        (check_grid(idx.size), 1, 1), (CHECK_BLOCK, 1, 1), 0, dev) if check_bounds else None
+    args = geo["args"]
+    pool = backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    direct = backend.direct_launch
+
+    def run(x: CudaTensor, indices: Any) -> Optional[CudaTensor]:
+        px, pi = x._ptr, indices._ptr
+        if px is None or pi is None or indices.device_id != dev or x.stream is not None or \
+                indices.stream is not None or px % unit or not direct(dev):
+            return None
+        refuse_capture("take", dev, check_bounds)
+        out = pool_tensor(oshape, dtype, dev, alloc(nbytes), pool, n_out, nbytes)
+        if out._ptr % unit:
+            out.free()
+            return None
+        check = start_check(m, indices, size, "take", check_bounds, out, checker)
+        try:
+            rows(out._ptr, px, pi, *args)
+        except BaseException:
+            if check is not None:
+                check.abandon()
+            out.free()
+            raise
+        if check is not None:
+            check.finish("take", ax, size, out)
+        return out
+    return run
+
+
+def gather(m: Any, x: CudaTensor, indices: Any, axis: Optional[int],
+           check_bounds: bool = True) -> CudaTensor:
+    """np.take_along_axis(x, indices, axis): indices has x's number of dims and broadcasts
+    against x off the axis; out[..., i, ...] = x[..., indices[..., i, ...], ...]."""
+    x = common.check_tensor(x, "tensor")
+    idx = checked_indices(indices, "gather")
+    common.same_device(x, idx)
+    if axis is None:
+        if idx.ndim != 1:
+            raise ShapeMismatchError(f"gather with axis=None needs 1-d indices, got shape "
+                                     f"{idx.shape}")
+        x = make_view(x, (x.size,))
+        axis = 0
+    if idx.ndim != x.ndim:
+        raise ShapeMismatchError(
+            f"gather: indices must have as many dimensions as the tensor ({x.ndim}), got "
+            f"{idx.ndim} (shape {idx.shape})")
+    if x.ndim == 0:
+        raise InvalidArgumentError("gather needs a tensor of at least 1 dimension")
+    ax = one_axis(axis, x.ndim, "gather")
+    shape: Any = []          # the result's dimensions, then their tuple
+    for d in range(x.ndim):
+        if d == ax:
+            shape.append(idx.shape[d])
+            continue
+        p, q = x.shape[d], idx.shape[d]
+        if p != q and p != 1 and q != 1:
+            raise ShapeMismatchError(
+                f"gather: the tensor {x.shape} and indices {idx.shape} do not broadcast off "
+                f"axis {ax} (dimension {d}: {p} vs {q})")
+        shape.append(max(p, q) if p and q else 0)
+    shape = tuple(shape)
+    size = x.shape[ax]
+    out = _result(m, "gather", x, idx, shape, size, ax, check_bounds)
+    if out.size == 0:
+        return out
+    if not m.gpu:
+        j, bad = _host_take_indices(idx, size, check_bounds, "gather", ax, out)
+        bshape = list(shape)
+        bshape[ax] = size
+        src = np.broadcast_to(x.host_view, tuple(bshape))
+        jshape = list(shape)
+        res = np.take_along_axis(src, np.broadcast_to(j, tuple(jshape)), axis=ax)
+        if bad.any():
+            res = np.where(np.broadcast_to(bad, shape), np.zeros((), res.dtype), res)
+        out.host_view[...] = res
+        return out
+    xs, ids = contiguous_strides(x.shape), contiguous_strides(idx.shape)
+    s_src = [xs[d] if (d != ax and x.shape[d] == shape[d] and shape[d] != 1) else 0
+             for d in range(x.ndim)]
+    s_idx = [ids[d] if idx.shape[d] == shape[d] and shape[d] != 1 else 0
+             for d in range(x.ndim)]
+    return _gather_launch(m, "gather", x, idx, out, shape, s_src, s_idx, size, xs[ax],
+                          check_bounds, ax)

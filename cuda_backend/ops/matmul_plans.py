@@ -1,0 +1,292 @@
+"""Matmul per-call plans (ops/common.py remember_plan): the launches `run_config` makes for a
+call's memoized config, prepared once (PreparedLaunch) and replayed by later calls of the same
+shapes with the operands' pointers; the split-K workspace and wgmma's B copy come from the
+pool per call."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+from ..dtypes import CudaDataType
+from ..tensor import CudaTensor
+from . import common
+from .matmul_kernels import (GRAD_EPILOGUE, REDUCE_BLOCK, SIMT_TEMPLATE, WGMMA_TEMPLATE,
+                             config_template, splitk_reduce_params, wgmma_params, wgmma_smem)
+from .matmul_launch import (cached_kernel, cluster_setup, config_key, memo, skinny_setup,
+                            tiled_kernel)
+from .matmul_shapes import Plan
+from .matmul_splitk import split_chunk
+
+DT = CudaDataType
+
+# A plan of matmul (key: "matmul", both shapes, dtypes and devices, the precision as given) or
+# of fused_linear_gelu (ops/linear.py) allocates the result and runs the launches run_config
+# makes for the config `launch` memoized, as PreparedLaunches. That config depends on vec (the
+# operands' and result's alignment), so a plan holds one runner per vec seen by the general
+# path and returns None (general path) for another. Operands last used on another stream
+# (tensor.stream set) take the general path too, which records their use on this one.
+
+
+def remember(m: Any, key: tuple, p: Plan, dtype: CudaDataType, prec: Optional[str], dev: int,
+             vec: bool, shape: Tuple[int, ...], epilogue: Optional[str] = None,
+             a_trans: bool = False) -> None:
+    """After a general-path call of key with alignment class vec: make sure key's plan has
+    the runner for vec (the plan made on first use)."""
+    plans = getattr(m, "plans", None)
+    if plans is None or not m.gpu or not hasattr(m.backend, "prepare_launch"):
+        return
+    plan = plans.get(key)
+    runners = getattr(plan, "runners", None)
+    if runners is None:
+        plan = common.remember_plan(m, key, _op_plan(m, p, dtype, dev, shape, a_trans))
+        runners = plan.runners
+    if vec not in runners:
+        hit = memo(m).get(config_key(p, dtype, prec, dev, vec, epilogue, a_trans))
+        if hit is not None:
+            runners[vec] = config_runner(m, hit[0], hit[1], p, dtype, vec, dev, epilogue,
+                                         a_trans)
+
+
+def _op_plan(m: Any, p: Plan, dtype: CudaDataType, dev: int, shape: Tuple[int, ...],
+             a_trans: bool = False) -> Any:
+    """plan(a, b, bias, grad=None): the result (of `shape`) from the pool and the runner of
+    the call's alignment class; None where the general path must run."""
+    from ..tensor import pool_tensor
+    pool = m.backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    size = p.batch * p.M * p.N
+    nbytes = size * dtype.itemsize
+    vw = 16 // dtype.itemsize
+    shape_vec = (p.M if a_trans else p.K) % vw == 0 and p.N % vw == 0
+    runners: Dict[bool, Any] = {}
+    get = runners.get
+
+    def plan(a: CudaTensor, b: CudaTensor, bias: Optional[CudaTensor],
+             grad: Optional[CudaTensor] = None) -> Optional[CudaTensor]:
+        pa, pb = a._ptr, b._ptr
+        if pa is None or pb is None or a.stream is not None or b.stream is not None:
+            return None
+        pbias = 0 if bias is None else bias._ptr
+        pg = 0 if grad is None else grad._ptr
+        if pbias is None or pg is None or (bias is not None and bias.stream is not None) \
+                or (grad is not None and grad.stream is not None):
+            return None
+        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
+        pc = out._ptr
+        run = get(shape_vec and not (pa | pb | pc) & 15)
+        if run is None:
+            out.free()
+            return None
+        if grad is None:
+            run(pa, pb, pc, pbias)
+        else:
+            run(pa, pb, pc, pbias, pg)
+        return out
+
+    plan.runners = runners  # type: ignore[attr-defined]  # (read by the tests: the sub-launches)
+    return plan
+
+
+def config_runner(m: Any, template: str, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType,
+                  vec: bool, dev: int, epilogue: Optional[str] = None,
+                  a_trans: bool = False) -> Any:
+    """run(pa, pb, pc, pbias, pg=0): run_config's launches of one config (pointers as ints;
+    pbias 0 for no bias; pg: G of the bias_gelu_grad epilogue), as PreparedLaunches: the
+    same kernels, grids and arguments, the split-K workspace and the wgmma B copy taken from
+    the pool and given back after the launches."""
+    if cfg.get("skinny"):
+        return _skinny_runner(m, cfg, p, dtype, vec, dev, epilogue)
+    if cfg.get("cluster"):
+        return _cluster_runner(m, cfg, p, dtype, vec, dev, epilogue)
+    info = m.backend.get_device_info(dev)
+    max_z = info.max_grid_dims[2]
+    splits = None
+    if "split" in cfg:
+        cfg = dict(cfg)
+        splits = max(1, min(cfg.pop("split"), max_z // max(1, p.batch)))
+    template = config_template(cfg, template)
+    if template == WGMMA_TEMPLATE:
+        return _wgmma_runner(m, cfg, p, dev, max_z)
+    tiles = -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"])
+    kernel, threads, smem, kchunk, splits = tiled_kernel(m, template, cfg, p, dtype, vec, dev,
+                                                         info, splits, epilogue, a_trans)
+    if kchunk and splits > 1:
+        return _split_runner(m, kernel, tiles, threads, smem, cfg["bk"], p, dtype, dev, info,
+                             splits)
+    return _chunks_runner(m, kernel, tiles, threads, smem, p, dtype, dev, max_z, kchunk,
+                          epilogue)
+
+
+def _split_runner(m: Any, kernel: Any, tiles: int, threads: int, smem: int, bk: int, p: Plan,
+                  dtype: CudaDataType, dev: int, info: Any, splits: int) -> Any:
+    """_run_split's launches: the split-K GEMM into a pool block, splitk_reduce into C."""
+    backend = m.backend
+    prep, get = backend.prepare_launch, backend.get_kernel
+    M, N, K, sa, sb, batch = p.M, p.N, p.K, p.stride_a, p.stride_b, p.batch
+    chunk, splits = split_chunk(K, bk, splits)
+    wbytes = splits * batch * M * N * dtype.itemsize
+    gemm = prep(get(kernel.name, dev), (tiles, 1, batch * splits), (threads, 1, 1), smem, dev)
+    red = cached_kernel(m, SIMT_TEMPLATE, dev, splitk_reduce_params(dtype))
+    n = batch * M * N
+    grid = common.grid_1d(n, REDUCE_BLOCK, info.multiprocessor_count, waves=4)
+    reduce = prep(get(red.name, dev), (grid, 1, 1), (REDUCE_BLOCK, 1, 1), 0, dev)
+    pool = backend.memory_pools[dev]
+    alloc, release = pool.allocate_current, pool.release
+
+    def run_split(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
+        block = alloc(wbytes)
+        try:
+            pw = int(block)
+            gemm(pa, pb, pw, M, N, K, sa, sb, batch, chunk)
+            reduce(pw, pc, n, splits)
+        finally:
+            release(block)   # as work.free(): the pool is stream-ordered
+    return run_split
+
+
+def _chunks_runner(m: Any, kernel: Any, tiles: int, threads: int, smem: int, p: Plan,
+                   dtype: CudaDataType, dev: int, max_z: int, kchunk: bool,
+                   epilogue: Optional[str]) -> Any:
+    """_run_tiled's launches without split-K: one per batch chunk of at most max_z matrices
+    (a run without the chunk offsets where there is one), the epilogue's arguments after
+    the operands."""
+    prep = m.backend.prepare_launch
+    esize = dtype.itemsize
+    M, N, K, sa, sb, batch = p.M, p.N, p.K, p.stride_a, p.stride_b, p.batch
+    kernel = m.backend.get_kernel(kernel.name, dev)
+    chunks = []
+    for b0 in range(0, batch, max_z):
+        nb = min(max_z, batch - b0)
+        tail = (M, N, K, sa, sb, nb, K) if kchunk else (M, N, K, sa, sb)
+        chunks.append((prep(kernel, (tiles, 1, nb), (threads, 1, 1), smem, dev),
+                       b0 * sa * esize, b0 * sb * esize, b0 * M * N * esize, tail))
+    if len(chunks) == 1:
+        go, _, _, _, tail = chunks[0]
+        if epilogue is None:
+            def run(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
+                go(pa, pb, pc, *tail)
+        elif epilogue == GRAD_EPILOGUE:
+            def run(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
+                go(pa, pb, pc, pbias, pg, *tail)
+        else:
+            def run(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
+                go(pa, pb, pc, pbias, *tail)
+        return run
+
+    def run_chunks(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
+        for go, oa, ob, oc, tail in chunks:
+            if epilogue is None:
+                go(pa + oa, pb + ob, pc + oc, *tail)
+            elif epilogue == GRAD_EPILOGUE:
+                go(pa + oa, pb + ob, pc + oc, pbias, pg + oc, *tail)
+            else:
+                go(pa + oa, pb + ob, pc + oc, pbias, *tail)
+    return run_chunks
+
+
+def _wgmma_runner(m: Any, cfg: Dict[str, Any], p: Plan, dev: int, max_z: int) -> Any:
+    """_run_wgmma's launches: B transposed and rounded into a pool block (the transpose's
+    config from its access width, which depends on the pointers: per call), the wgmma
+    kernel over the batch chunks, the block given back."""
+    from . import transpose as tr
+    backend = m.backend
+    prep, get = backend.prepare_launch, backend.get_kernel
+    M, N, K, sa = p.M, p.N, p.K, p.stride_a
+    planes = 1 if p.stride_b == 0 else p.batch
+    btbytes = planes * N * K * 4
+    kernel = get(cached_kernel(m, WGMMA_TEMPLATE, dev, wgmma_params(cfg)).name, dev)
+    threads = cfg["bm"] // 64 * 128
+    tiles = -(-M // cfg["bm"]) * -(-N // cfg["bn"])
+    stride_bt = 0 if p.stride_b == 0 else N * K
+    chunks = []
+    for b0 in range(0, p.batch, max_z):
+        nb = min(max_z, p.batch - b0)
+        chunks.append((prep(kernel, (tiles, 1, nb), (threads, 1, 1), wgmma_smem(cfg), dev),
+                       b0 * sa * 4, b0 * stride_bt * 4, b0 * M * N * 4, (M, N, K, sa, stride_bt)))
+    shape16, shape8 = K % 4 == 0 and N % 4 == 0, K % 2 == 0 and N % 2 == 0
+    transposes: Dict[int, list] = {}   # access width -> [(launch, plane offset, args)]
+    t_max_z = tr.max_grid_z(m, dev)
+    plane = K * N * 4
+
+    def transpose_launches(vb: int, pb: int, pbt: int) -> list:
+        tcfg = tr.candidates(DT.FLOAT32, K, N, pb, pbt)[0]   # transpose_tf32's choice
+        params = {**tr.config_params(DT.FLOAT32, tcfg), "round_tf32": True}
+        tk = get(m.kernel(tr.TEMPLATE, dev, **params).name, dev)
+        out = [(prep(tk, grid, (tcfg["threads"], 1, 1), 0, dev), b0 * plane,
+                (K, N, tcfg["group"]))
+               for b0, grid in tr.launch_grids(tcfg, planes, K, N, t_max_z)]
+        if tcfg["vec_bytes"] == vb:   # (always: vb is vec_width's rule)
+            transposes[vb] = out
+        return out
+
+    pool = backend.memory_pools[dev]
+    alloc, release = pool.allocate_current, pool.release
+
+    def run(pa: int, pb: int, pc: int, pbias: int) -> None:
+        block = alloc(btbytes)
+        try:
+            pbt = int(block)
+            both = pb | pbt
+            vb = 16 if shape16 and not both & 15 else (8 if shape8 and not both & 7 else 4)
+            launches = transposes.get(vb) or transpose_launches(vb, pb, pbt)
+            for go, off, args in launches:
+                go(pb + off, pbt + off, *args)
+            for go, oa, obt, oc, tail in chunks:
+                go(pa + oa, pbt + obt, pc + oc, *tail)
+        finally:
+            release(block)   # as bt.free(): the pool is stream-ordered
+    return run
+
+
+def _skinny_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, vec: bool,
+                   dev: int, epilogue: Optional[str]) -> Any:
+    """_run_skinny's launches as PreparedLaunches: run(pa, pb, pc, pbias, pg=0)."""
+    backend = m.backend
+    cfg = dict(cfg)
+    s = skinny_setup(m, cfg, p, dtype, vec, dev, cfg.pop("split", None), epilogue)
+    gemm = _prepared(m, s, dev)
+    reduce = backend.prepare_launch(backend.get_kernel(s["reduce"].name, dev),
+                                    (s["reduce_grid"], 1, 1), (REDUCE_BLOCK, 1, 1), 0, dev)
+    M, N, K, chunk, n, splits = p.M, p.N, p.K, s["chunk"], s["n"], s["splits"]
+    wbytes = s["work_elems"] * 4
+    pool = backend.memory_pools[dev]
+    alloc, release = pool.allocate_current, pool.release
+    linear = epilogue is not None
+    with_grad = epilogue == GRAD_EPILOGUE
+
+    def run(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
+        block = alloc(wbytes)
+        try:
+            pw = int(block)
+            gemm(pa, pb, pw, M, N, K, chunk)
+            if with_grad:
+                reduce(pw, pc, pbias, pg, n, N, splits)
+            elif linear:
+                reduce(pw, pc, pbias, n, N, splits)
+            else:
+                reduce(pw, pc, n, splits)
+        finally:
+            release(block)   # as work.free(): the pool is stream-ordered
+    return run
+
+
+def _cluster_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, vec: bool,
+                    dev: int, epilogue: Optional[str]) -> Any:
+    """_run_cluster's launch as a PreparedLaunch: run(pa, pb, pc, pbias, pg=0)."""
+    s = cluster_setup(m, cfg, p, dtype, vec, dev, epilogue)
+    go = _prepared(m, s, dev)
+    M, N, K, chunk = p.M, p.N, p.K, s["chunk"]
+    if epilogue == GRAD_EPILOGUE:
+        def run_grad(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
+            go(pa, pb, pc, pbias, pg, M, N, K, chunk)
+        return run_grad
+
+    def run(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
+        go(pa, pb, pc, pbias, M, N, K, chunk)
+    return run
+
+
+def _prepared(m: Any, s: Dict[str, Any], dev: int) -> Any:
+    """The PreparedLaunch of the main kernel of skinny_setup's or cluster_setup's `s`."""
+    backend = m.backend
+    return backend.prepare_launch(backend.get_kernel(s["kernel"].name, dev), s["grid"],
+                                  (s["threads"], 1, 1), s["smem"], dev)

@@ -1,0 +1,304 @@
+"""The copies of the shape ops: one kernel template, `strided_copy.cu.j2`, its parameters, the
+launches a copy takes and their per-call plans, and "convert" (astype) with its NumPy model.
+ops/shape.py's ops and ops/indexing.py use them; ops/shape_layouts.py computes the layouts.
+
+"gather": out[i] = in[offset + sum_k c_k(i) * stride_k] over up to 8 dims (after merging
+dims both sides traverse the same way), coordinates found with FastDiv (32-bit where every
+count is under 2^32, else 64-bit), 64-bit strides (negative for reversed slices, 0 for
+broadcast dims), 16-byte items when the innermost input stride is 1 (or 0) and the
+pointers allow; output strides too, so concatenate / stack write each input into the
+output at an offset (one launch per input). "tile": a 32 x 32 shared-memory transpose for
+permutations that move the innermost axis (reads and writes both coalesced), any batch
+dims around it; a plain (batched) 2-D transpose of 2-, 4- or 8-byte elements goes to
+transpose.cu.j2's autotuned kernels instead (ops/transpose.py). "convert": astype between
+every pair of dtypes. Fallback mode runs the same layouts (offsets and strides) through
+NumPy's as_strided.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..dtypes import CudaDataType, from_bfloat16_bits, to_bfloat16_bits
+from ..errors import InvalidArgumentError
+from ..tensor import CudaTensor, pool_tensor
+from .shape_layouts import collapse, contiguous_strides, dims_args, fast_divisor, pad
+
+DT = CudaDataType
+TEMPLATE = "strided_copy.cu.j2"
+BLOCK = 128           # threads per block of "gather" and "convert"
+TILE_BLOCK = 256      # "tile": 32 x 8 threads
+TILE = 32
+MAX_DIMS = 8          # dims one "gather" launch covers (after merging)
+MAX_BATCH = 6         # batch dims around a "tile" launch's two
+MAX_GRID = 2**31 - 1
+_ALIAS = {2: DT.FLOAT16, 4: DT.INT32, 8: DT.INT64}   # transpose.cu.j2 dtype per element size
+
+
+# -- template parameters ------------------------------------------------------------------------
+def copy_params(kind: str, elem: int, index: int) -> Dict[str, Any]:
+    """Parameters of a "gather" or "tile" render for elements of `elem` bytes."""
+    return {"kind": kind, "elem": elem, "index": index,
+            "block_size": TILE_BLOCK if kind == "tile" else BLOCK}
+
+
+def _storage_ctype(dtype: CudaDataType) -> str:
+    return "unsigned char" if dtype is DT.BOOL else dtype.c_type
+
+
+def convert_params(src: CudaDataType, dst: CudaDataType) -> Dict[str, Any]:
+    """Parameters of the "convert" render from src to dst."""
+    return {"kind": "convert", "src": src.name_str, "dst": dst.name_str,
+            "src_ctype": _storage_ctype(src), "dst_ctype": _storage_ctype(dst),
+            "block_size": BLOCK}
+
+
+# -- launches ---------------------------------------------------------------------------------
+class Launch:
+    """One kernel launch of a copy: kernel (template parameters or a compiled name), grid,
+    block, byte offsets of its source and destination from the copy's base addresses, and
+    the arguments after the two pointers."""
+
+    __slots__ = ("template", "params", "grid", "block", "src_off", "dst_off", "args")
+
+    def __init__(self, template: str, params: Dict[str, Any], grid: Any, block: Tuple[int, ...],
+                 args: Sequence[Any], src_off: int = 0, dst_off: int = 0) -> None:
+        self.template, self.params, self.grid, self.block = template, params, grid, block
+        self.args, self.src_off, self.dst_off = tuple(args), src_off, dst_off
+
+
+def grid_blocks(items: int, per_block: int) -> int:
+    """A 1-D grid of per_block items a block over items (at least 1, at most MAX_GRID)."""
+    return max(1, min(-(-items // per_block), MAX_GRID))
+
+
+def plan_copy(m: Any, dev: int, dtype: CudaDataType, shape: Sequence[int],
+              in_strides: Sequence[int], out_strides: Sequence[int], src_addr: int,
+              dst_addr: int) -> List[Launch]:
+    """The launches of dst[out layout] = src[in layout] for one iteration shape (element
+    strides, addresses of element 0 of each layout). Empty for an empty shape."""
+    if math.prod(shape) == 0:
+        return []
+    sizes, (si, so) = collapse(shape, in_strides, out_strides)
+    nd = len(sizes)
+    if nd > MAX_DIMS:
+        raise InvalidArgumentError(
+            f"the copy has {nd} dims after merging those that can be merged; at most "
+            f"{MAX_DIMS} are supported (shape {tuple(shape)})")
+    itemsize = dtype.itemsize
+    if nd >= 2 and so[-1] == 1 and si[-1] not in (0, 1) and 1 in si[:-1]:
+        a = nd - 2 - si[-2::-1].index(1)          # the last dim the input walks contiguously
+        tr_launches = _transpose_launches(m, dev, dtype, sizes, si, so, a, src_addr, dst_addr)
+        if tr_launches is not None:
+            return tr_launches
+        return [_tile_launch(itemsize, sizes, si, so, a)]
+    return [_gather_launch(itemsize, sizes, si, so, src_addr, dst_addr)]
+
+
+def _index_bits(*counts: int) -> int:
+    return 32 if max(counts) < 2**32 - 64 else 64
+
+
+def _gather_launch(itemsize: int, sizes: List[int], si: List[int], so: List[int],
+                   src_addr: int, dst_addr: int) -> Launch:
+    w = 16 // itemsize
+    mode = 0
+    n0, others = sizes[-1], range(len(sizes) - 1)
+    if w > 1 and so[-1] == 1 and n0 % w == 0 and dst_addr % 16 == 0 and \
+            all(so[k] % w == 0 for k in others):
+        if si[-1] == 1 and src_addr % 16 == 0 and all(si[k] % w == 0 for k in others):
+            mode = 1
+        elif si[-1] == 0:
+            mode = 2
+    sizes, si, so = list(sizes), list(si), list(so)
+    if mode:
+        sizes[-1] //= w
+        si[-1] *= w
+        so[-1] = w
+    items = math.prod(sizes)
+    unit = w if mode else 1
+    out_contig = so == [unit * s for s in contiguous_strides(sizes)]
+    bits = _index_bits(items, *sizes)
+    inner_first = sizes[::-1]
+    args = [items, len(sizes), mode, int(out_contig)] + dims_args(inner_first, bits, MAX_DIMS) \
+        + pad(si[::-1], MAX_DIMS) + pad(so[::-1], MAX_DIMS)
+    return Launch(TEMPLATE, copy_params("gather", itemsize, bits), grid_blocks(items, BLOCK),
+                  (BLOCK, 1, 1), args)
+
+
+def _tile_launch(itemsize: int, sizes: List[int], si: List[int], so: List[int],
+                 a: int) -> Launch:
+    nd = len(sizes)
+    b = nd - 1
+    A, B = sizes[a], sizes[b]
+    tiles_a, tiles_b = -(-A // TILE), -(-B // TILE)
+    batch = [d for d in range(nd - 1, -1, -1) if d not in (a, b)]      # innermost first
+    if len(batch) > MAX_BATCH:
+        raise InvalidArgumentError(f"a transposing copy of {nd} merged dims: at most "
+                                   f"{MAX_BATCH + 2} are supported")
+    count = math.prod(sizes[d] for d in batch)
+    n_tiles = tiles_a * tiles_b * count
+    bits = _index_bits(n_tiles, A + TILE, B + TILE, *(sizes[d] for d in batch))
+    args = [n_tiles, A, B, si[b], so[a], *fast_divisor(tiles_a, bits),
+            *fast_divisor(tiles_a * tiles_b, bits), len(batch)]
+    args += dims_args([sizes[d] for d in batch], bits, MAX_BATCH)
+    args += pad([si[d] for d in batch], MAX_BATCH) + pad([so[d] for d in batch], MAX_BATCH)
+    return Launch(TEMPLATE, copy_params("tile", itemsize, bits), min(n_tiles, MAX_GRID),
+                  (TILE, TILE_BLOCK // TILE, 1), args)
+
+
+def _transpose_launches(m: Any, dev: int, dtype: CudaDataType, sizes: List[int],
+                        si: List[int], so: List[int], a: int, src_addr: int,
+                        dst_addr: int) -> Optional[List[Launch]]:
+    """A (batched) transpose of whole contiguous planes into a contiguous output, done by
+    transpose.cu.j2 (autotuned, as matrix_transpose): 2-, 4- and 8-byte elements, planes
+    under 2^31 elements. None when the layout is not that."""
+    from . import transpose as tr
+    alias = _ALIAS.get(dtype.itemsize)
+    nd = len(sizes)
+    if alias is None or so != contiguous_strides(sizes):
+        return None
+    if nd == 2 and a == 0 and si[1] == sizes[0]:
+        batch, rows, cols = 1, sizes[1], sizes[0]
+    elif nd == 3 and a == 1 and si[2] == sizes[1] and si[0] == sizes[1] * sizes[2]:
+        batch, rows, cols = sizes[0], sizes[2], sizes[1]
+    else:
+        return None
+    if rows * cols >= 2**31:
+        return None
+    n = batch * rows * cols
+    x = CudaTensor((n,), alias, dev, src_addr)      # aliases of the bits, for tr's picker
+    out = CudaTensor((n,), alias, dev, dst_addr)
+    cfg = tr.pick(m, x, out, batch, rows, cols)
+    params = tr.config_params(alias, cfg)
+    extra: Tuple[int, ...]
+    if cfg["kernel"] == "tile":
+        block, extra = (32, cfg["block_rows"], 1), ()
+    else:
+        block, extra = (cfg["threads"], 1, 1), (cfg["group"],)
+    plane = rows * cols * dtype.itemsize
+    return [Launch(tr.TEMPLATE, params, grid, block, (rows, cols, *extra), b0 * plane,
+                   b0 * plane)
+            for b0, grid in tr.launch_grids(cfg, batch, rows, cols, tr.max_grid_z(m, dev))]
+
+
+def record(dev: int, *tensors: CudaTensor) -> None:
+    """Note the current stream's use of tensors passed to launches as raw addresses (and of
+    the tensors views keep alive), as the launcher does for tensor arguments."""
+    from ..memory import record_stream
+    from ..streams import current_pycuda_stream
+    stream = current_pycuda_stream(dev)
+    for t in tensors:
+        while isinstance(t, CudaTensor):
+            if t.stream is not stream:
+                record_stream(t, stream)
+            t = t._owner
+
+
+def run_launches(m: Any, dev: int, launches: Sequence[Launch], src_addr: int,
+                 dst_addr: int) -> None:
+    """Launch a copy's launches (plan_copy's) from src_addr to dst_addr."""
+    launch = m.backend.launch_kernel
+    for L in launches:
+        name = m.kernel(L.template, dev, **L.params).name
+        launch(name, L.grid, src_addr + L.src_off, dst_addr + L.dst_off, *L.args,
+               block_size=L.block, device_id=dev)
+
+
+def _host_layout(t: CudaTensor, offset: int, strides: Sequence[int],
+                 shape: Sequence[int]) -> np.ndarray:
+    """Fallback: the elements of t's storage at offset + sum c_k * strides_k (a view)."""
+    flat = t.host_view.reshape(-1)
+    item = flat.itemsize
+    return np.lib.stride_tricks.as_strided(flat[offset:], tuple(shape),
+                                           tuple(s * item for s in strides))
+
+
+def strided_copy(m: Any, src: CudaTensor, src_off: int, in_strides: Sequence[int],
+                 dst: CudaTensor, dst_off: int, out_strides: Sequence[int],
+                 shape: Sequence[int]) -> None:
+    """dst[dst_off + sum c_k * out_strides_k] = src[src_off + sum c_k * in_strides_k] for
+    every coordinate c of shape (offsets and strides in elements; src and dst of one
+    dtype, on one device, not overlapping)."""
+    if math.prod(shape) == 0:
+        return
+    if not m.gpu:
+        _host_layout(dst, dst_off, out_strides, shape)[...] = \
+            _host_layout(src, src_off, in_strides, shape)
+        return
+    dev = src.device_id
+    item = src.dtype.itemsize
+    s_addr, d_addr = src.ptr + src_off * item, dst.ptr + dst_off * item
+    launches = plan_copy(m, dev, src.dtype, shape, in_strides, out_strides, s_addr, d_addr)
+    record(dev, src, dst)
+    run_launches(m, dev, launches, s_addr, d_addr)
+
+
+def copy_plan(m: Any, dev: int, launches: List[Launch], shape: Tuple[int, ...],
+               dtype: CudaDataType, src_addr: int, dst_addr: int) -> Any:
+    """The per-call plan (ops/common.py remember_plan) of a copy into a new tensor: the
+    allocation and the prepared launches made for sources and results at these addresses
+    modulo 16 (the launches' access widths follow the alignment); other alignments return
+    None (the general path)."""
+    backend = m.backend
+    pool = backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    size = math.prod(shape)
+    nbytes = size * dtype.itemsize
+    sa, da = src_addr % 16, dst_addr % 16
+    prepared = [(L.src_off, L.dst_off,
+                 backend.prepare_launch(m.kernel(L.template, dev, **L.params), L.grid, L.block,
+                                        0, dev), L.args) for L in launches]
+
+    def run(x: CudaTensor) -> Optional[CudaTensor]:
+        px = x._ptr
+        if px is None or x.stream is not None or px % 16 != sa:
+            return None
+        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
+        po = out._ptr
+        if po % 16 != da:
+            out.free()
+            return None
+        for so, do, go, args in prepared:
+            go(px + so, po + do, *args)
+        return out
+    return run
+
+
+# -- astype's conversion in NumPy ----------------------------------------------------------------
+_I32 = (-2**31, 2**31 - 1)
+
+
+def convert_host(raw: np.ndarray, src: CudaDataType, dst: CudaDataType) -> np.ndarray:
+    """The "convert" kernel in NumPy: storage values of src (bfloat16 as uint16 bits) ->
+    storage values of dst."""
+    if src is DT.BFLOAT16:
+        v = from_bfloat16_bits(raw).reshape(np.shape(raw))
+    elif src is DT.BOOL:
+        v = np.asarray(raw) != 0
+    else:
+        v = np.asarray(raw)
+    with np.errstate(all="ignore"):
+        if dst is DT.BOOL:
+            return v != 0
+        if dst is DT.BFLOAT16:
+            return to_bfloat16_bits(v.astype(np.float32)).reshape(v.shape)
+        if dst is DT.FLOAT16:
+            if src is DT.FLOAT64:
+                return v.astype(np.float16)
+            return v.astype(np.float32).astype(np.float16)
+        if dst in (DT.FLOAT32, DT.FLOAT64):
+            return v.astype(dst.numpy_dtype)
+        if src.is_floating:
+            t = np.trunc(v.astype(np.float64))
+            nan = np.isnan(t)
+            if dst is DT.INT32:
+                r = np.clip(np.where(nan, 0.0, t), *_I32).astype(np.int32)
+                return r
+            big = t >= 2.0**63
+            r = np.where(nan | big, 0.0, np.maximum(t, -2.0**63)).astype(np.int64)
+            r[big] = 2**63 - 1
+            return r.astype(dst.numpy_dtype)     # uint8: modulo 256
+        return v.astype(dst.numpy_dtype)         # integers wrap, bool 0 / 1
