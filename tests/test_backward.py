@@ -636,20 +636,19 @@ def test_plans_hold_the_row():
 
 
 def test_stats_plans_cover_the_row():
-    """A stats plan's chunks cover the row exactly once: chunks - 1 of them fall short of K,
-    all of them reach it; nv = 4 only for rows of at least 4 chunks of it."""
+    """A stats plan cuts each row into items of STATS_BLOCK * vec elements: chunks - 1 of them
+    fall short of K, all of them reach it; blocks take nv items each (the rule: 4)."""
     for itemsize in (2, 4, 8):
         vec = 16 // itemsize
         for K in [1, 7, 1000, 1023, 1024, 1025, 6208, 16383, 16384, 16385, 50257, 100003]:
             plans = ce.candidates("stats", K, itemsize)
-            assert plans[0] == cep.stats_plan(K, itemsize)
+            assert plans[0] == cep.stats_plan(K, itemsize) and plans[0]["nv"] == 4
             assert {p["nv"] for p in plans} == set(cep.STATS_NV)
             for p in plans:
-                chunk = p["threads"] * vec * p["nv"]
+                chunk = p["threads"] * vec
                 n = cep.stats_chunks(p, K, itemsize)
                 assert (n - 1) * chunk < K <= n * chunk
-                assert cep.grid(p, 9, K, itemsize) == 9 * n
-            assert (plans[0]["nv"] == 4) == (K >= 4 * cep.STATS_BLOCK * vec * 4)
+                assert cep.grid(p, 9, K, itemsize) == -(-9 * n // p["nv"])
 
 
 def test_template_variants():

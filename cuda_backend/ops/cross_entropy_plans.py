@@ -20,7 +20,7 @@ BWD_WARP_NV = (4, 8)              # backward warp mode: 16-byte vectors per lane
 BWD_BLOCK_CONFIGS = ((128, 4), (256, 4), (512, 4))
 LOOP_BLOCK = 1024                 # backward loop mode
 STATS_BLOCK = 256                 # backward from the forward's row statistics
-STATS_NV = (1, 4)                 # its 16-byte vectors per thread: short rows, long rows
+STATS_NV = (1, 4)                 # its items (a 16-byte vector per thread each) per block
 FINISH_BLOCK = 1024               # the one-block finish kernel
 MAX_GRID = 2**31 - 1
 _prepared: "weakref.WeakKeyDictionary[Any, Dict[tuple, Dict[str, Any]]]" = \
@@ -113,16 +113,14 @@ def backward_candidates(K: int, itemsize: int) -> List[Dict[str, Any]]:
 
 
 def stats_plan(K: int, itemsize: int) -> Dict[str, Any]:
-    """Backward from the forward's row statistics: blocks of STATS_BLOCK threads over chunks
-    of STATS_BLOCK * vec * nv elements of a row: nv = 4 (4 loads in flight per thread) for
-    rows of at least 4 such chunks, else nv = 1 (fewer idle lanes in a row's last chunk)."""
-    vec = 16 // itemsize
-    nv = STATS_NV[1] if K >= 4 * STATS_BLOCK * vec * STATS_NV[1] else STATS_NV[0]
-    return {"mode": "stats", "nv": nv, "threads": STATS_BLOCK, "group": 0}
+    """Backward from the forward's row statistics: blocks of STATS_BLOCK threads over items of
+    STATS_BLOCK * vec elements of a row (a 16-byte vector per thread), nv = 4 items per block
+    (4 loads in flight per thread; short rows: 4 rows per block)."""
+    return {"mode": "stats", "nv": STATS_NV[-1], "threads": STATS_BLOCK, "group": 0}
 
 
 def stats_candidates(K: int, itemsize: int) -> List[Dict[str, Any]]:
-    """Both stats plans, the rule's first."""
+    """Every stats plan, the rule's first."""
     out = [stats_plan(K, itemsize)]
     for nv in STATS_NV:
         p = {"mode": "stats", "nv": nv, "threads": STATS_BLOCK, "group": 0}
@@ -132,8 +130,8 @@ def stats_candidates(K: int, itemsize: int) -> List[Dict[str, Any]]:
 
 
 def stats_chunks(p: Dict[str, Any], K: int, itemsize: int) -> int:
-    """Blocks per row of a stats plan."""
-    return -(-K // (p["threads"] * (16 // itemsize) * p["nv"]))
+    """Items per row of a stats plan (the kernel's `chunks`)."""
+    return -(-K // (p["threads"] * (16 // itemsize)))
 
 
 def prepare(m: Any, kind: str, p: Optional[Dict[str, Any]], dtype: CudaDataType,
@@ -172,7 +170,7 @@ def grid(p: Dict[str, Any], rows: int, K: int = 0, itemsize: int = 4) -> int:
     if p["mode"] == "warp":
         return -(-rows // (WARP_BLOCK // p["group"]))
     if p["mode"] == "stats":
-        return rows * stats_chunks(p, K, itemsize)
+        return -(-rows * stats_chunks(p, K, itemsize) // p["nv"])
     return rows if p["mode"] else 1
 
 
