@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from ..dtypes import CudaDataType, to_bfloat16_bits
+from ..dtypes import CudaDataType
 from ..errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 from ..kernels import dtype_params
 from ..tensor import CudaTensor
@@ -275,10 +275,10 @@ def _compute(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor, out: CudaTenso
         res = reference(common.host_array(m, q), common.host_array(m, k),
                         common.host_array(m, v), sc, causal, return_lse=lse is not None)
         if lse is None:
-            _write_host(m, out, res)
+            common.write_host(m, res, out)
         else:
-            _write_host(m, out, res[0])
-            _write_host(m, lse, res[1])
+            common.write_host(m, res[0], out)
+            common.write_host(m, res[1], lse)
         return None
     if Skv == 0:
         if out.size:
@@ -397,11 +397,3 @@ def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, causal:
         out[:, :, i0:i1] = np.matmul(p, v)
         lse[:, :, i0:i1] = (mx + np.log(total))[..., 0]
     return (out, lse) if return_lse else out
-
-
-def _write_host(m: Any, out: CudaTensor, values: np.ndarray) -> None:
-    if out.dtype is DT.BFLOAT16:
-        host = to_bfloat16_bits(values.astype(np.float32)).reshape(out.shape)
-    else:
-        host = np.ascontiguousarray(values, dtype=out.dtype.numpy_dtype)
-    m.backend.copy_to_device(host, out)

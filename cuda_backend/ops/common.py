@@ -1,4 +1,5 @@
-"""Helpers every op module uses: operand checks, broadcasting, launch sizing, host fallback."""
+"""Helpers every op module uses: operand checks, precision names, broadcasting, launch sizing,
+host fallback."""
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
@@ -43,6 +44,17 @@ def same_dtype(*tensors: CudaTensor) -> CudaDataType:
                 f"mixed dtypes {dt.name_str} and {t.dtype.name_str}: tensors of one operation "
                 f"must share a dtype (only Python scalars are converted to the tensor's dtype)")
     return dt
+
+
+def check_out(out: Any, x: CudaTensor, shape: Tuple[int, ...]) -> None:
+    """An op's out= must be a live CudaTensor of the result's shape and x's dtype, on x's
+    device."""
+    check_tensor(out, "out")
+    if out.shape != shape or out.dtype is not x.dtype:
+        raise ShapeMismatchError(
+            f"out has shape {out.shape} ({out.dtype.name_str}), expected {shape} "
+            f"({x.dtype.name_str})")
+    same_device(x, out)
 
 
 def require_dtype(t: CudaTensor, allowed: Iterable[CudaDataType], op: str) -> None:
@@ -93,6 +105,27 @@ def normalize_axes(axis: Any, ndim: int) -> Tuple[int, ...]:
     return tuple(sorted(out))
 
 
+# None / "fp32": float32-level accuracy (float32: SIMT or 3xTF32, the autotuner's pick); "ieee":
+# CUDA cores only; "tf32": TF32 tensor cores (float32 only). The GEMMs, the linear layers and
+# conv2d with its gradients take these names.
+PRECISIONS = {None: None, "fp32": "fp32", "highest": "fp32", "ieee": "ieee", "tf32": "tf32"}
+PRECISION_NAMES = "None, 'fp32' (alias 'highest'), 'ieee' or 'tf32'"
+
+
+def normalize_precision(precision: Any, dtype: CudaDataType) -> Optional[str]:
+    """None / 'fp32' / 'highest' -> float32-level accuracy (float32: SIMT or 3xTF32);
+    'ieee' -> CUDA cores only for float32; 'tf32' -> TF32 (float32 only)."""
+    key = precision.lower() if isinstance(precision, str) else precision
+    if not (key is None or isinstance(key, str)) or key not in PRECISIONS:
+        raise InvalidArgumentError(
+            f"precision must be {PRECISION_NAMES}, got {precision!r}")
+    prec = PRECISIONS[key]
+    if prec == "tf32" and dtype is not CudaDataType.FLOAT32:
+        raise InvalidArgumentError(
+            f"precision='tf32' applies to float32 operands only, got {dtype.name_str}")
+    return prec
+
+
 def grid_1d(n: int, block: int, sm_count: int, waves: int = 8) -> int:
     """Blocks for a grid-stride loop over n items: enough to fill every SM, no more."""
     need = (n + block - 1) // block
@@ -130,6 +163,17 @@ def from_host(m: Any, values: np.ndarray, dtype: CudaDataType, device_id: int) -
     if out.nbytes:
         backend.copy_to_device(host, out)
     return out
+
+
+def write_host(m: Any, values: np.ndarray, t: CudaTensor) -> None:
+    """Store values (any float type) into t, rounding once to its dtype."""
+    values = np.asarray(values).reshape(t.shape)
+    if t.dtype is CudaDataType.BFLOAT16:
+        host = to_bfloat16_bits(values.astype(np.float32)).reshape(t.shape)
+    else:
+        host = np.ascontiguousarray(values, dtype=t.dtype.numpy_dtype)
+    if t.nbytes:
+        m.backend.copy_to_device(host, t)
 
 
 def scalar_for(dtype: CudaDataType, value: Any) -> Any:

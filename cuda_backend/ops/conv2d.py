@@ -20,10 +20,10 @@ with its repacks; "ieee": CUDA cores only (SIMT); "tf32": TF32 tensor cores.
 Tile configs per family are short lists; the Autotuner times them once per (device, shape
 class) and keeps the fastest. `conv2d(..., out=...)` (internal) writes into a given tensor.
 
-The parts: ops/conv2d_geometry.py (`Geometry`, `plan`, the precision names), conv2d_configs.py
-(templates, tile configs and their choice), conv2d_launch.py (the launches: the general path
-and the per-call plan); this module holds the entry point, its checks, the float64 reference
-and the op family's contract (registry.CONTRACT).
+The parts: ops/conv2d_geometry.py (`Geometry`, `plan`; the precision names are common.py's),
+conv2d_configs.py (templates, tile configs and their choice), conv2d_launch.py (the launches:
+the general path and the per-call plan); this module holds the entry point, its checks, the
+float64 reference and the op family's contract (registry.CONTRACT).
 """
 from __future__ import annotations
 
@@ -31,16 +31,17 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..dtypes import CudaDataType, to_bfloat16_bits
+from ..dtypes import CudaDataType
 from ..errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 from ..kernels import dtype_params
 from ..tensor import CudaTensor
 from . import common
+from .common import normalize_precision
 from .conv2d_configs import (DIRECT_TEMPLATE, DIRECT_VQ, DTYPES, F16_CONFIGS, MMA_TEMPLATE,
                              PREP_TEMPLATE, SIMT_CONFIGS, SIMT_TEMPLATE, TF32_CONFIGS,
                              X3_CONFIGS)
 from .conv2d_configs import candidates  # noqa: F401  (registry.CONTRACT of an autotuned family)
-from .conv2d_geometry import Geometry, normalize_precision, plan
+from .conv2d_geometry import Geometry, plan
 from .conv2d_launch import cached_plan, fast_plan, get_kernel, launch, plan_key
 
 DT = CudaDataType
@@ -209,15 +210,7 @@ def _fallback(m: Any, x: CudaTensor, w: CudaTensor, bias: Optional[CudaTensor], 
         xh, wh = _round_tf32(xh), _round_tf32(wh)
     bh = None if bias is None else common.host_array(m, bias)
     res = reference(xh, wh, bh, g)
-    _write_host(m, out, res)
-
-
-def _write_host(m: Any, out: CudaTensor, values: np.ndarray) -> None:
-    if out.dtype is DT.BFLOAT16:
-        host = to_bfloat16_bits(values.astype(np.float32)).reshape(out.shape)
-    else:
-        host = np.ascontiguousarray(values, dtype=out.dtype.numpy_dtype)
-    m.backend.copy_to_device(host, out)
+    common.write_host(m, res, out)
 
 
 def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8,

@@ -64,6 +64,7 @@ from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..kernels import dtype_params
 from ..tensor import CudaTensor
 from . import common
+from .common import normalize_precision
 from . import conv2d as fwd
 from .conv2d_backward_configs import (AUX_KINDS, AUX_TEMPLATE, DGRAD_CONFIGS, DGRAD_TEMPLATE,
                                       HALF, INT_MAX, WGRAD_CONFIGS, WGRAD_TEMPLATE,
@@ -71,7 +72,7 @@ from .conv2d_backward_configs import (AUX_KINDS, AUX_TEMPLATE, DGRAD_CONFIGS, DG
 from .conv2d_backward_configs import candidates  # noqa: F401  (registry.CONTRACT, autotuned)
 from .conv2d_backward_program import get_kernel, make_plan, program
 from .conv2d_configs import DTYPES
-from .conv2d_geometry import Geometry, normalize_precision, plan
+from .conv2d_geometry import Geometry, plan
 from .conv2d_launch import cached_plan
 
 DT = CudaDataType

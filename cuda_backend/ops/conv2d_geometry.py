@@ -1,6 +1,6 @@
 """The geometry of one 2-D convolution: `Geometry` (PyTorch's N C H W, K C/g R S, N K P Q) and
-`plan`, which checks the shapes against a ConvolutionConfig and computes the output size, and
-`normalize_precision` (the precision names conv2d and its gradients accept). Shared by
+`plan`, which checks the shapes against a ConvolutionConfig and computes the output size
+(the precision names conv2d and its gradients accept: `common.normalize_precision`). Shared by
 ops/conv2d.py, its launch and plan modules, and ops/conv2d_backward.py; no kernel here.
 """
 from __future__ import annotations
@@ -8,15 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from ..dtypes import CudaDataType
 from ..errors import InvalidArgumentError, ShapeMismatchError
-
-DT = CudaDataType
-
-# None / "fp32": float32-level accuracy (SIMT or 3xTF32, the autotuner's pick); "ieee": CUDA
-# cores only; "tf32": TF32 tensor cores (float32 only)
-_PRECISIONS = {None: None, "fp32": "fp32", "highest": "fp32", "ieee": "ieee", "tf32": "tf32"}
-PRECISION_NAMES = "None, 'fp32' (alias 'highest'), 'ieee' or 'tf32'"
 
 
 # -- geometry -------------------------------------------------------------------------------
@@ -117,17 +109,3 @@ def plan(x_shape: Tuple[int, ...], w_shape: Tuple[int, ...], config: Any,
             f"conv2d bias must have shape ({K},) for a kernel of shape {w_shape}, got "
             f"{tuple(bias_shape)}")
     return Geometry(N, C, H, W, K, R, S, groups, sh, sw, ph, pw, dh, dw, P, Q)
-
-
-def normalize_precision(precision: Any, dtype: CudaDataType) -> Optional[str]:
-    """None / 'fp32' / 'highest' -> float32-level accuracy (float32: SIMT or 3xTF32);
-    'ieee' -> CUDA cores only for float32; 'tf32' -> TF32 (float32 only)."""
-    key = precision.lower() if isinstance(precision, str) else precision
-    if not (key is None or isinstance(key, str)) or key not in _PRECISIONS:
-        raise InvalidArgumentError(
-            f"precision must be {PRECISION_NAMES}, got {precision!r}")
-    prec = _PRECISIONS[key]
-    if prec == "tf32" and dtype is not DT.FLOAT32:
-        raise InvalidArgumentError(
-            f"precision='tf32' applies to float32 operands only, got {dtype.name_str}")
-    return prec

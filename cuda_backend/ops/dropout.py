@@ -315,7 +315,7 @@ def _store(m: Any, values: np.ndarray, dtype: CudaDataType, dev: int,
            target: Optional[CudaTensor]) -> CudaTensor:
     if target is None:
         return common.from_host(m, values, dtype, dev)
-    from .normalization import write_host
+    from .common import write_host
     write_host(m, values, target)
     return target
 

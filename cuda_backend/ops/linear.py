@@ -158,7 +158,7 @@ def _layer(m: Any, x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor]
         # of the config mm.linear memoized for this alignment class
         N = weight.shape[0]
         p = mm.Plan(1, rows, N, x.shape[-1], 0, 0, (rows, N))
-        mm.remember(m, key, p, x.dtype, mm.normalize_precision(precision, x.dtype),
+        mm.remember(m, key, p, x.dtype, common.normalize_precision(precision, x.dtype),
                     x.device_id, mm.is_vec_ok(x2, weight, y, p), lead + (N,), epilogue)
     return _reshaped(y, lead + (weight.shape[0],))
 

@@ -62,6 +62,7 @@ from ..errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchErro
 from ..kernels import dtype_params
 from ..tensor import CudaTensor
 from . import common
+from .common import normalize_precision
 from .matmul_configs import (SCALAR_OK, all_configs, has_tn_kernel, linear_configs,
                              linear_family)
 from .matmul_configs import candidates  # noqa: F401  (registry.CONTRACT of an autotuned family)
@@ -72,7 +73,7 @@ from .matmul_kernels import (EPILOGUES, FILL_TEMPLATE, GRAD_EPILOGUE, MMA_TEMPLA
                              template_runs_on, wgmma_params)
 from .matmul_launch import cached_kernel, fill_zero, launch
 from .matmul_plans import remember
-from .matmul_shapes import Plan, normalize_precision, plan_shapes
+from .matmul_shapes import Plan, plan_shapes
 from .matmul_skinny import cluster_configs, cluster_params, skinny_configs, skinny_params
 
 # Re-exports: tests/, perf/, ops/linear.py and ops/matmul_backward.py reach the family's names as

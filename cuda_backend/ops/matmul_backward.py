@@ -161,7 +161,7 @@ def matmul_backward(m: Any, grad_out: CudaTensor, a: CudaTensor, b: CudaTensor,
     dtype = common.same_dtype(g, a, b)
     common.require_dtype(g, common.FLOATS, "matmul_backward")
     common.same_device(g, a, b)
-    mm.normalize_precision(precision, dtype)
+    common.normalize_precision(precision, dtype)
     p = mm.plan_shapes(a.shape, b.shape)
     if g.shape != p.out_shape:
         raise ShapeMismatchError(

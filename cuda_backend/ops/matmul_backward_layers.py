@@ -54,7 +54,7 @@ def _check_layer(name: str, grad_out: Any, x: Any, weight: Any, bias: Any,
     dtype = common.same_dtype(*ops)
     common.require_dtype(g, common.FLOATS, name)
     common.same_device(*ops)
-    mm.normalize_precision(precision, dtype)
+    common.normalize_precision(precision, dtype)
     dims = _layer_shapes(name, g, xt, w)
     if bias is not None and bias.shape != (w.shape[0],):
         raise ShapeMismatchError(
@@ -109,7 +109,7 @@ def fused_linear_gelu_backward(m: Any, grad_out: CudaTensor, x: CudaTensor,
             dtype, dev = x.dtype, x.device_id
             p = mm.Plan(1, rows, out_f, in_f, 0, 0, (rows, out_f))
             mm.remember(m, _recompute_key(key), p, dtype,
-                        mm.normalize_precision(precision, dtype), dev,
+                        common.normalize_precision(precision, dtype), dev,
                         mm.is_vec_ok(x2, weight, dz, p), p.out_shape, mm.GRAD_EPILOGUE)
     finally:
         dz.free()   # back to the pool; the launches reading it are ordered before reuse

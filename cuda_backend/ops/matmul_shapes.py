@@ -1,20 +1,16 @@
-"""Matmul geometry: a call's validated shapes (`Plan`, NumPy's matmul shape rules), its precision
-name, its shape class and autotuner key, and its alignment class (`is_vec_ok`). Every other
-matmul module plans from a `Plan`; ops/matmul.py holds the ops that make one."""
+"""Matmul geometry: a call's validated shapes (`Plan`, NumPy's matmul shape rules), its shape
+class and autotuner key, and its alignment class (`is_vec_ok`); its precision name is
+`common.normalize_precision`'s. Every other matmul module plans from a `Plan`; ops/matmul.py
+holds the ops that make one."""
 from __future__ import annotations
 
 import functools
 import math
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
-from ..dtypes import CudaDataType
 from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..tensor import CudaTensor
 from . import common
-
-DT = CudaDataType
-# "ieee": float32 on CUDA cores only, where the default may choose 3xTF32 (GEMMs, linear layer)
-_PRECISIONS = {None: None, "fp32": "fp32", "highest": "fp32", "ieee": "ieee", "tf32": "tf32"}
 
 
 class Plan(NamedTuple):
@@ -72,21 +68,6 @@ def _plan(a_shape: Tuple[int, ...], b_shape: Tuple[int, ...]) -> Plan:
     out_shape = batch_shape + ((M,) if len(a_shape) > 1 else ()) + \
         ((N,) if len(b_shape) > 1 else ())
     return Plan(batch, M, N, K, strides[0], strides[1], out_shape)
-
-
-def normalize_precision(precision: Any, dtype: CudaDataType) -> Optional[str]:
-    """None / 'fp32' / 'highest' -> float32-level arithmetic of the dtype (float32: 3xTF32 or
-    CUDA cores); 'ieee' -> CUDA cores only; 'tf32' -> TF32 (float32 only)."""
-    key = precision.lower() if isinstance(precision, str) else precision
-    if not (key is None or isinstance(key, str)) or key not in _PRECISIONS:
-        raise InvalidArgumentError(
-            f"precision must be None, 'fp32' (alias 'highest'), 'ieee' or 'tf32', got "
-            f"{precision!r}")
-    prec = _PRECISIONS[key]
-    if prec == "tf32" and dtype is not DT.FLOAT32:
-        raise InvalidArgumentError(
-            f"precision='tf32' applies to float32 operands only, got {dtype.name_str}")
-    return prec
 
 
 def shape_class(p: Plan, sm_count: int) -> str:

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..dtypes import CudaDataType, to_bfloat16_bits
+from ..dtypes import CudaDataType
 from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..tensor import CudaTensor
 from . import common
@@ -156,7 +156,7 @@ def _bn_checks(x: CudaTensor, gamma: CudaTensor, beta: CudaTensor, mean: CudaTen
             f"batch_norm training needs more than 1 value per channel, got input shape "
             f"{x.shape} ({count} per channel)")
     if out is not None:
-        _check_out(out, x)
+        common.check_out(out, x, x.shape)
     return dev, eps, momentum
 
 
@@ -176,8 +176,8 @@ def _bn_host(m: Any, x: CudaTensor, gamma: CudaTensor, beta: CudaTensor, mean: C
         n = a.size // max(C, 1)
         rm = common.host_array(m, mean).astype(np.float64)
         rv = common.host_array(m, var).astype(np.float64)
-        write_host(m, (1 - momentum) * rm + momentum * mu, mean)
-        write_host(m, (1 - momentum) * rv + momentum * v * n / (n - 1), var)
+        common.write_host(m, (1 - momentum) * rm + momentum * mu, mean)
+        common.write_host(m, (1 - momentum) * rv + momentum * v * n / (n - 1), var)
         scale = (g.astype(np.float64) / np.sqrt(v + eps)).astype(work)
         y = (a - mu.astype(work).reshape(bshape)) * scale.reshape(bshape) + b.reshape(bshape)
     else:
@@ -187,7 +187,7 @@ def _bn_host(m: Any, x: CudaTensor, gamma: CudaTensor, beta: CudaTensor, mean: C
         y = (a - mu.reshape(bshape)) * scale.reshape(bshape) + b.reshape(bshape)
     if out is None:
         return common.from_host(m, y, x.dtype, x.device_id)
-    write_host(m, y, out)
+    common.write_host(m, y, out)
     return out
 
 
@@ -226,7 +226,7 @@ def layer_norm(m: Any, x: CudaTensor, weight: Optional[CudaTensor],
     if D >= 2**31 - 2**16:
         raise InvalidArgumentError(f"layer_norm supports rows under 2^31 elements, got {D}")
     if out is not None:
-        _check_out(out, x)
+        common.check_out(out, x, x.shape)
     if not m.gpu:
         return _ln_host(m, x, weight, bias, eps, out)
     owned = out is None
@@ -264,7 +264,7 @@ def _ln_host(m: Any, x: CudaTensor, weight: Optional[CudaTensor], bias: Optional
             y = _ln_rows(a, weight, bias, eps, m, work)
     if out is None:
         return common.from_host(m, y, x.dtype, x.device_id)
-    write_host(m, y, out)
+    common.write_host(m, y, out)
     return out
 
 
@@ -295,23 +295,3 @@ def _real(value: Any, name: str, minimum: Optional[float] = None) -> float:
 
 def _work_type(dtype: CudaDataType) -> Any:
     return np.float64 if dtype is DT.FLOAT64 else np.float32
-
-
-def _check_out(out: CudaTensor, x: CudaTensor) -> None:
-    common.check_tensor(out, "out")
-    if out.shape != x.shape or out.dtype is not x.dtype:
-        raise ShapeMismatchError(
-            f"out has shape {out.shape} ({out.dtype.name_str}), expected {x.shape} "
-            f"({x.dtype.name_str})")
-    common.same_device(x, out)
-
-
-def write_host(m: Any, values: np.ndarray, t: CudaTensor) -> None:
-    """Store values (any float type) into t, rounding once to its dtype."""
-    values = np.asarray(values).reshape(t.shape)
-    if t.dtype is DT.BFLOAT16:
-        host = to_bfloat16_bits(values.astype(np.float32)).reshape(t.shape)
-    else:
-        host = np.ascontiguousarray(values, dtype=t.dtype.numpy_dtype)
-    if t.nbytes:
-        m.backend.copy_to_device(host, t)

@@ -481,5 +481,5 @@ def _adam_host(m: Any, params: CudaTensor, grads: CudaTensor, m_buf: CudaTensor,
 
 
 def _write(m: Any, values: np.ndarray, t: CudaTensor) -> None:
-    from .normalization import write_host
+    from .common import write_host
     write_host(m, values, t)

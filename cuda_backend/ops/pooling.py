@@ -107,35 +107,14 @@ def pool2d(m: Any, kind: str, x: CudaTensor, pool_size: Pair, stride: Optional[P
             res = fast(x)
             if res is not None:
                 return res
-    if kind not in KINDS:
-        raise InvalidArgumentError(f"pool kind must be 'max' or 'avg', got {kind!r}")
-    op = f"{kind}_pool2d"
-    common.check_tensor(x, "tensor")
-    if x.ndim != 4:
-        raise InvalidArgumentError(f"{op} needs a 4-D NCHW tensor, got shape {x.shape}")
-    common.require_dtype(x, DTYPES, op)
-    if x.shape[2] == 0 or x.shape[3] == 0:
-        raise InvalidArgumentError(
-            f"{op} needs non-empty spatial dimensions, got shape {x.shape}")
-    k = pair(pool_size, "pool_size", 1)
-    s = k if stride is None else pair(stride, "stride", 1)
-    p = pair(padding, "padding", 0)
-    if 2 * p[0] > k[0] or 2 * p[1] > k[1]:
-        raise InvalidArgumentError(
-            f"{op}: padding {p} must be at most half of pool_size {k}")
-    shape = output_shape(x.shape, k, s, p)
+    op, k, s, p, shape = _checked(kind, x, pool_size, stride, padding)
     if out is not None:
-        common.check_tensor(out, "out")
-        if out.shape != shape or out.dtype is not x.dtype:
-            raise ShapeMismatchError(
-                f"out has shape {out.shape} ({out.dtype.name_str}), expected {shape} "
-                f"({x.dtype.name_str})")
-        common.same_device(x, out)
+        common.check_out(out, x, shape)
     if not m.gpu:
         values = _host_pool(kind, common.host_array(m, x), k, s, p, x.dtype)
         if out is None:
             return common.from_host(m, values, x.dtype, x.device_id)
-        _write_host(m, values, out)
+        common.write_host(m, values, out)
         return out
     dev = x.device_id
     owned = out is None
@@ -159,6 +138,30 @@ def pool2d(m: Any, kind: str, x: CudaTensor, pool_size: Pair, stride: Optional[P
             plan.variants[fast] = (m.backend.prepare_launch(kernel, grid, (BLOCK, 1, 1), 0,
                                                             dev), args)
     return out
+
+
+def _checked(kind: str, x: CudaTensor, pool_size: Pair, stride: Optional[Pair],
+             padding: Pair) -> Tuple[str, Tuple[int, int], Tuple[int, int], Tuple[int, int],
+                                     Tuple[int, int, int, int]]:
+    """pool2d's checks: (op name, window, stride, padding as pairs, output shape)."""
+    if kind not in KINDS:
+        raise InvalidArgumentError(f"pool kind must be 'max' or 'avg', got {kind!r}")
+    op = f"{kind}_pool2d"
+    common.check_tensor(x, "tensor")
+    if x.ndim != 4:
+        raise InvalidArgumentError(f"{op} needs a 4-D NCHW tensor, got shape {x.shape}")
+    common.require_dtype(x, DTYPES, op)
+    if x.shape[2] == 0 or x.shape[3] == 0:
+        raise InvalidArgumentError(
+            f"{op} needs non-empty spatial dimensions, got shape {x.shape}")
+    k = pair(pool_size, "pool_size", 1)
+    s = k if stride is None else pair(stride, "stride", 1)
+    p = pair(padding, "padding", 0)
+    if 2 * p[0] > k[0] or 2 * p[1] > k[1]:
+        raise InvalidArgumentError(
+            f"{op}: padding {p} must be at most half of pool_size {k}")
+    shape = output_shape(x.shape, k, s, p)
+    return op, k, s, p, shape
 
 
 def _plain(v: Any) -> bool:
@@ -248,13 +251,3 @@ def _host_pool(kind: str, a: np.ndarray, k: Tuple[int, int], s: Tuple[int, int],
         if kind == "max":
             return win.max(axis=(4, 5))
         return win.sum(axis=(4, 5)) / work(k[0] * k[1])
-
-
-def _write_host(m: Any, values: np.ndarray, out: CudaTensor) -> None:
-    from ..dtypes import to_bfloat16_bits
-    if out.dtype is CudaDataType.BFLOAT16:
-        host = to_bfloat16_bits(values.astype(np.float32)).reshape(out.shape)
-    else:
-        host = np.ascontiguousarray(values, dtype=out.dtype.numpy_dtype)
-    if out.nbytes:
-        m.backend.copy_to_device(host, out)
