@@ -1,5 +1,6 @@
 """`cuda-backend` command line (also `python -m cuda_backend`): `info` prints the devices,
-`report` benchmarks the backend and writes the report."""
+`report` benchmarks the backend and writes the report, `compare` sets two reports side by
+side."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +8,7 @@ import sys
 from typing import List, Optional, Sequence
 
 from . import __version__
+from .performance.presets import PRESETS, presets_text
 
 # Exit statuses, listed in `--help`. `report` uses all of them, `info` 0 and 2.
 EXIT_OK = 0
@@ -15,7 +17,8 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 EXIT_CODES = (
     (EXIT_OK, "success (in fallback mode too: no GPU is not an error)"),
-    (EXIT_CASE_FAILED, "report: at least one case failed (see its FAILURES table)"),
+    (EXIT_CASE_FAILED, "report: at least one case failed (see its FAILURES table); "
+                       "compare: one got WORSE"),
     (EXIT_USAGE, "bad command line or options (the message says which)"),
     (EXIT_INTERRUPTED, "report: interrupted by Ctrl-C or SIGTERM (the cases measured so far "
                        "are written)"),
@@ -87,22 +90,47 @@ def add_report_options(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                              "NVTX range for Nsight Systems where libnvtx is found")
     parser.add_argument("--no-peers", action="store_true",
                         help="skip CuPy and PyTorch (the CPU NumPy baseline is still timed)")
+    parser.add_argument("--preset", metavar="NAME", choices=list(PRESETS),
+                        help="a named set of cases and sizes: " + ", ".join(PRESETS)
+                             + " (`cuda-backend report --help` describes each); --ops "
+                               "narrows it, --sizes resizes it")
+    parser.add_argument("--sizes", nargs="+", metavar="FAMILY=N[,N...]",
+                        help="the sizes of a family, in place of the defaults (and the "
+                             "preset's): vector elements, matrix n (n x n operands), ml the "
+                             "scale s (images s x s), transfers bytes; N an integer or 2^K "
+                             "(e.g. --sizes matrix=1000,3000 ml=56,224)")
+    parser.add_argument("--compare", metavar="OLD",
+                        help="after the run, compare with an earlier report (its results.json "
+                             "or folder): the table is printed and added to summary.md")
+    parser.add_argument("--list", action="store_true",
+                        help="print the ids of the cases these options select, and exit "
+                             "(nothing runs)")
     return parser
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Run the benchmarks, print the summary, write the report (exit statuses: EXIT_CODES)."""
     from .performance import CudaPerformanceTester, TestConfiguration
+    from .performance.compare import load_results
+    from .performance.config import parse_sizes
     peers = ("numpy",) if args.no_peers else ("numpy", "cupy", "torch")
     try:
+        old = load_results(args.compare) if args.compare else None  # bad OLD: before the run
         config = TestConfiguration(quick=args.quick, operations=args.ops, output_dir=args.out,
-                                   profile=args.profile, peers=peers)
+                                   profile=args.profile, peers=peers, preset=args.preset,
+                                   sizes=parse_sizes(args.sizes) if args.sizes else None)
         tester = CudaPerformanceTester(config)
+        if args.list:
+            for case in tester.planned_cases():
+                print(case.id)
+            return EXIT_OK
         summary = tester.run_comprehensive_benchmark()
     except ValueError as exc:
         print(f"cuda-backend report: {exc}", file=sys.stderr)
         return EXIT_USAGE
     tester.print_summary_report(summary)
+    if old is not None:
+        print_comparison(old, args.compare, summary)
     if summary["interrupted"]:
         print("interrupted: the report holds the cases measured so far", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -113,17 +141,47 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def print_comparison(old: dict, old_path: str, summary: dict) -> None:
+    """`report --compare OLD`: the comparison with this run, printed and added to
+    summary.md."""
+    from .performance import compare
+    result = compare.compare(old, summary)
+    labels = (compare.describe(old, f"old ({old_path})"), compare.describe(summary, "new"))
+    print()
+    print(compare.to_text(result, *labels))
+    outputs = summary.get("outputs") or {}
+    if "summary.md" in outputs.get("files", []):
+        compare.append_to_summary(outputs["directory"], compare.to_markdown(result, *labels))
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Print the comparison of two reports; 1 when a case got WORSE beyond the noise."""
+    from .performance import compare
+    try:
+        old, new = compare.load_results(args.old), compare.load_results(args.new)
+    except compare.ResultsFileError as exc:
+        print(f"cuda-backend compare: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    result = compare.compare(old, new)
+    print(compare.to_text(result, compare.describe(old, f"old ({args.old})"),
+                          compare.describe(new, f"new ({args.new})")))
+    return EXIT_CASE_FAILED if result.worse else EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The `cuda-backend` parser: `--version`, `info`, `report`, exit statuses in --help."""
+    """The `cuda-backend` parser: `--version`, `info`, `report`, `compare`, exit statuses
+    and the report's presets in --help."""
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog="cuda-backend", formatter_class=fmt, epilog=exit_codes_text(),
         description="A small GPU backend on PyCUDA: `info` lists the devices, `report` "
                     "benchmarks every operation\nagainst NumPy, CuPy and PyTorch. Without "
                     "PyCUDA or a GPU both run in fallback mode (NumPy on\nthe host) and say "
-                    "so. `python -m cuda_backend` is the same command.")
+                    "so; `compare OLD NEW` sets two reports side by side. `python -m "
+                    "cuda_backend`\nis the same command.")
     parser.add_argument("--version", action="version", version=f"cuda-backend {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,report}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{info,report,compare}")
     sub.add_parser(
         "info", formatter_class=fmt, epilog=exit_codes_text(),
         help="print the devices table and the fallback status",
@@ -131,12 +189,22 @@ def build_parser() -> argparse.ArgumentParser:
                     "cores), whether\nthe backend is in fallback mode and why, and the "
                     "versions of Python, NumPy, PyCUDA,\nthe CUDA driver and nvcc.")
     add_report_options(sub.add_parser(
-        "report", formatter_class=fmt, epilog=exit_codes_text(),
+        "report", formatter_class=fmt, epilog=presets_text() + "\n\n" + exit_codes_text(),
         help="benchmark the backend and write results.json, charts, summary.md and index.html",
         description="Benchmark every operation on device 0 against NumPy on the CPU and "
                     "against CuPy and PyTorch\non the GPU, print the summary tables and "
                     "write the report to DIR/<device-slug>/:\nresults.json, the charts, "
                     "summary.md and index.html."))
+    compare = sub.add_parser(
+        "compare", formatter_class=fmt, epilog=exit_codes_text(),
+        help="compare two reports' results.json case by case (no run)",
+        description="Compare two reports (results.json files, or the folders holding them): "
+                    "for every case passed\nin both, ours' median and PyTorch's ratio to it "
+                    "in each, the quotient new/old (> 1: better)\nand the noise (the timings' "
+                    "p20-p80 spreads, added); a case is flagged WORSE when\nnew/old < 1 / "
+                    "(1 + noise). `report --compare OLD` prints the same table after its run.")
+    compare.add_argument("old", metavar="OLD", help="the earlier results.json (or its folder)")
+    compare.add_argument("new", metavar="NEW", help="the later results.json (or its folder)")
     return parser
 
 
@@ -146,6 +214,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return cmd_info(args)
     if args.command == "report":
         return cmd_report(args)
+    if args.command == "compare":
+        return cmd_compare(args)
     return EXIT_USAGE
 
 

@@ -7,6 +7,10 @@ copy_from_device against bare pinned memcpy_htod / memcpy_dtoh; pageable copies 
 path against the driver's own); pool allocate+free of 1 MiB from Python against a bare
 DeviceMemoryPool; an empty kernel through launch_kernel (profiling off) against a bare
 prepared_call. Goals (issue 2): copy ratio >= 0.95, pool <= 3 us, launch <= 8 us.
+
+`cuda-backend report --preset host` times the same pool allocate + free of 1 MiB and
+empty-kernel launch, against PyTorch and CuPy; this script keeps the bare-PyCUDA floors and
+the copies against the driver's own.
 """
 from __future__ import annotations
 

@@ -16,6 +16,9 @@ calls) after warm-up; the autotuners settle on the first call. TFLOP/s counts 2 
 rel_err: norm-wise error of sampled rows of the fused output against float64 torch. Only the
 kernels these calls can pick are compiled (in parallel) up front, so a cold run stays well
 under a minute on an H200.
+
+`cuda-backend report --preset compute` times fused_linear_gelu and linear against PyTorch at
+the report's sizes; this script keeps the composed-kernel comparison and its shapes.
 """
 from __future__ import annotations
 

@@ -10,6 +10,10 @@ event queued behind a GPU spin so that host overhead is not timed: see gpu_gap) 
 GB/s (the bytes the operation must move), its fraction of the copy bandwidth and the ratio
 torch_time / our_time (>1 means we are faster). Inputs are 1 GiB+ so the 50-60 MB L2 holds
 no useful part of them; small cases rotate among several input sets.
+
+`cuda-backend report --preset bandwidth` times these operations against PyTorch at the
+report's largest sizes (2^26 elements, 4096 x 4096), the L2 flushed; this script keeps the
+1 GiB+ inputs, the (65536, 1024) and (8192, 4096) softmax rows and the vector_add wall time.
 """
 from __future__ import annotations
 

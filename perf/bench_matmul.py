@@ -12,6 +12,11 @@ the norm-wise relative error of sampled output rows against float64 torch. Then 
 sweep: every tile config of each family, fixed (no autotuning), on its large shape. Goals:
 fp32 4096^3 and 8192^3 >= 0.85 x torch (allow_tf32=False); 1000^3, skinny and odd shapes
 >= 0.7; tf32 4096^3 >= 0.5; fp16/bf16 8192^3 >= 0.5. A compact table is printed last.
+
+`cuda-backend report --preset matmul` times matrix_multiply in the same families (fp32, tf32,
+fp16, bf16, fp64) at 1000^3 and 4096^3, batched and (3, 4n+1) @ (4n+1, n) skinny, against
+torch.matmul with the L2 flushed; this script keeps 8192^3, its other skinny and odd shapes
+and the config sweep.
 """
 from __future__ import annotations
 

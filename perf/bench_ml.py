@@ -14,6 +14,10 @@ we are faster). PyTorch's TF32 switches are set explicitly (off: these operation
 matmul, but the settings are recorded with the results). Each case also compares our output
 with PyTorch's (norm-wise relative difference; dropout: kept fraction). The table is printed
 last; --out writes everything as JSON.
+
+`cuda-backend report --preset bandwidth` also times the 2x2 poolings, inference batch norm,
+layer norm, dropout and the Adam and SGD steps against PyTorch (at s = 128); this script keeps
+max pooling 3x3 s2 p1, training batch norm, AdamW, dropout with its mask and its own sizes.
 """
 from __future__ import annotations
 

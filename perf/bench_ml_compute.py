@@ -11,6 +11,10 @@ the package's timing primitive (cuda_backend/performance/timing.py, no L2 flush,
 queued before each start event, for ours and PyTorch's alike). Every
 case also checks our output against PyTorch's (norm-wise relative difference). The table is
 printed last; --out writes everything as JSON.
+
+`cuda-backend report --preset compute` times the float32 3x3 conv2d and flash attention
+(float32, float16, bfloat16; causal and not) against PyTorch; this script keeps TF32, bf16,
+depthwise and 1x1 conv2d, and its own shapes.
 """
 from __future__ import annotations
 

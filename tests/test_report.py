@@ -433,7 +433,8 @@ def test_perf_report_script_same_options(tmp_path):
     assert list(doc["peers"]) == ["numpy"]
     assert doc["configuration"]["quick"] is True
     help_text = run_cli([str(REPO / "perf" / "report.py"), "--help"], tmp_path).stdout
-    for opt in ("--quick", "--ops", "--out", "--profile", "--no-peers"):
+    for opt in ("--quick", "--ops", "--out", "--profile", "--no-peers", "--preset", "--sizes",
+                "--compare", "--list"):
         assert opt in help_text
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -261,17 +261,19 @@ def discover(cls: Any, non_ops: Sequence[str]) -> List[str]:
     return sorted(names)
 
 
+def matches(case: Case, wanted: Collection[str]) -> bool:
+    """Whether `wanted` names the case: its op, family, 'family/op', 'op[variant]' or a
+    prefix of its id."""
+    keys = {case.op, case.family, f"{case.family}/{case.op}", f"{case.op}[{case.variant}]"}
+    return bool(keys & set(wanted)) or any(case.id.startswith(w) for w in wanted)
+
+
 def select(cases: List[Case], operations: Optional[Sequence[str]]) -> List[Case]:
     """Cases whose op, family, 'family/op' or id prefix is named in `operations`."""
     if not operations:
         return cases
     wanted = set(operations)
-    out = []
-    for c in cases:
-        keys = {c.op, c.family, f"{c.family}/{c.op}", f"{c.op}[{c.variant}]"}
-        if keys & wanted or any(c.id.startswith(w) for w in wanted):
-            out.append(c)
-    return out
+    return [c for c in cases if matches(c, wanted)]
 
 
 def known_names(cases: List[Case]) -> List[str]:

@@ -66,6 +66,12 @@ def batched(rng: np.random.Generator, n: int) -> List[np.ndarray]:
     return [rng.standard_normal((4, n, n), dtype=F32) for _ in range(2)]
 
 
+def skinny(rng: np.random.Generator, n: int) -> List[np.ndarray]:
+    """(3, 4n+1) @ (4n+1, n): three rows, an odd inner length (n = 1024: K = 4097)."""
+    k = 4 * n + 1
+    return [rng.standard_normal((3, k), dtype=F32), rng.standard_normal((k, n), dtype=F32)]
+
+
 # -- counts and checks ----------------------------------------------------------------
 def elements(shapes) -> float:
     return float(max(int(np.prod(s)) for s in shapes))
@@ -109,7 +115,7 @@ def _fill(a: Any, v: float) -> Any:
     return a
 
 
-def _softmax(xp: Any, x: Any, log: bool = False) -> Any:
+def softmax(xp: Any, x: Any, log: bool = False) -> Any:
     z = x - x.max(axis=-1, keepdims=True)
     if log:
         return z - xp.log(xp.exp(z).sum(axis=-1, keepdims=True))
@@ -117,7 +123,7 @@ def _softmax(xp: Any, x: Any, log: bool = False) -> Any:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def _sigmoid(xp: Any, x: Any) -> Any:
+def sigmoid(xp: Any, x: Any) -> Any:
     return 1.0 / (1.0 + xp.exp(-x))
 
 
@@ -171,7 +177,7 @@ MATH_OPS: List[OpDef] = [
     _unary("tanh", lambda xp, x: xp.tanh(x), lambda T, x: T.tanh(x)),
     _unary("negative", lambda xp, x: -x, lambda T, x: -x),
     _unary("relu", lambda xp, x: xp.maximum(x, 0), lambda T, x: T.relu(x), dtypes=ALL),
-    _unary("sigmoid", _sigmoid, lambda T, x: T.sigmoid(x), flops=4.0),
+    _unary("sigmoid", sigmoid, lambda T, x: T.sigmoid(x), flops=4.0),
     OpDef("fill", V, normal(1), lambda c, x: c.math.fill(x, 1.5),
           cpu=lambda xp, x: _fill(x, 1.5), torch=lambda T, x: x.fill_(1.5),
           bytes_fn=write_only),
@@ -205,16 +211,19 @@ MATH_OPS: List[OpDef] = [
     OpDef("matrix_multiply", M, batched, lambda c, a, b: c.math.matrix_multiply(a, b),
           cpu=lambda xp, a, b: a @ b, torch=lambda T, a, b: a @ b, variant="batched 4",
           flops=matmul_flops, quick_dtypes=(), max_size=1024),
+    OpDef("matrix_multiply", M, skinny, lambda c, a, b: c.math.matrix_multiply(a, b),
+          cpu=lambda xp, a, b: a @ b, torch=lambda T, a, b: a @ b,
+          variant="skinny (3,4n+1)@(4n+1,n)", flops=matmul_flops),
     OpDef("matrix_transpose", M, square(1), lambda c, x: c.math.matrix_transpose(x),
           cpu=lambda xp, x: xp.ascontiguousarray(x.T),
           torch=lambda T, x: x.t().contiguous()),
     OpDef("add", M, row_broadcast, lambda c, a, b: c.math.add(a, b),
           cpu=lambda xp, a, b: a + b, torch=lambda T, a, b: a + b, variant="row broadcast",
           flops=per_element(1)),
-    OpDef("softmax", M, square(1), lambda c, x: c.math.softmax(x), cpu=_softmax,
+    OpDef("softmax", M, square(1), lambda c, x: c.math.softmax(x), cpu=softmax,
           torch=lambda T, x: T.softmax(x, dim=-1), dtypes=ALL, flops=per_element(5)),
     OpDef("log_softmax", M, square(1), lambda c, x: c.math.log_softmax(x),
-          cpu=lambda xp, x: _softmax(xp, x, log=True),
+          cpu=lambda xp, x: softmax(xp, x, log=True),
           torch=lambda T, x: T.log_softmax(x, dim=-1), flops=per_element(5)),
     _reduce("reduce_sum", "sum", lambda T, x: x.sum(dim=-1), family=M, axis=-1),
     _reduce("reduce_sum", "sum", lambda T, x: x.sum(dim=0), family=M, axis=0),

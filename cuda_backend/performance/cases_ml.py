@@ -1,6 +1,7 @@
 """The CudaML cases (ml family), used when `cuda_backend.cuda_ml` can be imported.
 
-Sizes are a scale s: images are (8, 64, s, s), layer-norm rows s*s/2 x 1024, attention
+Sizes are a scale s: images are (8, 64, s, s) (and, in the variants ending " N=3" and
+" N=64", (3, 64, s, s) and (64, 32, s, s)), layer-norm rows s*s/2 x 1024 (and 1000), attention
 (2, 8, 8s, 64), optimizer vectors 64*s*s parameters. Signatures follow the documented API
 (README "API": `conv2d(input, kernel, ConvolutionConfig)`, `activation(x, ActivationType.X)`,
 ...). To benchmark a new CudaML operation, add an OpDef to ML_OPS; its references, inputs and
@@ -8,18 +9,18 @@ PyTorch peer go in cases_ml_forward.py (a forward op) or cases_ml_grads.py (a gr
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Optional
 
 import numpy as np
 
 from .cases import OpDef
-from .cases_math import _sigmoid, per_element
+from .cases_math import sigmoid, per_element
 from .cases_ml_forward import (F, adam, aten_of, attention, batch_norm, conv2d_nchw,
                                cross_entropy_grad, cross_entropy_loss, dropout_check, gelu_tanh,
                                gelu_tanh_grad, grad_pair, images, layer_norm, linear,
-                               logits_labels, optimizer_state, pool2x2, qkv, rows, sgd, sketch,
-                               sketched, softmax_grad_rows, torch_cross_entropy_backward,
-                               torch_optimizer)
+                               logits_labels, optimizer_state, pool2x2, qkv, rows, rows_of, sgd,
+                               sketch, sketched, softmax_grad_rows,
+                               torch_cross_entropy_backward, torch_optimizer)
 from .cases_ml_grads import (attention_grad_inputs, attention_grad_q, batch_norm_grad,
                              conv2d_dgrad_nchw, conv2d_wgrad_nchw, conv_grad_inputs,
                              dropout_grad_inputs, fused_linear_gelu_grads, layer_grad_inputs,
@@ -66,40 +67,75 @@ def _attention_grad_flops(causal: bool):
     return lambda sh: (5.0 if causal else 10.0) * sh[0][0] * sh[0][1] * sh[0][2] ** 2 * sh[0][3]
 
 
+# The images ops' extra batches, for `report --preset odd` (performance/presets.py) at
+# 56x56 and 224x224: (variant suffix, batch, channels, max_size); N=64 stops at s = 64 (its
+# float64 NumPy conv2d reference at s = 224 would take tens of seconds).
+IMAGE_BATCHES = ((" N=3", 3, 64, None), (" N=64", 64, 32, 64))
+
+
+def _conv2d(suffix: str = "", batch: int = 8, channels: int = 64,
+            max_size: Optional[int] = None) -> OpDef:
+    return OpDef("conv2d", ML, images(1, batch, channels),
+                 lambda c, x, w: c.ml.conv2d(x, w, c.ml_module.ConvolutionConfig(
+                     kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))),
+                 cpu=conv2d_nchw, torch=lambda T, x, w: F(T).conv2d(x, w, padding=1),
+                 cupy=False, api="CudaML", variant="3x3 pad 1" + suffix,
+                 flops=lambda sh: 2.0 * np.prod(sh[0]) * sh[1][0] * 9, max_size=max_size)
+
+
+def _pool2d(op: str, suffix: str = "", batch: int = 8, channels: int = 64,
+            max_size: Optional[int] = None) -> OpDef:
+    """max_pool2d or avg_pool2d, 2x2 (the same name in CudaML and torch.nn.functional)."""
+    reduce = "max" if op == "max_pool2d" else "mean"
+    return OpDef(op, ML, images(0, batch, channels), lambda c, x: getattr(c.ml, op)(x, (2, 2)),
+                 cpu=lambda xp, x: pool2x2(x, reduce),
+                 torch=lambda T, x: getattr(F(T), op)(x, 2), api="CudaML",
+                 variant="2x2" + suffix, flops=per_element(1), max_size=max_size)
+
+
+def _batch_norm(suffix: str = "", batch: int = 8, channels: int = 64,
+                max_size: Optional[int] = None) -> OpDef:
+    return OpDef("batch_norm", ML, images(4, batch, channels),
+                 lambda c, x, g, b, m, v: c.ml.batch_norm(x, g, b, m, v), cpu=batch_norm,
+                 torch=lambda T, x, g, b, m, v: F(T).batch_norm(x, m, v, g, b, training=False,
+                                                                  eps=1e-5),
+                 api="CudaML", variant="inference" + suffix, flops=per_element(4),
+                 max_size=max_size)
+
+
+def _image_ops(suffix: str, batch: int, channels: int, max_size: Optional[int]) -> List[OpDef]:
+    """conv2d, both poolings and batch_norm on (batch, channels, s, s) images."""
+    return [_conv2d(suffix, batch, channels, max_size),
+            *[_pool2d(op, suffix, batch, channels, max_size)
+              for op in ("max_pool2d", "avg_pool2d")],
+            _batch_norm(suffix, batch, channels, max_size)]
+
+
+def _layer_norm(inputs: Any, variant: str = "") -> OpDef:
+    return OpDef("layer_norm", ML, inputs, lambda c, x, w, b: c.ml.layer_norm(x, w, b),
+                 cpu=layer_norm, torch=lambda T, x, w, b: F(T).layer_norm(
+                     x, (x.shape[-1],), w, b, eps=1e-5),
+                 api="CudaML", variant=variant, dtypes=TENSOR, flops=per_element(8))
+
+
 ML_OPS: List[OpDef] = [
-    OpDef("conv2d", ML, images(1),
-          lambda c, x, w: c.ml.conv2d(x, w, c.ml_module.ConvolutionConfig(
-              kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))),
-          cpu=conv2d_nchw, torch=lambda T, x, w: F(T).conv2d(x, w, padding=1), cupy=False,
-          api="CudaML", variant="3x3 pad 1",
-          flops=lambda sh: 2.0 * np.prod(sh[0]) * sh[1][0] * 9),
+    _conv2d(),
     OpDef("activation", ML, images(), _act("RELU"), cpu=lambda xp, x: xp.maximum(x, 0),
           torch=lambda T, x: T.relu(x), api="CudaML", variant="RELU",
           flops=per_element(1)),
     OpDef("activation", ML, images(), _act("GELU"), cpu=gelu_tanh,
           torch=lambda T, x: F(T).gelu(x, approximate="tanh"), api="CudaML",
           variant="GELU", flops=per_element(8)),
-    OpDef("activation", ML, images(), _act("SILU"), cpu=lambda xp, x: x * _sigmoid(xp, x),
+    OpDef("activation", ML, images(), _act("SILU"), cpu=lambda xp, x: x * sigmoid(xp, x),
           torch=lambda T, x: F(T).silu(x), api="CudaML", variant="SILU",
           flops=per_element(5)),
     OpDef("gelu", ML, images(), lambda c, x: c.ml.gelu(x, approximate="tanh"), cpu=gelu_tanh,
           torch=lambda T, x: F(T).gelu(x, approximate="tanh"), api="CudaML",
           dtypes=TENSOR, flops=per_element(8)),
-    OpDef("max_pool2d", ML, images(), lambda c, x: c.ml.max_pool2d(x, (2, 2)),
-          cpu=lambda xp, x: pool2x2(x, "max"), torch=lambda T, x: F(T).max_pool2d(x, 2),
-          api="CudaML", variant="2x2", flops=per_element(1)),
-    OpDef("avg_pool2d", ML, images(), lambda c, x: c.ml.avg_pool2d(x, (2, 2)),
-          cpu=lambda xp, x: pool2x2(x, "mean"), torch=lambda T, x: F(T).avg_pool2d(x, 2),
-          api="CudaML", variant="2x2", flops=per_element(1)),
-    OpDef("batch_norm", ML, images(4),
-          lambda c, x, g, b, m, v: c.ml.batch_norm(x, g, b, m, v), cpu=batch_norm,
-          torch=lambda T, x, g, b, m, v: F(T).batch_norm(x, m, v, g, b, training=False,
-                                                           eps=1e-5),
-          api="CudaML", variant="inference", flops=per_element(4)),
-    OpDef("layer_norm", ML, rows, lambda c, x, w, b: c.ml.layer_norm(x, w, b),
-          cpu=layer_norm, torch=lambda T, x, w, b: F(T).layer_norm(x, (x.shape[-1],), w, b,
-                                                                     eps=1e-5),
-          api="CudaML", dtypes=TENSOR, flops=per_element(8)),
+    _pool2d("max_pool2d"),
+    _pool2d("avg_pool2d"),
+    _batch_norm(),
+    _layer_norm(rows),
     OpDef("dropout", ML, images(), lambda c, x: c.ml.dropout(x, keep_prob=0.5, seed=1234),
           cpu=lambda xp, x: x * (xp.random.random(x.shape) < 0.5) / 0.5,
           reference=lambda xp, x: x, torch=lambda T, x: F(T).dropout(x, 0.5, training=True),
@@ -132,6 +168,9 @@ ML_OPS: List[OpDef] = [
     OpDef("linear", ML, linear, lambda c, x, w, b: c.ml.linear(x, w, b),
           cpu=lambda xp, x, w, b: x @ w.T + b, torch=lambda T, x, w, b: F(T).linear(x, w, b),
           api="CudaML", flops=lambda sh: 2.0 * sh[0][0] * sh[0][1] * sh[1][0]),
+    # the shapes of --preset odd: images at N=3 and N=64, rows 1000 wide
+    *[d for batch in IMAGE_BATCHES for d in _image_ops(*batch)],
+    _layer_norm(rows_of(1000), "1000 wide"),
     # GEMM gradients: the report checks the first result (grad_x / grad_a); flops count the
     # GEMMs run (fused: the recompute too, three where PyTorch runs two)
     *[OpDef("linear_backward", ML, layer_grad_inputs(rows),

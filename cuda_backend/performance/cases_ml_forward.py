@@ -8,7 +8,7 @@ from typing import Any, List
 
 import numpy as np
 
-from .cases_math import F32, _sigmoid, _softmax, between
+from .cases_math import F32, sigmoid, softmax, between
 
 SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
 
@@ -55,7 +55,7 @@ def attention(xp: Any, q: Any, k: Any, v: Any, causal: bool = False) -> Any:
     if causal:
         n = s.shape[-1]
         s = xp.where(xp.tril(xp.ones((n, n), dtype=bool)), s, -xp.inf)
-    return _softmax(xp, s) @ v
+    return softmax(xp, s) @ v
 
 
 def adam(xp: Any, p: Any, g: Any, m: Any, v: Any, lr: float = 1e-3, b1: float = 0.9,
@@ -97,7 +97,7 @@ def cross_entropy_loss(xp: Any, x: Any, labels: Any) -> Any:
 
 def cross_entropy_grad(xp: Any, x: Any, labels: Any) -> Any:
     """d mean cross-entropy / d x."""
-    p = _softmax(xp, x)
+    p = softmax(xp, x)
     p[xp.arange(x.shape[0]), labels] -= 1.0
     return p / x.shape[0]
 
@@ -123,21 +123,29 @@ def normal(rng: np.random.Generator, shape: Any, scale: float = 1.0) -> np.ndarr
     return x if scale == 1.0 else (x * F32(scale)).astype(F32)
 
 
-def images(extra: int = 0):
+def images(extra: int = 0, batch: int = 8, channels: int = 64):
+    """(batch, channels, s, s) images, and what the op takes with them (`extra`)."""
     def make(rng: np.random.Generator, s: int) -> List[np.ndarray]:
-        x = [normal(rng, (8, 64, s, s))]
-        if extra == 1:  # conv filters, scaled so outputs stay O(1)
-            x.append(normal(rng, (64, 64, 3, 3), 1 / 24))
+        c = channels
+        x = [normal(rng, (batch, c, s, s))]
+        if extra == 1:  # conv filters (c -> c), scaled so outputs stay O(1): 1/sqrt(9c)
+            x.append(normal(rng, (c, c, 3, 3), 1 / float(np.sqrt(9 * c))))
         if extra == 4:  # batch-norm gamma, beta, mean, var
-            x += [between(rng, 0.5, 1.5, 64), normal(rng, 64), normal(rng, 64, 0.1),
-                  between(rng, 0.5, 2.0, 64)]
+            x += [between(rng, 0.5, 1.5, c), normal(rng, c), normal(rng, c, 0.1),
+                  between(rng, 0.5, 2.0, c)]
         return x
     return make
 
 
-def rows(rng: np.random.Generator, s: int) -> List[np.ndarray]:
-    return [normal(rng, (max(s * s // 2, 1), 1024)), between(rng, 0.5, 1.5, 1024),
-            normal(rng, 1024)]
+def rows_of(width: int):
+    """Layer-norm inputs: s*s/2 rows of `width`, the weight and the bias."""
+    def make(rng: np.random.Generator, s: int) -> List[np.ndarray]:
+        return [normal(rng, (max(s * s // 2, 1), width)), between(rng, 0.5, 1.5, width),
+                normal(rng, width)]
+    return make
+
+
+rows = rows_of(1024)
 
 
 def qkv(rng: np.random.Generator, s: int) -> List[np.ndarray]:
@@ -161,7 +169,7 @@ def grad_pair(kind: str = "x"):
     def make(rng: np.random.Generator, s: int) -> List[np.ndarray]:
         g, x = normal(rng, (8, 64, s, s)), normal(rng, (8, 64, s, s))
         if kind == "sigmoid":
-            x = _sigmoid(np, x).astype(F32)
+            x = sigmoid(np, x).astype(F32)
         elif kind == "tanh":
             x = np.tanh(x).astype(F32)
         return [g, x]
@@ -172,7 +180,7 @@ def softmax_grad_rows(log: bool):
     """(upstream gradient, softmax or log_softmax output) of rows s*s/2 x 1024."""
     def make(rng: np.random.Generator, s: int) -> List[np.ndarray]:
         n = max(s * s // 2, 1)
-        y = _softmax(np, normal(rng, (n, 1024)).astype(np.float64), log=log).astype(F32)
+        y = softmax(np, normal(rng, (n, 1024)).astype(np.float64), log=log).astype(F32)
         return [normal(rng, (n, 1024)), y]
     return make
 

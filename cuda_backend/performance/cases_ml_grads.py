@@ -9,7 +9,7 @@ from typing import Any, List
 
 import numpy as np
 
-from .cases_math import _softmax, between
+from .cases_math import softmax, between
 from .cases_ml_forward import F, aten_of, conv2d_nchw, gelu_tanh_grad, normal
 
 
@@ -197,7 +197,7 @@ def attention_grad_q(causal: bool):
                 s = (qs @ xp.swapaxes(ks, -1, -2)) * scale
                 if causal:
                     s = xp.where(mask, -xp.inf, s)
-                p = _softmax(xp, s)
+                p = softmax(xp, s)
                 dp = gs @ xp.swapaxes(vs, -1, -2)
                 ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
                 out[b, h:h + 4] = (ds @ ks) * scale

@@ -13,6 +13,8 @@ from .cases import Case, Context, Prepared
 
 T = "transfers"
 POOL_BYTES = 1 << 20
+# The per-call host-cost cases (timed on the host clock, batched): `report --preset host`.
+HOST_COST_OPS = ("allocate_memory", "launch_kernel")
 
 
 def _random(ctx: Context, n: int, pinned: bool) -> np.ndarray:

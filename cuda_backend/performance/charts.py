@@ -177,6 +177,7 @@ def bandwidth_chart(doc: Dict[str, Any], path: str) -> str:
 
 
 def roofline_chart(doc: Dict[str, Any], path: str) -> str:
+    # one figure drawn layer by layer (roofs, every size, the best point per op, the labels)
     import numpy as np
     fig = _figure(12, 6.5)
     ax = fig.add_subplot(111)

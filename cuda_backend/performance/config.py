@@ -4,11 +4,15 @@ The documented API's fields (max_error_threshold, warmup_iterations, benchmark_i
 enable_plots, save_results) keep their meaning; the rest select operations, sizes, peers and
 the L2 flush.
 `quick=True` trims sizes and iterations so a run takes seconds (under a minute without a GPU).
+`preset` names a set of cases and sizes (presets.py); `sizes` (`--sizes`, `parse_sizes`)
+overrides the sizes family by family.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence
+
+from .presets import preset as find_preset
 
 FAMILIES = ("vector", "matrix", "ml", "transfers")
 
@@ -52,6 +56,7 @@ class TestConfiguration:
     device_id: int = 0
     progress: bool = True
     cpu_time_budget_s: float = 0.5  # per case: CPU NumPy timing stops after this
+    preset: Optional[str] = None    # a name of presets.PRESETS
 
     def __post_init__(self) -> None:
         if self.max_error_threshold <= 0:
@@ -70,6 +75,8 @@ class TestConfiguration:
             if unknown:
                 raise ValueError(f"unknown families in sizes: {sorted(unknown)} "
                                  f"(known: {', '.join(FAMILIES)})")
+        if self.preset is not None:
+            find_preset(self.preset)  # ValueError naming the known presets
         if isinstance(self.operations, str):
             self.operations = [self.operations]
         self.peers = tuple(self.peers)
@@ -86,9 +93,13 @@ class TestConfiguration:
             else self.benchmark_iterations
 
     def sizes_for(self, family: str) -> List[int]:
-        """The sizes a family runs at: the configured ones, else quick or full defaults."""
+        """The sizes a family runs at: the configured ones, else the preset's, else quick or
+        full defaults."""
         if self.sizes and family in self.sizes:
             return [int(s) for s in self.sizes[family]]
+        preset_sizes = find_preset(self.preset).sizes if self.preset else {}
+        if family in preset_sizes:
+            return list(preset_sizes[family])
         return list((QUICK_SIZES if self.quick else DEFAULT_SIZES)[family])
 
     def to_dict(self) -> Dict[str, Any]:
@@ -99,3 +110,28 @@ class TestConfiguration:
                           "benchmark_iterations": self.iterations,
                           "sizes": {f: self.sizes_for(f) for f in FAMILIES}}
         return d
+
+
+def parse_sizes(items: Sequence[str]) -> Dict[str, Sequence[int]]:
+    """`--sizes` items, each FAMILY=N[,N...] (N an integer or 2^K), into
+    TestConfiguration.sizes: ["matrix=1000,3000", "vector=2^20"] ->
+    {"matrix": [1000, 3000], "vector": [1048576]}. ValueError says what is wrong."""
+    sizes: Dict[str, Sequence[int]] = {}
+    for item in items:
+        family, eq, values = item.partition("=")
+        if not eq or family not in FAMILIES:
+            raise ValueError(f"--sizes {item!r}: write FAMILY=N[,N...] with FAMILY one of "
+                             f"{', '.join(FAMILIES)} (e.g. matrix=1000,3000 ml=56)")
+        sizes[family] = [_size(item, v) for v in values.split(",")]
+    return sizes
+
+
+def _size(item: str, text: str) -> int:
+    base, caret, exponent = text.strip().partition("^")
+    try:
+        n = int(base) ** int(exponent) if caret else int(base)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"--sizes {item!r}: {text!r} is not a positive integer (or 2^K)")
+    return n

@@ -37,6 +37,7 @@ from .cases_training import training_cases
 from .ceilings import compute_peaks, measure
 from .config import FAMILIES, TestConfiguration
 from .peers import load_peers
+from .presets import pick
 from .progress import Progress
 from .runner import CaseRunner, context_dead, new_record
 from .timing import make_timer
@@ -127,6 +128,11 @@ class CudaPerformanceTester:
                 print("  trace.json: open it in https://ui.perfetto.dev or chrome://tracing")
 
     # -- planning -----------------------------------------------------------------------
+    def planned_cases(self) -> List[Case]:
+        """The cases a run with this configuration would measure, in order (nothing runs;
+        `report --list`). ValueError for an unknown operation."""
+        return self._plan(self._load_apis())[0]
+
     def _load_apis(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"math": self._math, "math_error": None, "ml": self._ml,
                                "ml_module": None, "ml_error": None, "ml_missing": None}
@@ -149,19 +155,28 @@ class CudaPerformanceTester:
             out["ml_error"] = f"{type(exc).__name__}: {exc}"
         return out
 
+    def _check_operations(self, apis: Dict[str, Any]) -> None:
+        """ValueError when `operations` names something no case has (a 'family/op' or id
+        prefix passes: select() matches it or nothing)."""
+        wanted, gpu = self.config.operations, self.backend.is_available
+        if not wanted:
+            return
+        tables = cases_math.MATH_OPS + cases_ml.ML_OPS
+        listed = system_cases([4], gpu, True) + training_cases(gpu)
+        all_names = set(FAMILIES) | {d.op for d in tables} | set(known_names(listed))
+        variants = {f"{d.op}[{d.variant}]" for d in tables} | {f"{c.op}[{c.variant}]"
+                                                                for c in listed}
+        unknown = sorted(set(wanted) - all_names - variants - self._discovered_names(apis))
+        unknown = [w for w in unknown if "/" not in w]
+        if unknown:
+            raise ValueError(f"unknown operation(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(all_names))}")
+
     def _plan(self, apis: Dict[str, Any]) -> Tuple[List[Case], Dict[str, Any], List[Dict]]:
         """(cases to run, coverage, records of APIs that failed to load)."""
         cfg, gpu = self.config, self.backend.is_available
-        all_names = set(FAMILIES) | {d.op for d in cases_math.MATH_OPS + cases_ml.ML_OPS}
-        all_names |= set(known_names(system_cases([4], gpu, True)))
-        all_names |= set(known_names(training_cases(gpu)))
+        self._check_operations(apis)
         wanted = cfg.operations
-        if wanted:
-            unknown = sorted(set(wanted) - all_names - self._discovered_names(apis))
-            unknown = [w for w in unknown if "/" not in w]
-            if unknown:
-                raise ValueError(f"unknown operation(s) {', '.join(unknown)}; known: "
-                                 f"{', '.join(sorted(all_names))}")
         cases: List[Case] = []
         coverage: Dict[str, Any] = {}
         failed: List[Dict[str, Any]] = []
@@ -186,7 +201,7 @@ class CudaPerformanceTester:
             for fam in fams:
                 planned += opdef_cases([d for d in table if d.family == fam],
                                        cfg.sizes_for(fam), cfg.quick)
-            planned = select(planned, wanted)
+            planned = self._select(planned)
             cases += planned
             for op in ops:
                 ids = [c.id for c in planned if c.op == op]
@@ -200,18 +215,23 @@ class CudaPerformanceTester:
                     where = "cases_math" if api == "CudaMath" else "cases_ml"
                     coverage[f"{api}.{op}"] = (f"no benchmark case defined: add an OpDef "
                                                f"to {where}.py")
-        system = select(system_cases(cfg.sizes_for("transfers"), gpu, cfg.quick), wanted)
+        system = self._select(system_cases(cfg.sizes_for("transfers"), gpu, cfg.quick))
         cases = system + cases  # the runtime paths first: an op that faults cannot hide them
         for c in system:
             coverage.setdefault(f"backend.{c.op}", []).append(c.id)
         # training steps last: the whole nn stack (examples' models) after every op alone
         no_nn = apis["ml_missing"] or apis["ml_error"] or apis["math_error"]
-        training = select(training_cases(gpu, no_nn and f"needs cuda_backend.cuda_ml: {no_nn}"),
-                          wanted)
+        training = self._select(
+            training_cases(gpu, no_nn and f"needs cuda_backend.cuda_ml: {no_nn}"))
         cases += training
         for c in training:
             coverage.setdefault(f"nn.{c.op}", []).append(c.id)
         return cases, coverage, failed
+
+    def _select(self, cases: List[Case]) -> List[Case]:
+        """The cases `operations` names, then those of the preset."""
+        cases = select(cases, self.config.operations)
+        return pick(cases, self.config.preset) if self.config.preset else cases
 
     @staticmethod
     def _discovered_names(apis: Dict[str, Any]) -> set:
