@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .compiler import check_cache_dir, check_cache_file, warn_untrusted
 from .errors import (CudaBackendError, KernelCompilationError, KernelLaunchError,
-                     LaunchConfigurationError, _FAULT_WORDS, driver_failure)
+                     LaunchConfigurationError, FAULT_WORDS, driver_failure)
 from .profiling import write_json_atomic
 
 logger = logging.getLogger("cuda_backend")
@@ -72,7 +72,7 @@ def _loses(exc: Exception) -> bool:
         return True
     if isinstance(exc, KernelLaunchError):
         text = str(exc).lower()
-        return (not any(w in text for w in _FAULT_WORDS)
+        return (not any(w in text for w in FAULT_WORDS)
                 and any(w in text for w in _RESOURCE_WORDS))
     return False
 
@@ -81,7 +81,7 @@ def _stopped(err: KernelLaunchError, cfg: Any, what: str, device_id: int) -> Ker
     """The error that stops the tuning: err's message after the candidate's name, with the
     warning that the context is gone when it is a fault (driver_failure's messages have it)."""
     text = str(err)
-    if any(w in text.lower() for w in _FAULT_WORDS) and "no longer usable" not in text:
+    if any(w in text.lower() for w in FAULT_WORDS) and "no longer usable" not in text:
         text += (f" A kernel faulted on device {device_id}: its CUDA context is no longer "
                  f"usable in this process (every later call on it fails); restart the process.")
     return KernelLaunchError(
@@ -270,7 +270,7 @@ class Autotuner:
 
     def _as_cuda_error(self, exc: Exception, cfg: Any, device_id: int) -> Exception:
         """A raw driver error (a synchronize or event of the timer) as KernelLaunchError."""
-        drv_error = getattr(self.backend._drv, "Error", None)
+        drv_error = getattr(self.backend.drv, "Error", None)
         if isinstance(drv_error, type) and isinstance(exc, drv_error):
             return driver_failure(f"autotuning candidate {cfg}", exc, device_id)
         return exc

@@ -49,18 +49,18 @@ class CudaBackend:
         self.memory_pools: Dict[int, MemoryPool] = runtime.memory_pools
         # the CUDA runtime's parts (None in fallback mode), for the modules that drive
         # PyCUDA themselves (streams, timing, parallel copies, the ops' transfer fast path)
-        self._drv: Any = runtime.drv
-        self._contexts: Any = runtime.contexts
-        self._pinned: Any = runtime.pinned
-        self._transfers: Any = runtime.transfers
-        self._compiler: Any = runtime.compiler
-        self._launcher: Any = runtime.launcher
+        self.drv: Any = runtime.drv
+        self.contexts: Any = runtime.contexts
+        self.pinned: Any = runtime.pinned
+        self.transfers: Any = runtime.transfers
+        self.compiler: Any = runtime.compiler
+        self.launcher: Any = runtime.launcher
         # the per-call check, one call deep (an instance attribute over the method)
         self.direct_launch = runtime.direct     # type: ignore[method-assign,assignment]
         self._profiler = Profiler()
         self._profiling = False
         self._lock = threading.RLock()
-        self._closed = False
+        self.closed = False
         self._peer_enabled: Dict[tuple, bool] = {}
         self.enable_profiling = enable_profiling
         atexit.register(self.shutdown)
@@ -214,7 +214,7 @@ class CudaBackend:
                 type(host_array) is np.ndarray and self.direct_launch(device_ptr.device_id):
             # the common call: a matching array into a live tensor, its device's context
             # current, no `with stream:` block, profiling off: one synchronous driver copy
-            ms = self._transfers.direct_htod(host_array, device_ptr)
+            ms = self.transfers.direct_htod(host_array, device_ptr)
             if ms is not None:
                 return ms
         host = host_contiguous(host_array)
@@ -228,7 +228,7 @@ class CudaBackend:
         """Copy device memory into a host array; returns ms (as copy_to_device)."""
         if stream is None and type(device_ptr) is CudaTensor and \
                 type(host_array) is np.ndarray and self.direct_launch(device_ptr.device_id):
-            ms = self._transfers.direct_dtoh(device_ptr, host_array)   # as copy_to_device
+            ms = self.transfers.direct_dtoh(device_ptr, host_array)   # as copy_to_device
             if ms is not None:
                 return ms
         if not isinstance(host_array, np.ndarray):
@@ -445,9 +445,9 @@ class CudaBackend:
     # -- shutdown -----------------------------------------------------------------
     def shutdown(self) -> None:
         """Free pools, release modules and pop contexts; registered at exit."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         self._runtime.shutdown()
 
 

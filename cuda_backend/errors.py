@@ -108,14 +108,14 @@ class KernelLaunchError(CudaBackendError, RuntimeError):
     """The driver refused a launch or a kernel faulted; after a fault the context is unusable."""
 
 
-_FAULT_WORDS = ("illegal", "launch failed", "misaligned", "exception", "trap",
+FAULT_WORDS = ("illegal", "launch failed", "misaligned", "exception", "trap",
                 "unspecified launch", "hardware stack error", "illegal instruction")
 
 
 def driver_failure(what: str, exc: Exception, device_id: int) -> "KernelLaunchError":
     """Turn a driver error into KernelLaunchError; a kernel fault says the context is gone."""
     text = str(exc)
-    if any(w in text.lower() for w in _FAULT_WORDS):
+    if any(w in text.lower() for w in FAULT_WORDS):
         hint = (f" A kernel faulted on device {device_id}: its CUDA context is no longer "
                 f"usable in this process (every later call on it fails); restart the process.")
     else:

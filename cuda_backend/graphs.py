@@ -153,7 +153,7 @@ class CudaGraph:
 
     def __del__(self) -> None:
         try:
-            if not self.backend._closed:
+            if not self.backend.closed:
                 self.free()
         except Exception:   # at interpreter exit the driver may be gone
             pass

@@ -74,10 +74,8 @@ def broadcast(tensor: CudaTensor, devices: Sequence[int]) -> List[CudaTensor]:
     return [tensor if d == tensor.device_id else tensor.to(d) for d in devices]
 
 
-def all_reduce(tensors: Sequence[CudaTensor], op: str = "sum") -> List[CudaTensor]:
-    """Reduce same-shape tensors living on different devices, in place, so each holds the
-    result. Ring algorithm: reduce-scatter then all-gather, one stream per device, peer
-    copies ordered by events, so every link is busy at once."""
+def _all_reduce_operands(tensors: Sequence[CudaTensor], op: str) -> List[CudaTensor]:
+    """all_reduce's checks: a known op, one tensor per device, equal shapes and dtypes."""
     if op not in ("sum", "max", "min", "mean"):
         raise InvalidArgumentError(f"op must be sum, max, min or mean, got {op!r}")
     tensors = list(tensors)
@@ -92,6 +90,16 @@ def all_reduce(tensors: Sequence[CudaTensor], op: str = "sum") -> List[CudaTenso
             raise ShapeMismatchError(
                 f"all_reduce needs equal shapes and dtypes: {first.shape} "
                 f"({first.dtype.name_str}) vs {t.shape} ({t.dtype.name_str})")
+    return tensors
+
+
+def all_reduce(tensors: Sequence[CudaTensor], op: str = "sum") -> List[CudaTensor]:
+    """Reduce same-shape tensors living on different devices, in place, so each holds the
+    result. Ring algorithm: reduce-scatter then all-gather, one stream per device, peer
+    copies ordered by events, so every link is busy at once."""
+    tensors = _all_reduce_operands(tensors, op)
+    first = tensors[0]
+    devs = [t.device_id for t in tensors]
     n = len(tensors)
     m = _math()
     from .ops import elementwise as ew
@@ -116,7 +124,7 @@ def all_reduce(tensors: Sequence[CudaTensor], op: str = "sum") -> List[CudaTenso
                 streams[r].wait_event(events[src])
             target = _view(tmp[r], 0, count) if reduce else _view(dst_t, starts[chunk], count)
             with b.activate(devs[r]):
-                b._drv.memcpy_peer_async(target.ptr, src_t.ptr + starts[chunk] * first.dtype.itemsize,
+                b.drv.memcpy_peer_async(target.ptr, src_t.ptr + starts[chunk] * first.dtype.itemsize,
                                          count * first.dtype.itemsize,
                                          b.context(devs[r]), b.context(devs[src]),
                                          streams[r].pycuda_stream)

@@ -42,7 +42,7 @@ class Runtime(ABC):
     """What a device runtime provides to `CudaBackend`.
 
     The attributes `drv`, `contexts`, `pinned`, `transfers`, `compiler` and `launcher` are the
-    CUDA runtime's parts (None on the host); the backend exposes them as `_drv` etc. to the
+    CUDA runtime's parts (None on the host); the backend exposes them as `drv` etc. to the
     modules that drive PyCUDA directly (streams, timing, parallel copies).
     """
 

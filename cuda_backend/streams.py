@@ -50,7 +50,7 @@ class Event:
     def __init__(self, backend: Any, device_id: int, timing: bool = True) -> None:
         self.device_id = device_id
         self._backend = backend
-        drv = backend._drv
+        drv = backend.drv
         flags = 0 if timing else drv.event_flags.DISABLE_TIMING
         with backend.activate(device_id):
             self.pycuda_event = drv.Event(flags)
@@ -80,7 +80,7 @@ class Stream:
         self._backend = backend
         self.graph = None   # the CudaGraph being captured on this stream (graphs.py)
         with backend.activate(device_id):
-            self.pycuda_stream = backend._drv.Stream()
+            self.pycuda_stream = backend.drv.Stream()
 
     @property
     def handle(self) -> int:

@@ -78,7 +78,7 @@ def main() -> None:
     bare_pg_d2h = median_time(lambda: drv.memcpy_dtoh(out_pg, ptr), R2)
     staged = {}
     for chunk_mib in (8, 16, 32):
-        b._transfers.staging_chunk = chunk_mib << 20
+        b.transfers.staging_chunk = chunk_mib << 20
         b.copy_to_device(pageable, t)
         staged[chunk_mib] = (median_time(lambda: b.copy_to_device(pageable, t), R2),
                              median_time(lambda: b.copy_from_device(t, out_pg), R2))
@@ -88,7 +88,7 @@ def main() -> None:
         "staged": {str(k): {"htod_gbps": nbytes / v[0] / 1e9, "dtoh_gbps": nbytes / v[1] / 1e9}
                    for k, v in staged.items()},
     }
-    b._transfers.staging_chunk = 16 << 20
+    b.transfers.staging_chunk = 16 << 20
     t.free()
     del pinned
 

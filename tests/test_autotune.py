@@ -76,7 +76,7 @@ class _Backend:
     is_available = True
 
     def __init__(self):
-        self._drv = _Clock()
+        self.drv = _Clock()
         self.devices = [types.SimpleNamespace(name="Fake GPU", l2_cache_size=50 << 20)]
 
     @contextlib.contextmanager
@@ -109,7 +109,7 @@ def make(tmp_path):
             raise cost
         if callable(cost):
             cost = cost(b)
-        b._drv.now += cost
+        b.drv.now += cost
 
     return Autotuner(b, path=str(tmp_path / "tune.json")), run, calls
 
@@ -217,7 +217,7 @@ def test_a_fault_stops_the_tuning_with_its_message(tmp_path, monkeypatch, where)
                                                       _DriverError(_FAULT), 0))
     else:
         def faults(b):
-            b._drv.fault = _DriverError("cuCtxSynchronize failed: an illegal memory access "
+            b.drv.fault = _DriverError("cuCtxSynchronize failed: an illegal memory access "
                                         "was encountered")
             return 1.0
         monkeypatch.setitem(COST, 64, faults)
@@ -229,7 +229,7 @@ def test_a_fault_stops_the_tuning_with_its_message(tmp_path, monkeypatch, where)
     assert "no longer usable" in text and "tuning stopped" in text
     assert 128 not in calls and calls.count(64) == 1
     assert not (tmp_path / "tune.json").exists()
-    assert tuner.backend._drv.freed == 1              # the flush buffer is given back
+    assert tuner.backend.drv.freed == 1              # the flush buffer is given back
 
 
 def test_a_launch_error_that_is_no_resource_error_stops_too(tmp_path, monkeypatch):
@@ -281,7 +281,7 @@ def test_timing_goes_through_the_primitive(tmp_path, monkeypatch):
 def test_the_l2_is_flushed_before_each_sample(tmp_path):
     tuner, run, calls = make(tmp_path)
     tuner.pick("op", "cls", CANDS, run)
-    drv = tuner.backend._drv
+    drv = tuner.backend.drv
     assert drv.memsets == 3 * 3                       # 3 candidates x 3 samples
     assert drv.allocated == [100 << 20] and drv.freed == 1   # 2 x L2, from the driver
 
@@ -289,7 +289,7 @@ def test_the_l2_is_flushed_before_each_sample(tmp_path):
 def test_device_timer_protocol():
     """Per sample: flush, gap, start event, `calls` calls, end event; ms per call."""
     b = _Backend()
-    drv, order = b._drv, []
+    drv, order = b.drv, []
     memset = drv.memset_d32_async
     drv.memset_d32_async = lambda *a: (order.append("flush"), memset(*a))
 
@@ -309,9 +309,9 @@ def test_device_timer_protocol():
 
 def test_no_memory_for_the_flush_buffer_times_without_it(tmp_path):
     tuner, run, calls = make(tmp_path)
-    tuner.backend._drv.alloc_error = _DriverError("cuMemAlloc failed: out of memory")
+    tuner.backend.drv.alloc_error = _DriverError("cuMemAlloc failed: out of memory")
     assert tuner.pick("op", "cls", CANDS, run) == {"tile": 64}
-    assert tuner.backend._drv.memsets == 0 and len(calls) == 3 * 4
+    assert tuner.backend.drv.memsets == 0 and len(calls) == 3 * 4
 
 
 # -- a damaged file: ignored with a warning, then replaced ------------------------------------

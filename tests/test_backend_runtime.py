@@ -179,7 +179,7 @@ def test_fallback_backend_runs_on_the_host_runtime(backend):
     assert backend.memory_pools is backend._runtime.memory_pools
     assert backend.devices is backend._runtime.devices
     assert backend.fallback_reason == backend._runtime.reason
-    for part in ("_drv", "_contexts", "_pinned", "_transfers", "_compiler", "_launcher"):
+    for part in ("drv", "contexts", "pinned", "transfers", "compiler", "launcher"):
         assert getattr(backend, part) is None, part
     assert backend.direct_launch(0) is False
     assert backend.versions()["cuda_driver"] is None
@@ -252,7 +252,7 @@ CUDA_ON_STUBS = r'''
 
 CUDA_CHECKS = r'''
     assert isinstance(b._runtime, CudaRuntime) and b.fallback_reason is None
-    assert b._drv is drv and b._launcher is b._runtime.launcher and b.device_count == 1
+    assert b.drv is drv and b.launcher is b._runtime.launcher and b.device_count == 1
     assert b.memory_pools[0].owner is b
     assert b.versions()["cuda_driver"] == 13000
     t = b.empty((5, 7), DT.FLOAT32)

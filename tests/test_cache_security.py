@@ -373,7 +373,7 @@ def test_gpu_second_process_loads_the_cubin_from_disk(tmp_path):
         import numpy as np, cuda_backend as cb
         b = cb.get_cuda_backend()
         assert b.is_available
-        c = b._compiler
+        c = b.compiler
         before = (c.compile_count, c.disk_hits)
         b.compile_kernel("disk_cache_probe", {TINY!r})
         print("COMPILED", c.compile_count - before[0], "DISK_HITS", c.disk_hits - before[1])
@@ -435,7 +435,7 @@ class _Backend:
             def free(self):
                 pass
 
-        self._drv = types.SimpleNamespace(Event=Event, Context=types.SimpleNamespace(
+        self.drv = types.SimpleNamespace(Event=Event, Context=types.SimpleNamespace(
             synchronize=lambda: None), mem_alloc=lambda n: Allocation(0x1000),
             memset_d32_async=lambda *a: None)
         self.devices = [types.SimpleNamespace(name="Fake GPU", l2_cache_size=50 << 20)]

@@ -1319,11 +1319,11 @@ COPY_FILL_SCRIPT = script(STUBS, r'''
     assert stats["htod"]["count"] >= 1 and stats["dtoh"]["count"] >= 1
     b.enable_profiling = False
     # staged sizes keep their path (pinned chunks on a stream, events)
-    b._transfers.staging_threshold, b._transfers.staging_chunk = 2048, 1024
+    b.transfers.staging_threshold, b.transfers.staging_chunk = 2048, 1024
     e0 = events[0]
     b.copy_to_device(h, t)
     assert [c[0] for c in copies[-4:]] == ["htod_async"] * 4 and events[0] > e0
-    b._transfers.staging_threshold, b._transfers.staging_chunk = 32 << 20, 16 << 20
+    b.transfers.staging_threshold, b.transfers.staging_chunk = 32 << 20, 16 << 20
 
     # the typed errors, with the fast path in front
     with pytest.raises(DTypeMismatchError):

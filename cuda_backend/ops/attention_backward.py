@@ -366,7 +366,8 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
     this causal flag, after the general path chose cfg: run(grad_out, q, k, v, out, lse,
     scale) checks the operands the key does not fix (types, shapes, dtypes, devices, live,
     no stream), takes the gradients and workspaces from the pool and makes run_config's three
-    launches, prepared; None where the general path must run (its checks and errors)."""
+    launches, prepared; None where the general path must run (its checks and errors).
+    One piece: run() replays the launches prepared above it and shares their locals."""
     from ..tensor import pool_tensor
     backend = m.backend
     dtype, dev = q.dtype, q.device_id

@@ -156,7 +156,7 @@ def from_host(m: Any, values: np.ndarray, dtype: CudaDataType, device_id: int) -
         # device_id's context is current in this thread, so it is a valid device; the
         # array's shape is a tuple of non-negative ints
         out = backend.empty_checked(values.shape, dtype, device_id)
-        if out.nbytes and backend._transfers.direct_htod(host, out) is None:
+        if out.nbytes and backend.transfers.direct_htod(host, out) is None:
             backend.copy_to_device(host, out)     # (direct_htod: copy_to_device's fast path)
         return out
     out = backend.empty(values.shape, dtype, device_id)

@@ -139,6 +139,22 @@ def host_row_stats(x: np.ndarray) -> np.ndarray:
         return np.stack([mx, np.sum(np.exp(x - mx[:, None]), axis=1)], axis=1)
 
 
+def _host_forward(m: Any, logits: CudaTensor, labels: CudaTensor, reduction: str,
+                  ignore_index: int, check_labels: bool, return_row_stats: bool) -> Any:
+    """cross_entropy in fallback mode (or for no rows): float64 reference, rounded once."""
+    name = "cross_entropy"
+    C, dtype, dev = logits.shape[1], logits.dtype, logits.device_id
+    lab = common.host_array(m, labels)
+    if check_labels:
+        host_check_labels(name, lab, C, ignore_index)
+    x = common.host_array(m, logits)
+    loss = _host_out(m, reference(name, x, lab, reduction, ignore_index), dtype, dev)
+    if not return_row_stats:
+        return loss
+    adt = acc_dtype(dtype)
+    return loss, host_result(m, host_row_stats(x).astype(adt.numpy_dtype), adt, dev, None)
+
+
 # -- the ops -----------------------------------------------------------------------------------
 def cross_entropy(m: Any, logits: CudaTensor, labels: CudaTensor, reduction: str = "mean",
                   ignore_index: int = -100, check_labels: bool = True,
@@ -167,16 +183,8 @@ def cross_entropy(m: Any, logits: CudaTensor, labels: CudaTensor, reduction: str
     ignore_index = int(ignore_index)
     dtype = logits.dtype
     if not m.gpu or N == 0:
-        lab = common.host_array(m, labels)
-        if check_labels:
-            host_check_labels(name, lab, C, ignore_index)
-        x = common.host_array(m, logits)
-        values = reference(name, x, lab, reduction, ignore_index)
-        loss = _host_out(m, values, dtype, dev)
-        if not return_row_stats:
-            return loss
-        adt = acc_dtype(dtype)
-        return loss, host_result(m, host_row_stats(x).astype(adt.numpy_dtype), adt, dev, None)
+        return _host_forward(m, logits, labels, reduction, ignore_index, check_labels,
+                             return_row_stats)
     pf = prepared_for(m, "forward", dtype, C, dev)
     flag = new_flag(m, dev) if check_labels else None
     stats = m.backend.empty((N, 2), acc_dtype(dtype), dev) if return_row_stats else None

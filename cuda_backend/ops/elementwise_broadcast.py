@@ -74,7 +74,8 @@ def broadcast_plan(dims: List[Tuple[int, int, int]], itemsize: int, po: int, pa:
     pointer offsets. An innermost dim of `limit` or more goes in pieces of `chunk`
     elements, which keeps 16-byte alignment. Up to 6 collapsed dims thus take fewer than
     3 * elements / (limit - 1) + 1 launches (for chunk >= limit / 2); more dims, one per
-    index of the dims beyond 6. (limit, chunk: smaller values for tests.)"""
+    index of the dims beyond 6. (limit, chunk: smaller values for tests.) One generator:
+    its loops carry the launch-by-launch state."""
     limit, chunk = limit or LAUNCH_LIMIT, chunk or CHUNK
     k, n = 0, 1                                    # innermost dims covered whole, elements
     for size, _, _ in reversed(dims):

@@ -1,5 +1,5 @@
 """Linear layers: `linear` (y = x Wᵀ + b), `fused_linear_gelu` (y = GELU(x Wᵀ + b)) and the
-seed's sketched low-rank layer `sketched_linear` (y = (1/T) Σᵢ (x Uᵢ) Vᵢ + b).
+documented API's sketched low-rank layer `sketched_linear` (y = (1/T) Σᵢ (x Uᵢ) Vᵢ + b).
 
 linear is the same one-kernel launch as fused_linear_gelu with the bias epilogue alone
 (`matmul.linear(..., "bias")`); its gradients are ops/matmul_backward.py's.

@@ -127,7 +127,7 @@ class DeviceTimer(HostTimer):
                  gap: Optional[Callable[[], None]] = None, pool: bool = True) -> None:
         self.backend = backend
         self.device_id = device_id
-        self._drv = backend._drv
+        self._drv = backend.drv
         self.flush_bytes = 0
         self._flush_ptr: Optional[int] = None
         self._flush_mem: Any = None   # the driver's allocation when pool=False
