@@ -478,6 +478,8 @@ def _cases() -> list:
         bi("maximum", "maximum"), bi("minimum", "minimum"), bi("power", "pow"),
         Case("multiply_scalar", "1,024 * 2.5", [V], lambda c, x: P(c.m.multiply, x, 2.5),
              lambda c, x: P(c.torch.mul, x, 2.5)),
+        Case("add_broadcast", "(32,1024) + (1024,)", [(32, 1024), (1024,)],
+             lambda c, a, b: P(c.m.add, a, b), lambda c, a, b: P(c.torch.add, a, b)),
         un("exp", "exp"), un("log", "log"), un("sqrt", "sqrt"), un("abs", "abs"),
         un("tanh", "tanh"), un("negative", "neg"), un("relu", "relu"), un("sigmoid", "sigmoid"),
         Case("gelu", "1,024 (tanh)", [V], lambda c, x: P(c.ml.gelu, x),

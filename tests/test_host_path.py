@@ -123,6 +123,59 @@ SCRIPT = script(STUBS, r'''
         same_as_general(lambda: m.log(tiny), up, ("log", "FLOAT32", 0))
         same_as_general(lambda: m.multiply(tiny, 2.0), sp, ("multiply", "FLOAT32", 0))
 
+    # broadcasting: one plan per (op, shapes, dtype, device), the general path's one launch
+    def bshape(*shape, dt=np.float32):
+        return m.from_numpy(np.arange(int(np.prod(shape)), dtype=dt).reshape(shape) % 7 + 1)
+    m.add(bshape(2, 8), bshape(8))
+    cp = m._ew_bcast_plans
+    rows, bias = bshape(32, 1024), bshape(1024)
+    same_as_general(lambda: m.add(rows, bias), cp, ("add", (32, 1024), (1024,), "FLOAT32", 0))
+    same_as_general(lambda: m.multiply(bias, rows), cp,
+                    ("multiply", (1024,), (32, 1024), "FLOAT32", 0))
+    col, row3 = bshape(4, 1, 5), bshape(1, 3, 5)
+    same_as_general(lambda: m.subtract(col, row3), cp,
+                    ("subtract", (4, 1, 5), (1, 3, 5), "FLOAT32", 0))
+    h, hb = bshape(3, 7, 9, dt=np.float16), bshape(7, 1, dt=np.float16)
+    same_as_general(lambda: m.maximum(h, hb), cp, ("maximum", (3, 7, 9), (7, 1), "FLOAT16", 0))
+    # a misaligned operand: the plan launches the element kernel (vectorize 0)
+    base = bshape(1025)
+    view = CudaTensor((1024,), DT.FLOAT32, 0, base._ptr + 4, owner=base)
+    key = ("add", (32, 1024), (1024,), "FLOAT32", 0)
+    launches.clear()
+    m.add(rows, view)                  # through the plan
+    through_plan = launches[-1]
+    saved = cp.pop(key)
+    launches.clear()
+    m.add(rows, view)                  # the general path: the same launch, and no plan made
+    assert launches[-1] == through_plan and key not in cp
+    cp[key] = saved
+    # out= (in place into the broadcast shape): the plan launches into out, as the general path
+    from cuda_backend.ops import elementwise as ew
+    acc = bshape(32, 1024)
+    ew.binary(m, "add", acc, bias, out=acc)
+    launches.clear()
+    assert ew.binary(m, "add", acc, bias, out=acc) is acc        # through the plan
+    through_plan = launches[-1]
+    saved = cp.pop(key)
+    launches.clear()
+    ew.binary(m, "add", acc, bias, out=acc)                       # the general path
+    assert launches[-1] == through_plan and key in cp
+    cp[key] = saved
+    with pytest.raises(ShapeMismatchError):                       # a wrong out: its error
+        ew.binary(m, "add", acc, bias, out=bshape(32, 1023))
+    # mismatched dtype or a freed operand: the general path and its errors
+    with pytest.raises(DTypeMismatchError):
+        m.add(rows, m.from_numpy(np.ones(1024)))
+    gone = bshape(1024)
+    gone.free()
+    with pytest.raises(TensorFreedError):
+        m.add(rows, gone)
+    s2 = b.stream()
+    launches.clear()
+    with s2:
+        m.add(rows, bias)
+    assert launches[-1][4] is s2.pycuda_stream
+
     # scalars the plan leaves to the general path: overflow (-> inf), bool, NumPy, bad ints
     m.multiply(x32, 1.0)
     launches.clear()
@@ -362,8 +415,8 @@ GEMM_SCRIPT = script(STUBS, r'''
     with pytest.raises(InvalidArgumentError):
         ml.fused_linear_gelu(X, W, bias, precision=1)
 
-    # -- sketched_linear: the products through their plans, then the same reduction and
-    # in-place scale and bias launches
+    # -- sketched_linear: the products through their plans, then the same mean and bias
+    # launches
     U, V = ml.sketched_linear_params(64, 48, 3, 8, seed=0)
     bs = t(48)
     for bi in (bs, None):
@@ -382,7 +435,7 @@ GEMM_SCRIPT = script(STUBS, r'''
             r2 = ml.sketched_linear(X, U, V, bi)
         finally:
             del m.matrix_multiply
-        assert launches == general and len(general) == (5 if bi is not None else 4)
+        assert launches == general and len(general) == (4 if bi is not None else 3)
         assert r2.shape == (64, 48)
     with pytest.raises(TensorFreedError):
         ml.sketched_linear(X, U, V, freed(t(48)))

@@ -79,17 +79,24 @@ def binary(m: Any, op: str, a: Any, b: Any, out: Optional[CudaTensor] = None) ->
     """op(a, b) elementwise with NumPy broadcasting; a and b are CudaTensors or Python/NumPy
     scalars (at least one tensor). The result has the tensors' dtype. `out`, if given, must
     have the result's shape, dtype and device (it may be an input of that same shape)."""
-    if out is None and type(a) is CudaTensor and type(b) is CudaTensor:
+    if type(a) is CudaTensor and type(b) is CudaTensor:
         # Fast path for small calls: a plan made by an earlier call of this op, dtype and
-        # device (so op and dtype were validated) checks the rest and launches, or says no.
+        # device (so op and dtype were validated) checks the rest and launches, or says no;
+        # operands of different shapes: the broadcast plan of the two shapes (out= too).
         try:
-            plan = m._ew_binary_plans.get((op, a.dtype._name_, a.device_id))
+            if a.shape != b.shape:
+                plan = m._ew_bcast_plans.get((op, a.shape, b.shape, a.dtype._name_,
+                                              a.device_id))
+                res = None if plan is None else plan(a, b, out)
+            elif out is None:
+                plan = m._ew_binary_plans.get((op, a.dtype._name_, a.device_id))
+                res = None if plan is None else plan(a, b)
+            else:
+                res = None
         except AttributeError:
-            plan = None
-        if plan is not None:
-            res = plan(a, b)
-            if res is not None:
-                return res
+            res = None
+        if res is not None:
+            return res
     elif out is None and (type(a) is CudaTensor or type(b) is CudaTensor):
         # tensor op Python scalar, either side: the scalar plan (it converts the scalar)
         t, sc, mode = (a, b, 1) if type(a) is CudaTensor else (b, a, 2)
@@ -112,7 +119,7 @@ def binary(m: Any, op: str, a: Any, b: Any, out: Optional[CudaTensor] = None) ->
     if mode == 0 and a.shape != b.shape:
         dims = collapse(shape, a.shape, b.shape)
         if dims is not None:
-            return broadcast_launch(m, cache, op, dtype, dev, res, a, b, dims)
+            return broadcast_launch(m, cache, op, dtype, dev, res, a, b, dims, remember=True)
     return _binary_launch(m, cache, op, dtype, dev, res, a, b, sv, mode, out)
 
 

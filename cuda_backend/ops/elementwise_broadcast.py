@@ -15,6 +15,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 from ..dtypes import CudaDataType
 from ..tensor import CudaTensor
 from .elementwise_kernels import BLOCK_DIMS, DeviceCache, kernel_name, launch_grid
+from .elementwise_plans import remember_broadcast_plan
 
 MAX_BCAST_DIMS = 6
 LAUNCH_LIMIT = 2**31   # a broadcast launch stays under this many elements (32-bit division)
@@ -53,14 +54,19 @@ def collapse(shape: Tuple[int, ...], a_shape: Tuple[int, ...],
 
 def broadcast_launch(m: Any, cache: DeviceCache, op: str, dtype: CudaDataType, dev: int,
                      res: CudaTensor, a: CudaTensor, b: CudaTensor,
-                     dims: List[Tuple[int, int, int]]) -> CudaTensor:
-    """Launch the broadcast kernel once per entry of the plan."""
+                     dims: List[Tuple[int, int, int]], remember: bool = False) -> CudaTensor:
+    """Launch the broadcast kernel once per entry of the plan; remember: when that was one
+    launch with 16-byte aligned pointers, keep its per-call plan (elementwise_plans)."""
     name, per_block = kernel_name(m, cache, dev, "broadcast", op, dtype)
     vec = 16 // dtype.itemsize
     launch = m.backend.launch_kernel
+    count, first = 0, None
     for args in broadcast_plan(dims, dtype.itemsize, res.ptr, a.ptr, b.ptr):
         grid = launch_grid(args[3] // vec if args[5] else args[3], per_block)
         launch(name, grid, *args, block_size=BLOCK_DIMS, device_id=dev)
+        count, first = count + 1, args
+    if remember and count == 1 and first is not None and not ((res.ptr | a.ptr | b.ptr) & 15):
+        remember_broadcast_plan(m, op, a, b, res, name, per_block, first)
     return res
 
 

@@ -19,7 +19,9 @@ from typing import Any, Callable, Optional, Tuple
 from ..dtypes import CudaDataType
 from ..tensor import CudaTensor
 from .elementwise_kernels import (ALPHA_OPS, BLOCK_DIMS, COMMUTATIVE, DT, FILL_BLOCK, INT_RANGE,
-                                  UNARY_OPS, device_cache, scalar_arg)
+                                  UNARY_OPS, device_cache, launch_grid, scalar_arg)
+
+MAX_BCAST_PLANS = 1024   # per CudaMath; the broadcast plans are cleared past this
 
 
 def remember_launch_plan(m: Any, attr: str, key: tuple, kind: str, op: str,
@@ -328,3 +330,70 @@ def make_copy_plan(m: Any, dtype: CudaDataType, dev: int) -> Optional[Callable]:
                                  exc, dev) from None
         return res
     return plan
+
+
+def remember_broadcast_plan(m: Any, op: str, a: CudaTensor, b: CudaTensor, res: CudaTensor,
+                            name: str, per_block: int, args: tuple) -> None:
+    """After binary()'s general path broadcast a and b in one launch (`args`: its kernel
+    arguments, made with every pointer 16-byte aligned; into a new tensor or out=): keep the
+    plan of that (op, shapes, dtype, device) in m._ew_bcast_plans."""
+    plans = m.__dict__.get("_ew_bcast_plans")
+    if plans is None:
+        plans = m.__dict__.setdefault("_ew_bcast_plans", {})
+    if len(plans) >= MAX_BCAST_PLANS:
+        plans.clear()
+    key = (op, a.shape, b.shape, res.dtype._name_, res.device_id)
+    if key not in plans:
+        plans[key] = _broadcast_plan(m, res, name, per_block, args)
+
+
+def _broadcast_plan(m: Any, res: CudaTensor, name: str, per_block: int,
+                    args: tuple) -> Callable:
+    """broadcast_plan(a, b, out=None) -> the result (a new tensor, or out), or None (general
+    path): the one launch of the broadcast kernel with the call's pointers. The kernel arguments after the pointers (n,
+    ndim, vectorize, sizes, strides) are the first call's; where a pointer is not 16-byte
+    aligned the launch takes them with vectorize 0 and the element grid, as
+    elementwise_broadcast.broadcast_plan would."""
+    from ..driver import load_driver
+    from ..errors import driver_failure
+    from ..tensor import pool_tensor
+    backend = m.backend
+    shape, dtype, dev = res.shape, res.dtype, res.device_id
+    n, nbytes = res.size, res.nbytes
+    vec = 16 // dtype.itemsize
+    prepared = backend.prepare_launch(backend.get_kernel(name, dev), (1, 1, 1), BLOCK_DIMS, 0,
+                                      dev)
+    pack, launch, block = prepared.pack, prepared.launch_fn, prepared.block
+    rest = args[3:]
+    rest_scalar = rest[:2] + (0,) + rest[3:]
+    grid = (launch_grid(n // vec if rest[2] else n, per_block), 1, 1)
+    grid_scalar = (launch_grid(n, per_block), 1, 1)
+    pool = backend.memory_pools[dev]
+    alloc = pool.allocate_current    # stream None: direct() says no `with stream:` block
+    direct = backend.direct_launch
+    drv_error = load_driver()[0].Error
+    what = f"launch of kernel '{name}'"
+
+    def broadcast_plan(a: CudaTensor, b: CudaTensor,
+                       out: Optional[CudaTensor] = None) -> Optional[CudaTensor]:
+        # the key fixes op, both shapes, a's dtype and device
+        pa, pb = a._ptr, b._ptr
+        if pa is None or pb is None or b.dtype is not dtype or b.device_id != dev or \
+                not direct(dev):
+            return None
+        if out is None:
+            out = pool_tensor(shape, dtype, dev, alloc(nbytes, None), pool, n, nbytes)
+        elif type(out) is not CudaTensor or out._ptr is None or out.shape != shape or \
+                out.dtype is not dtype or out.device_id != dev:
+            return None   # the general path's checks and errors
+        po = out._ptr
+        if (po | pa | pb) & 15:
+            buf, g = pack(po, pa, pb, *rest_scalar), grid_scalar
+        else:
+            buf, g = pack(po, pa, pb, *rest), grid
+        try:
+            launch(g, block, buf, 0, None)
+        except drv_error as exc:
+            raise driver_failure(what, exc, dev) from None
+        return out
+    return broadcast_plan

@@ -225,7 +225,6 @@ def sketched_linear(m: Any, x: CudaTensor, U: CudaTensor, V: CudaTensor,
     common.same_device(*tensors)
     common.same_dtype(*tensors)
     common.require_dtype(x, common.FLOATS, "sketched_linear")
-    terms = U.shape[0]
     xu = m.matrix_multiply(x, U)          # (terms, batch, rank): x broadcast over the batch
     try:
         xuv = m.matrix_multiply(xu, V)    # (terms, batch, out)
@@ -237,12 +236,17 @@ def sketched_linear(m: Any, x: CudaTensor, U: CudaTensor, V: CudaTensor,
         mm1 = plans.get(("matmul", x.shape, U.shape, dt, dt, dev, dev, None))
         mm2 = plans.get(("matmul", xu.shape, V.shape, dt, dt, dev, dev, None))
         if mm1 is not None and mm2 is not None:
-            common.remember_plan(m, key, _sketched_plan(m, mm1, mm2, terms))
+            common.remember_plan(m, key, _sketched_plan(m, mm1, mm2))
+    return _mean_plus_bias(m, red, ew, xuv, bias)
+
+
+def _mean_plus_bias(m: Any, red: Any, ew: Any, xuv: CudaTensor,
+                    bias: Optional[CudaTensor]) -> CudaTensor:
+    """mean(xuv, axis=0) (+ bias, in place: the broadcast plan takes out=), freeing xuv."""
     try:
-        y = red.reduce(m, "sum", xuv, axis=0)
+        y = red.reduce(m, "mean", xuv, axis=0)
     finally:
         xuv.free()
-    ew.binary(m, "multiply", y, 1.0 / terms, out=y)
     if bias is not None:
         ew.binary(m, "add", y, bias, out=y)
     return y
@@ -263,14 +267,13 @@ def _sketched_key(x: Any, U: Any, V: Any, bias: Any) -> Optional[tuple]:
             x.device_id, U.device_id, V.device_id, b)
 
 
-def _sketched_plan(m: Any, mm1: Any, mm2: Any, terms: int) -> Any:
+def _sketched_plan(m: Any, mm1: Any, mm2: Any) -> Any:
     """The per-call plan of sketched_linear (ops/common.py remember_plan): the general path's
     steps without its checks: the two products through their matmul plans (mm1: x @ U, mm2:
-    xu @ V, as m.matrix_multiply takes them), then the same reduction and in-place scale and
-    bias calls. None (general path) where a product's plan steps aside."""
+    xu @ V, as m.matrix_multiply takes them), then the same mean and bias calls. None
+    (general path) where a product's plan steps aside."""
     from . import elementwise as ew
     from . import reduction as red
-    inv = 1.0 / terms
 
     def run(x: CudaTensor, U: CudaTensor, V: CudaTensor,
             bias: Optional[CudaTensor]) -> Optional[CudaTensor]:
@@ -285,14 +288,7 @@ def _sketched_plan(m: Any, mm1: Any, mm2: Any, terms: int) -> Any:
             xu.free()
         if xuv is None:
             return None
-        try:
-            y = red.reduce(m, "sum", xuv, axis=0)
-        finally:
-            xuv.free()
-        ew.binary(m, "multiply", y, inv, out=y)
-        if bias is not None:
-            ew.binary(m, "add", y, bias, out=y)
-        return y
+        return _mean_plus_bias(m, red, ew, xuv, bias)
     return run
 
 
