@@ -1428,3 +1428,105 @@ def test_activation_fill_copy_transfer_plans_match_general_path():
     stream with profiling off are one synchronous driver copy without events; with a stream
     or profiling on, the async copy between events (recorded by the profiler)."""
     run_script(COPY_FILL_SCRIPT)
+
+
+# -- comparisons, where, slicing, concatenate (ops/indexing.py, ops/shape.py): the plan's
+# launches equal the general path's ----------------------------------------------------------
+COMPARE_SCRIPT = script(STUBS, r'''
+    from cuda_backend.errors import DTypeMismatchError, InvalidArgumentError, TensorFreedError
+''', BACKEND, r'''
+    def same_as_general(call, key):
+        """General path (the key dropped: the plan is made again), then the plan after
+        freeing the result: the same launch, a result like the general one."""
+        call().free()
+        m.plans.pop(key, None)
+        launches.clear()
+        r1 = call()
+        assert key in m.plans, key
+        ref = (list(launches), slots(r1))
+        r1.free()
+        launches.clear()
+        r2 = call()
+        assert launches == ref[0], (launches, ref[0])
+        like_general(r2, ref[1])
+        return r2
+
+    f32 = DT.FLOAT32
+    x = m.from_numpy(np.arange(60, dtype=np.float32).reshape(3, 4, 5))
+    y = m.from_numpy(np.ones((4, 1), np.float32))
+    c = m.from_numpy(np.arange(20).reshape(4, 5) % 2 == 0)
+    i32 = m.from_numpy(np.arange(7, dtype=np.int32))
+    same_as_general(lambda: m.greater(x, 0.5),
+                    ("compare", "greater", None, (3, 4, 5), None, f32, 0))
+    same_as_general(lambda: m.less_equal(2, x), ("compare", "less_equal", None, None,
+                                                 (3, 4, 5), f32, 0))
+    same_as_general(lambda: m.equal(x, y), ("compare", "equal", None, (3, 4, 5), (4, 1), f32, 0))
+    same_as_general(lambda: m.not_equal(i32, 3), ("compare", "not_equal", None, (7,), None,
+                                                  DT.INT32, 0))
+    same_as_general(lambda: m.where(c, x, 0.0), ("where", "", (4, 5), (3, 4, 5), None, f32, 0))
+    same_as_general(lambda: m.where(c, -1, y), ("where", "", (4, 5), None, (4, 1), f32, 0))
+    same_as_general(lambda: m.where(c, x, y), ("where", "", (4, 5), (3, 4, 5), (4, 1), f32, 0))
+    # another scalar through the plan: its own converted value in the launch
+    m.greater(x, 0.5).free()
+    launches.clear()
+    m.greater(x, 7.0).free()
+    via_plan = launches[-1]
+    m.plans.pop(("compare", "greater", None, (3, 4, 5), None, f32, 0))
+    launches.clear()
+    m.greater(x, 7.0).free()
+    assert launches[-1] == via_plan
+    # what the plans leave to the general path, with its errors
+    with pytest.raises(InvalidArgumentError):
+        m.not_equal(i32, 2**40)                  # out of int32's range
+    with pytest.raises(DTypeMismatchError):
+        m.greater(x, m.from_numpy(np.ones((3, 4, 5))))
+    with pytest.raises(DTypeMismatchError):
+        m.where(m.from_numpy(np.ones((4, 5), np.float32)), x, 0.0)
+    dead = m.from_numpy(np.ones((3, 4, 5), np.float32))
+    dead.free()
+    with pytest.raises(TensorFreedError):
+        m.greater(dead, 0.5)
+    with pytest.raises(TensorFreedError):
+        m.where(c, dead, 0.0)
+    s = b.stream()
+    launches.clear()
+    with s:
+        m.greater(x, 0.5)
+        m.where(c, x, 0.0)
+    assert [l[4] for l in launches] == [s.pycuda_stream] * 2
+    r = m.greater(x, True)                       # a bool scalar: the general path
+    assert r.shape == (3, 4, 5)
+
+    # slicing: a copy (strided) or a view (contiguous), both through the key's plan
+    from cuda_backend.ops.shape import key_token
+    tok = key_token((slice(1, 3), slice(None, None, 2), 1))
+    same_as_general(lambda: x[1:3, ::2, 1], ("getitem", (3, 4, 5), f32, 0, tok))
+    tok = key_token((Ellipsis, slice(4, 0, -1)))
+    same_as_general(lambda: x[..., 4:0:-1], ("getitem", (3, 4, 5), f32, 0, tok))
+    v = x[1:]
+    key = ("getitem", (3, 4, 5), f32, 0, key_token(slice(1, None)))
+    assert key in m.plans and v.shape == (2, 4, 5) and v._ptr == x._ptr + 20 * 4
+    w = x[1:]                                    # through the plan: the same view
+    assert w._ptr == v._ptr and w._owner is x and w.shape == v.shape
+    assert key_token((slice(np.int64(1), None),)) is None     # a NumPy int: no plan
+    with pytest.raises(TensorFreedError):
+        dead[1:3, ::2, 1]
+    # concatenate: one plan for the inputs' shapes, dtype, device and axis
+    z = m.from_numpy(np.ones((3, 2, 5), np.float32))
+    same_as_general(lambda: m.concatenate([x, z], axis=1),
+                    ("concatenate", ((3, 4, 5), (3, 2, 5)), f32, 0, 1))
+    same_as_general(lambda: m.concatenate((x, x, x), axis=0),
+                    ("concatenate", ((3, 4, 5),) * 3, f32, 0, 0))
+    launches.clear()
+    r = m.concatenate([x, z], axis=1)
+    assert len(launches) == 2 and r.shape == (3, 6, 5)
+    with pytest.raises(DTypeMismatchError):      # a mismatch: the general path's error
+        m.concatenate([x, m.from_numpy(np.ones((3, 2, 5)))], axis=1)
+    with pytest.raises(TensorFreedError):
+        m.concatenate([x, dead], axis=0)
+    print("OK")
+''')
+
+
+def test_compare_where_plans_match_general_path():
+    run_script(COMPARE_SCRIPT)

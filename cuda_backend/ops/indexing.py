@@ -171,8 +171,24 @@ def _storage_value(dtype: CudaDataType, v: Any) -> np.ndarray:
 
 
 # -- comparisons ---------------------------------------------------------------------------------
+def _plan_key(name: str, op: str, a: Any, b: Any, t: CudaTensor,
+              cond: Optional[CudaTensor] = None) -> tuple:
+    """The per-call plan key of compare / where: the tensors' shapes (None for a scalar
+    operand), the dtype and the device."""
+    return (name, op, cond.shape if cond is not None else None,
+            a.shape if type(a) is CudaTensor else None,
+            b.shape if type(b) is CudaTensor else None, t.dtype, t.device_id)
+
+
 def compare(m: Any, op: str, a: Any, b: Any) -> CudaTensor:
     """op(a, b) elementwise with broadcasting: a bool tensor."""
+    t0 = a if type(a) is CudaTensor else b
+    if type(t0) is CudaTensor:
+        plan = m.plans.get(_plan_key("compare", op, a, b, t0)) if m.gpu else None
+        if plan is not None:
+            res = plan(None, a, b)
+            if res is not None:
+                return res
     if op not in _NP_COMPARE:
         raise InvalidArgumentError(f"unknown comparison {op!r}; expected one of "
                                    f"{', '.join(COMPARE_OPS)}")
@@ -209,11 +225,22 @@ def compare(m: Any, op: str, a: Any, b: Any) -> CudaTensor:
         pad(sa[::-1], MAX_DIMS) + pad(sb[::-1], MAX_DIMS)
     m.backend.launch_kernel(name, grid_blocks(n, BLOCK), out, a if ta else 0, b if tb else 0,
                             va, vb, *args, block_size=(BLOCK, 1, 1), device_id=dev)
+    key = _plan_key("compare", op, a, b, t)
+    if key not in m.plans:
+        common.remember_plan(m, key, _launch_plan(m, name, out, None, a, b, tuple(args),
+                                                  lambda v, what: _scalar_for(dtype, v, what)))
     return out
 
 
 def where(m: Any, cond: Any, a: Any, b: Any) -> CudaTensor:
     """np.where(cond, a, b): cond a bool tensor, a / b tensors of one dtype or scalars."""
+    t0 = a if type(a) is CudaTensor else b
+    if type(cond) is CudaTensor and type(t0) is CudaTensor:
+        plan = m.plans.get(_plan_key("where", "", a, b, t0, cond)) if m.gpu else None
+        if plan is not None:
+            res = plan(cond, a, b)
+            if res is not None:
+                return res
     cond = _operand(cond, "cond")
     if not isinstance(cond, CudaTensor):
         raise InvalidArgumentError(f"where: cond must be a bool CudaTensor, got "
@@ -261,7 +288,70 @@ def where(m: Any, cond: Any, a: Any, b: Any) -> CudaTensor:
         pad(sc[::-1], MAX_DIMS) + pad(sa[::-1], MAX_DIMS) + pad(sb[::-1], MAX_DIMS)
     m.backend.launch_kernel(name, grid_blocks(n, BLOCK), out, cond, a if ta else 0, b if tb else 0,
                             bits_a, bits_b, *args, block_size=(BLOCK, 1, 1), device_id=dev)
+    key = _plan_key("where", "", a, b, t, cond)
+    if key not in m.plans:
+        def bits(v: Any, what: str) -> int:
+            return int(_storage_value(dtype, _scalar_for(dtype, v, what)).view(unsigned))
+        common.remember_plan(m, key, _launch_plan(m, name, out, cond, a, b, tuple(args), bits))
     return out
+
+
+def _launch_plan(m: Any, name: str, res: CudaTensor, cond: Optional[CudaTensor], a: Any,
+                 b: Any, args: tuple, convert: Any) -> Any:
+    """The per-call plan (ops/common.py remember_plan) of compare (cond None) or where for
+    operands like these: run(cond, a, b) -> the result, or None (general path) unless every
+    tensor is live, of the plan's shape, dtype and device, on no stream, and each scalar an
+    int or a float; scalars are converted by convert(value, what) as the general path does
+    (its errors), the last few conversions kept."""
+    from ..tensor import pool_tensor
+    backend = m.backend
+    shape, rdt, dev = res.shape, res.dtype, res.device_id
+    n, nbytes = res.size, res.nbytes
+    t = a if isinstance(a, CudaTensor) else b
+    dtype = t.dtype
+    a_shape = a.shape if isinstance(a, CudaTensor) else None
+    b_shape = b.shape if isinstance(b, CudaTensor) else None
+    c_shape = cond.shape if cond is not None else None
+    go = backend.prepare_launch(backend.get_kernel(name, dev), (grid_blocks(n, BLOCK), 1, 1),
+                                (BLOCK, 1, 1), 0, dev)
+    pool = backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    direct = backend.direct_launch
+    plan_pointer = common.plan_pointer
+    BOOL = DT.BOOL
+    seen: Dict[tuple, Any] = {}
+
+    def scalar(v: Any, what: str) -> Any:
+        k = (type(v), v)
+        c = seen.get(k)
+        if c is None:
+            if len(seen) >= 64:
+                seen.clear()
+            c = seen[k] = convert(v, what)
+        return c
+
+    def run(c: Any, a: Any, b: Any) -> Optional[CudaTensor]:
+        pa: Optional[int]
+        pb: Optional[int]
+        if a_shape is None:
+            pa, va = 0, scalar(a, "a") if type(a) is float or type(a) is int else None
+        else:
+            pa, va = plan_pointer(a, a_shape, dtype, dev), 0
+        if b_shape is None:
+            pb, vb = 0, scalar(b, "b") if type(b) is float or type(b) is int else None
+        else:
+            pb, vb = plan_pointer(b, b_shape, dtype, dev), 0
+        pc = 0 if c_shape is None else plan_pointer(c, c_shape, BOOL, dev)
+        if pa is None or pb is None or pc is None or va is None or vb is None or \
+                not direct(dev):
+            return None
+        out = pool_tensor(shape, rdt, dev, alloc(nbytes, None), pool, n, nbytes)
+        if c_shape is None:
+            go(out._ptr, pa, pb, va, vb, *args)
+        else:
+            go(out._ptr, pc, pa, pb, va, vb, *args)
+        return out
+    return run
 
 
 # -- scatter_add --------------------------------------------------------------------------------

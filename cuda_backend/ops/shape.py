@@ -34,8 +34,9 @@ from ..dtypes import CudaDataType, from_bfloat16_bits
 from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..tensor import CudaTensor, normalize_shape
 from . import common
-from .shape_copy import (BLOCK, TEMPLATE, convert_host, convert_params, copy_params, copy_plan,
-                         grid_blocks, plan_copy, record, run_launches, strided_copy)
+from .shape_copy import (BLOCK, TEMPLATE, convert_host, convert_params, copies_plan,
+                         copy_params, copy_plan, grid_blocks, plan_copy, record, run_launches,
+                         strided_copy)
 from .shape_layouts import contiguous_strides, index_int, is_contiguous, make_view, parse_key
 
 DT = CudaDataType
@@ -194,6 +195,13 @@ def getitem(m: Any, x: CudaTensor, key: Any) -> CudaTensor:
     slice bounds are clipped, an integer out of range raises IndexOutOfRangeError; integers
     drop their dim): a view when the result is contiguous in memory, else a copy. A key that
     is one int32/int64 CudaTensor is take(x, key, axis=0)."""
+    tok = key_token(key) if type(x) is CudaTensor and m.gpu else None
+    if tok is not None:
+        plan = m.plans.get(("getitem", x.shape, x.dtype, x.device_id, tok))
+        if plan is not None:
+            res = plan(x)
+            if res is not None:
+                return res
     x = common.check_tensor(x, "tensor")
     if isinstance(key, CudaTensor):
         from . import indexing
@@ -201,11 +209,47 @@ def getitem(m: Any, x: CudaTensor, key: Any) -> CudaTensor:
     shape, strides, offset = parse_key(x.shape, key)
     if math.prod(shape) == 0:
         return m.backend.empty(shape, x.dtype, x.device_id)
+    dev, dtype = x.device_id, x.dtype
     if is_contiguous(shape, strides):
+        if tok is not None:
+            common.remember_plan(m, ("getitem", x.shape, dtype, dev, tok),
+                                 lambda t: make_view(t, shape, offset))
         return make_view(x, shape, offset)
-    out = m.backend.empty(shape, x.dtype, x.device_id)
-    strided_copy(m, x, offset, strides, out, 0, contiguous_strides(shape), shape)
+    out = m.backend.empty(shape, dtype, dev)
+    if not m.gpu:
+        strided_copy(m, x, offset, strides, out, 0, contiguous_strides(shape), shape)
+        return out
+    base = offset * dtype.itemsize
+    s_addr, d_addr = x.ptr + base, out.ptr
+    launches = plan_copy(m, dev, dtype, shape, strides, contiguous_strides(shape), s_addr,
+                         d_addr)
+    record(dev, x, out)
+    run_launches(m, dev, launches, s_addr, d_addr)
+    if tok is not None:
+        copy = copy_plan(m, dev, launches, shape, dtype, s_addr, d_addr, base)
+        direct = m.backend.direct_launch
+        common.remember_plan(m, ("getitem", x.shape, dtype, dev, tok),
+                             lambda t: copy(t) if direct(dev) else None)
     return out
+
+
+def key_token(key: Any) -> Any:
+    """A hashable stand-in of a basic-indexing key made of ints, slices of ints, None and
+    Ellipsis (getitem's plan key), or None for any other key (no plan)."""
+    parts = key if type(key) is tuple else (key,)
+    out: List[Any] = []
+    for k in parts:
+        if type(k) is int or k is None or k is Ellipsis:
+            out.append(k)
+        elif type(k) is slice:
+            a, b, c = k.start, k.stop, k.step
+            if not ((a is None or type(a) is int) and (b is None or type(b) is int) and
+                    (c is None or type(c) is int)):
+                return None
+            out.append(("s", a, b, c))
+        else:
+            return None
+    return tuple(out)
 
 
 def split(m: Any, x: CudaTensor, indices_or_sections: Any, axis: int = 0) -> List[CudaTensor]:
@@ -268,6 +312,13 @@ def _tensor_list(tensors: Any, what: str) -> List[CudaTensor]:
 def concatenate(m: Any, tensors: Any, axis: Optional[int] = 0) -> CudaTensor:
     """np.concatenate: tensors of one dtype whose shapes agree except along axis (None:
     flattened first); one copy launch per non-empty input, into the result at its offset."""
+    key = _concat_key(m, tensors, axis)
+    if key is not None:
+        plan = m.plans.get(key)
+        if plan is not None and m.backend.direct_launch(key[3]):
+            res = plan(tensors)
+            if res is not None:
+                return res
     ts = _tensor_list(tensors, "concatenate")
     if axis is None:
         ts = [make_view(t, (t.size,)) for t in ts]
@@ -296,13 +347,43 @@ def concatenate(m: Any, tensors: Any, axis: Optional[int] = 0) -> CudaTensor:
     if out.size == 0:
         return out
     ostr = contiguous_strides(shape)
-    off = 0
-    for t in ts:
-        if t.size:
+    if not m.gpu:
+        off = 0
+        for t in ts:
             strided_copy(m, t, 0, contiguous_strides(t.shape), out, off * ostr[ax], ostr,
                          t.shape)
+            off += t.shape[ax]
+        return out
+    dev, dtype, item = out.device_id, out.dtype, out.dtype.itemsize
+    parts = []
+    off = 0
+    for i, t in enumerate(ts):
+        if t.size:
+            base = off * ostr[ax] * item
+            launches = plan_copy(m, dev, dtype, t.shape, contiguous_strides(t.shape), ostr,
+                                 t.ptr, out.ptr + base)
+            record(dev, t, out)
+            run_launches(m, dev, launches, t.ptr, out.ptr + base)
+            parts.append((i, launches, t.ptr, base))
         off += t.shape[ax]
+    if key is not None:
+        common.remember_plan(m, key, copies_plan(m, dev, parts, shape, dtype, out.ptr))
     return out
+
+
+def _concat_key(m: Any, tensors: Any, axis: Any) -> Optional[tuple]:
+    """concatenate's plan key (every input's shape, the first's dtype and device, the axis),
+    or None: no plan for this call (not a list or tuple of CudaTensors, axis not an int)."""
+    if not m.gpu or type(axis) is not int or type(tensors) not in (list, tuple) or \
+            not tensors:
+        return None
+    shapes = []
+    for t in tensors:
+        if type(t) is not CudaTensor:
+            return None
+        shapes.append(t.shape)
+    t0 = tensors[0]
+    return ("concatenate", tuple(shapes), t0.dtype, t0.device_id, axis)
 
 
 def stack(m: Any, tensors: Any, axis: int = 0) -> CudaTensor:

@@ -237,11 +237,12 @@ def strided_copy(m: Any, src: CudaTensor, src_off: int, in_strides: Sequence[int
 
 
 def copy_plan(m: Any, dev: int, launches: List[Launch], shape: Tuple[int, ...],
-               dtype: CudaDataType, src_addr: int, dst_addr: int) -> Any:
+               dtype: CudaDataType, src_addr: int, dst_addr: int, src_base: int = 0) -> Any:
     """The per-call plan (ops/common.py remember_plan) of a copy into a new tensor: the
     allocation and the prepared launches made for sources and results at these addresses
     modulo 16 (the launches' access widths follow the alignment); other alignments return
-    None (the general path)."""
+    None (the general path). src_base: bytes from the source tensor's pointer to the copy's
+    first element (a slice's offset)."""
     backend = m.backend
     pool = backend.memory_pools[dev]
     alloc = pool.allocate_current
@@ -254,8 +255,9 @@ def copy_plan(m: Any, dev: int, launches: List[Launch], shape: Tuple[int, ...],
 
     def run(x: CudaTensor) -> Optional[CudaTensor]:
         px = x._ptr
-        if px is None or x.stream is not None or px % 16 != sa:
+        if px is None or x.stream is not None or (px + src_base) % 16 != sa:
             return None
+        px += src_base
         out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
         po = out._ptr
         if po % 16 != da:
@@ -263,6 +265,44 @@ def copy_plan(m: Any, dev: int, launches: List[Launch], shape: Tuple[int, ...],
             return None
         for so, do, go, args in prepared:
             go(px + so, po + do, *args)
+        return out
+    return run
+
+
+def copies_plan(m: Any, dev: int, parts: List[Tuple[int, List[Launch], int, int]],
+                shape: Tuple[int, ...], dtype: CudaDataType, dst_addr: int) -> Any:
+    """The per-call plan of copies from several sources into one new tensor (concatenate's):
+    parts = (source index, its launches, its address, its bytes from the result's start);
+    run(sources) -> the result, or None (general path) where a source is freed, on a
+    stream, of another dtype or device, or not at its first call's address modulo 16."""
+    backend = m.backend
+    pool = backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    size = math.prod(shape)
+    nbytes = size * dtype.itemsize
+    da = dst_addr % 16
+    prepared = [(i, src_addr % 16, [(L.src_off, base + L.dst_off,
+                                     backend.prepare_launch(m.kernel(L.template, dev, **L.params),
+                                                            L.grid, L.block, 0, dev), L.args)
+                                    for L in launches])
+                for i, launches, src_addr, base in parts]
+
+    def run(srcs: Any) -> Optional[CudaTensor]:
+        for i, sa, _ in prepared:
+            t = srcs[i]
+            px = t._ptr
+            if px is None or t.stream is not None or t.dtype is not dtype or \
+                    t.device_id != dev or px % 16 != sa:
+                return None
+        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
+        po = out._ptr
+        if po % 16 != da:
+            out.free()
+            return None
+        for i, _, launches in prepared:
+            px = srcs[i]._ptr
+            for so, do, go, args in launches:
+                go(px + so, po + do, *args)
         return out
     return run
 
