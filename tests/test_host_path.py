@@ -1524,6 +1524,14 @@ COMPARE_SCRIPT = script(STUBS, r'''
         m.concatenate([x, m.from_numpy(np.ones((3, 2, 5)))], axis=1)
     with pytest.raises(TensorFreedError):
         m.concatenate([x, dead], axis=0)
+    # astype: one plan per (shape, dtype, target, device), vectorized where aligned
+    same_as_general(lambda: m.astype(x, "float16"), ("astype", (3, 4, 5), f32, "float16", 0))
+    same_as_general(lambda: m.astype(i32, DT.FLOAT64),
+                    ("astype", (7,), DT.INT32, DT.FLOAT64, 0))
+    three = m.from_numpy(np.ones(3, np.float32))
+    same_as_general(lambda: m.astype(three, "bfloat16"), ("astype", (3,), f32, "bfloat16", 0))
+    with pytest.raises(TensorFreedError):
+        m.astype(dead, "float16")
     print("OK")
 ''')
 

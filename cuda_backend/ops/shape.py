@@ -426,6 +426,12 @@ def broadcast_to(m: Any, x: CudaTensor, shape: Any) -> CudaTensor:
 # -- astype -----------------------------------------------------------------------------------
 def astype(m: Any, x: CudaTensor, dtype: Any) -> CudaTensor:
     """A new tensor of x's values converted to dtype (NumPy's astype; see the module doc)."""
+    if type(x) is CudaTensor and m.gpu and (type(dtype) is str or type(dtype) is CudaDataType):
+        plan = m.plans.get(("astype", x.shape, x.dtype, dtype, x.device_id))
+        if plan is not None:
+            res = plan(x)
+            if res is not None:
+                return res
     x = common.check_tensor(x, "tensor")
     dst = CudaDataType.from_any(dtype)
     if dst is x.dtype:
@@ -445,4 +451,38 @@ def astype(m: Any, x: CudaTensor, dtype: Any) -> CudaTensor:
     grid = grid_blocks(n // g if vec else n, BLOCK)
     m.backend.launch_kernel(name, grid, x, out, n, vec, block_size=(BLOCK, 1, 1),
                             device_id=dev)
+    if type(dtype) is str or type(dtype) is CudaDataType:
+        common.remember_plan(m, ("astype", x.shape, x.dtype, dtype, dev),
+                             _astype_plan(m, name, x, dst, g))
     return out
+
+
+def _astype_plan(m: Any, name: str, x: CudaTensor, dst: CudaDataType, g: int) -> Any:
+    """astype's per-call plan for tensors like x into dst (ops/common.py remember_plan):
+    run(x) -> the converted tensor, or None (general path: freed, on a stream, no direct
+    launch); the vectorized launch where both pointers are 16-byte aligned, as the general
+    path chooses."""
+    from ..tensor import pool_tensor
+    backend = m.backend
+    shape, src, dev, n = x.shape, x.dtype, x.device_id, x.size
+    nbytes = n * dst.itemsize
+    kernel = backend.get_kernel(name, dev)
+    by_vec = [backend.prepare_launch(kernel, (grid_blocks(n, BLOCK), 1, 1), (BLOCK, 1, 1), 0,
+                                     dev),
+              backend.prepare_launch(kernel, (grid_blocks(n // g, BLOCK), 1, 1), (BLOCK, 1, 1),
+                                     0, dev)]
+    pool = backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    direct = backend.direct_launch
+    plan_pointer = common.plan_pointer
+
+    def run(t: CudaTensor) -> Optional[CudaTensor]:
+        px = plan_pointer(t, shape, src, dev)
+        if px is None or not direct(dev):
+            return None
+        out = pool_tensor(shape, dst, dev, alloc(nbytes, None), pool, n, nbytes)
+        po = out._ptr
+        vec = int(not (px | po) % 16)
+        by_vec[vec](px, po, n, vec)
+        return out
+    return run
