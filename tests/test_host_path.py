@@ -1532,6 +1532,13 @@ COMPARE_SCRIPT = script(STUBS, r'''
     same_as_general(lambda: m.astype(three, "bfloat16"), ("astype", (3,), f32, "bfloat16", 0))
     with pytest.raises(TensorFreedError):
         m.astype(dead, "float16")
+    # broadcast_to (materialized): the copy's plan per (shape, dtype, device, target shape)
+    same_as_general(lambda: m.broadcast_to(y, (2, 4, 5)),
+                    ("broadcast_to", (4, 1), f32, 0, (2, 4, 5)))
+    same_as_general(lambda: m.broadcast_to(three, (4, 3)),
+                    ("broadcast_to", (3,), f32, 0, (4, 3)))
+    with pytest.raises(TensorFreedError):
+        m.broadcast_to(dead, (3, 4, 5))
     print("OK")
 ''')
 

@@ -402,7 +402,14 @@ def stack(m: Any, tensors: Any, axis: int = 0) -> CudaTensor:
 
 def broadcast_to(m: Any, x: CudaTensor, shape: Any) -> CudaTensor:
     """np.broadcast_to, materialized (tensors are contiguous): a new tensor of shape."""
+    if type(x) is CudaTensor and type(shape) is tuple and m.gpu:
+        plan = m.plans.get(("broadcast_to", x.shape, x.dtype, x.device_id, shape))
+        if plan is not None:
+            res = plan(x)
+            if res is not None:
+                return res
     x = common.check_tensor(x, "tensor")
+    key_shape = shape
     shape = normalize_shape(shape)
     nd = len(shape)
     if nd < x.ndim:
@@ -419,7 +426,19 @@ def broadcast_to(m: Any, x: CudaTensor, shape: Any) -> CudaTensor:
                 f"cannot broadcast a tensor of shape {x.shape} to shape {shape} (dimension "
                 f"-{i}: {have} vs {want})")
     out = m.backend.empty(shape, x.dtype, x.device_id)
-    strided_copy(m, x, 0, strides, out, 0, contiguous_strides(shape), shape)
+    if not m.gpu or out.size == 0:
+        strided_copy(m, x, 0, strides, out, 0, contiguous_strides(shape), shape)
+        return out
+    dev = x.device_id
+    launches = plan_copy(m, dev, x.dtype, shape, strides, contiguous_strides(shape), x.ptr,
+                         out.ptr)
+    record(dev, x, out)
+    run_launches(m, dev, launches, x.ptr, out.ptr)
+    if type(key_shape) is tuple:
+        copy = copy_plan(m, dev, launches, shape, x.dtype, x.ptr, out.ptr)
+        direct = m.backend.direct_launch
+        common.remember_plan(m, ("broadcast_to", x.shape, x.dtype, dev, key_shape),
+                             lambda t: copy(t) if direct(dev) else None)
     return out
 
 
