@@ -34,9 +34,8 @@ from ..dtypes import CudaDataType, from_bfloat16_bits
 from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..tensor import CudaTensor, normalize_shape
 from . import common
-from .shape_copy import (BLOCK, TEMPLATE, convert_host, convert_params, copies_plan,
-                         copy_params, copy_plan, grid_blocks, plan_copy, record, run_launches,
-                         strided_copy)
+from .shape_copy import (BLOCK, TEMPLATE, convert_host, convert_params, copies_plan, copy_into,
+                         copy_params, copy_plan, grid_blocks, strided_copy)
 from .shape_layouts import contiguous_strides, index_int, is_contiguous, make_view, parse_key
 
 DT = CudaDataType
@@ -171,10 +170,7 @@ def permute(m: Any, x: CudaTensor, axes: Any, what: str = "permute") -> CudaTens
         strided_copy(m, x, 0, in_strides, out, 0, contiguous_strides(shape), shape)
         return out
     dev = x.device_id
-    launches = plan_copy(m, dev, x.dtype, shape, in_strides, contiguous_strides(shape), x.ptr,
-                         out.ptr)
-    record(dev, x, out)
-    run_launches(m, dev, launches, x.ptr, out.ptr)
+    launches = copy_into(m, x, 0, in_strides, out, 0, contiguous_strides(shape), shape)
     if type(axes) is tuple:
         common.remember_plan(m, ("permute", x.shape, x.dtype, axes, dev),
                              copy_plan(m, dev, launches, shape, x.dtype, x.ptr, out.ptr))
@@ -220,13 +216,9 @@ def getitem(m: Any, x: CudaTensor, key: Any) -> CudaTensor:
         strided_copy(m, x, offset, strides, out, 0, contiguous_strides(shape), shape)
         return out
     base = offset * dtype.itemsize
-    s_addr, d_addr = x.ptr + base, out.ptr
-    launches = plan_copy(m, dev, dtype, shape, strides, contiguous_strides(shape), s_addr,
-                         d_addr)
-    record(dev, x, out)
-    run_launches(m, dev, launches, s_addr, d_addr)
+    launches = copy_into(m, x, base, strides, out, 0, contiguous_strides(shape), shape)
     if tok is not None:
-        copy = copy_plan(m, dev, launches, shape, dtype, s_addr, d_addr, base)
+        copy = copy_plan(m, dev, launches, shape, dtype, x.ptr + base, out.ptr, base)
         direct = m.backend.direct_launch
         common.remember_plan(m, ("getitem", x.shape, dtype, dev, tok),
                              lambda t: copy(t) if direct(dev) else None)
@@ -360,10 +352,8 @@ def concatenate(m: Any, tensors: Any, axis: Optional[int] = 0) -> CudaTensor:
     for i, t in enumerate(ts):
         if t.size:
             base = off * ostr[ax] * item
-            launches = plan_copy(m, dev, dtype, t.shape, contiguous_strides(t.shape), ostr,
-                                 t.ptr, out.ptr + base)
-            record(dev, t, out)
-            run_launches(m, dev, launches, t.ptr, out.ptr + base)
+            launches = copy_into(m, t, 0, contiguous_strides(t.shape), out, base, ostr,
+                                 t.shape)
             parts.append((i, launches, t.ptr, base))
         off += t.shape[ax]
     if key is not None:
@@ -430,10 +420,7 @@ def broadcast_to(m: Any, x: CudaTensor, shape: Any) -> CudaTensor:
         strided_copy(m, x, 0, strides, out, 0, contiguous_strides(shape), shape)
         return out
     dev = x.device_id
-    launches = plan_copy(m, dev, x.dtype, shape, strides, contiguous_strides(shape), x.ptr,
-                         out.ptr)
-    record(dev, x, out)
-    run_launches(m, dev, launches, x.ptr, out.ptr)
+    launches = copy_into(m, x, 0, strides, out, 0, contiguous_strides(shape), shape)
     if type(key_shape) is tuple:
         copy = copy_plan(m, dev, launches, shape, x.dtype, x.ptr, out.ptr)
         direct = m.backend.direct_launch

@@ -228,12 +228,21 @@ def strided_copy(m: Any, src: CudaTensor, src_off: int, in_strides: Sequence[int
         _host_layout(dst, dst_off, out_strides, shape)[...] = \
             _host_layout(src, src_off, in_strides, shape)
         return
-    dev = src.device_id
     item = src.dtype.itemsize
-    s_addr, d_addr = src.ptr + src_off * item, dst.ptr + dst_off * item
+    copy_into(m, src, src_off * item, in_strides, dst, dst_off * item, out_strides, shape)
+
+
+def copy_into(m: Any, src: CudaTensor, src_base: int, in_strides: Sequence[int],
+              dst: CudaTensor, dst_base: int, out_strides: Sequence[int],
+              shape: Sequence[int]) -> List[Launch]:
+    """strided_copy's launches on the GPU (bases in bytes from each tensor's pointer, a
+    non-empty shape), returned for a per-call plan (copy_plan / copies_plan)."""
+    dev = src.device_id
+    s_addr, d_addr = src.ptr + src_base, dst.ptr + dst_base
     launches = plan_copy(m, dev, src.dtype, shape, in_strides, out_strides, s_addr, d_addr)
     record(dev, src, dst)
     run_launches(m, dev, launches, s_addr, d_addr)
+    return launches
 
 
 def copy_plan(m: Any, dev: int, launches: List[Launch], shape: Tuple[int, ...],
