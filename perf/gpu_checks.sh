@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One batched pass over everything that needs a GPU, for a device session of limited time.
-#   perf/gpu_checks.sh [stage ...]      stages: core tests fuzz bench bench_math multigpu sweep
-#   report sanitize memcheck racecheck synccheck initcheck (default: core tests bench)
+#   perf/gpu_checks.sh [stage ...]      stages: core tests tests_heavy tests_rest kc_load kc_save
+#   fuzz bench bench_math multigpu sweep report sanitize memcheck racecheck synccheck initcheck
+#   (default: core tests bench). The whole suite no longer fits one 600 s device call: run
+#   `kc_load tests_heavy kc_save` in one call and `kc_load tests_rest` in the next.
 # Writes into ${OUT:-/tmp/gpu-checks}: tests.log, fuzz.log, bench.log, bench_*.json,
 # sweep_rows.json, report.tgz, sanitize-<tool>.log. The device tool returns 8 files at most: pick
 # stages accordingly. Each stage has its own time limit (TESTS_LIMIT, FUZZ_LIMIT, LIMIT_<tool>)
@@ -29,6 +31,23 @@ for stage in "${stages[@]}"; do
       # tests that need the GPU to themselves (fill its memory, read the driver's free memory)
       T 200 python3 -m pytest -q -p no:cacheprovider -m "exclusive" --timeout 180 -rfE tests \
           2>&1 | tee -a "$out/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 10 ;;
+    tests_heavy|tests_rest)   # the suite in two calls of under 600 s each: the files that
+            # compile and autotune most (HEAVY), then every other one (-n 15 on 16 cores)
+      HEAVY="test_matmul test_matmul_backward test_linear test_conv2d test_conv2d_backward
+             test_optimizers test_graphs test_nn test_indexing test_backend_runtime test_host_path"
+      sel=""
+      for f in $HEAVY; do
+        if [ "$stage" = tests_heavy ]; then sel="$sel tests/$f.py"; else sel="$sel --ignore=tests/$f.py"; fi
+      done
+      [ "$stage" = tests_rest ] && sel="$sel --ignore=tests/test_templates.py tests"
+      T "${TESTS_LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider -m "not slow and not exclusive" \
+          -n "${TEST_WORKERS:-15}" --timeout 300 -rfE $sel \
+          2>&1 | tee -a "$out/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 60 ;;
+    kc_load)   # a kernel cache saved by kc_save in an earlier call, carried as .kc/kc.tgz
+      [ -e .kc/kc.tgz ] && mkdir -p "$CUDA_BACKEND_CACHE_DIR" && \
+          tar -xzf .kc/kc.tgz -C "$CUDA_BACKEND_CACHE_DIR" && echo "kernel cache loaded" ;;
+    kc_save)   # the kernel cache as $out/kc.tgz (bring it back, carry it as .kc/kc.tgz)
+      tar -czf "$out/kc.tgz" -C "$CUDA_BACKEND_CACHE_DIR" . && ls -la "$out/kc.tgz" ;;
     bench)
       T 120 python3 perf/bench_core.py --out "$out/bench_core.json" 2>&1 | tee -a "$out/bench.log"
       T 200 python3 perf/bench_math.py --out "$out/bench_math.json" 2>&1 | tail -n 25 | tee -a "$out/bench.log"
