@@ -563,6 +563,168 @@ def _cases() -> list:
         Case("mlp_graph", "mlp_forward as a CUDA graph (torch: eager)",
              mlp_in,
              mlp_graph_ours, mlp_torch),
+    ] + _more_cases()
+
+
+# case -> the public op (registry.OPS name after the class) it times, where the names differ
+COVERS = {
+    "gelu_exact": "activation", "leaky_relu": "activation", "elu": "activation",
+    "silu": "activation", "batch_norm_infer": "batch_norm", "batch_norm_train": "batch_norm",
+    "slice_copy": "getitem", "add_broadcast": "add", "multiply_scalar": "multiply",
+    "greater_equal_s": "greater_equal", "less_s": "less", "less_equal_s": "less_equal",
+    "equal_t": "equal", "not_equal_s": "not_equal",
+}
+
+
+def _more_cases() -> list:
+    """The public ops the cases above leave out (gradients, shape and indexing ops, the
+    other comparisons, linear and cross-entropy), so that every registry.OPS entry has a row
+    (tests/test_host_path.py checks it). PyTorch's peer is the aten op autograd runs."""
+    from functools import partial as P
+    import numpy as np
+
+    def aten(c):
+        return c.torch.ops.aten
+
+    def idx(c, values, torch_side=False):
+        a = np.asarray(values, np.int64)
+        return c.torch.as_tensor(a, device="cuda") if torch_side else c.m.from_numpy(a)
+
+    def grad_act(name, their):
+        return Case(f"{name}_backward", "1,024 (grad, x or y)", [V, V],
+                    lambda c, g, x: P(getattr(c.ml, f"{name}_backward"), g, x),
+                    lambda c, g, x: P(their(c), g, x))
+
+    def cmp(name, torch_name, scalar=True):
+        suffix = "_s" if scalar else "_t"
+        return Case(name + suffix, "64x64 vs 0.5" if scalar else "64x64 vs 64x64",
+                    [M] if scalar else [M, M],
+                    (lambda c, x: P(getattr(c.m, name), x, 0.5)) if scalar else
+                    (lambda c, a, b: P(getattr(c.m, name), a, b)),
+                    (lambda c, x: P(getattr(c.torch, torch_name), x, 0.5)) if scalar else
+                    (lambda c, a, b: P(getattr(c.torch, torch_name), a, b)))
+
+    def ln_bwd_torch(c, g, x, w):
+        b = c.torch.zeros_like(w)
+        _, mean, rstd = aten(c).native_layer_norm(x, [64], w, b, 1e-5)
+        return P(aten(c).native_layer_norm_backward, g, x, [64], mean, rstd, w, b,
+                 [True, True, True])
+
+    def bn_bwd_torch(c, g, x, w):
+        rm, rv = c.torch.zeros(8, device="cuda"), c.torch.ones(8, device="cuda")
+        _, sm, sv = aten(c).native_batch_norm(x, w, None, rm, rv, True, 0.1, 1e-5)
+        return P(aten(c).native_batch_norm_backward, g, x, w, rm, rv, sm, sv, True, 1e-5,
+                 [True, True, True])
+
+    def maxpool_bwd_torch(c, g, x):
+        _, ind = aten(c).max_pool2d_with_indices(x, [2, 2], [2, 2])
+        return P(aten(c).max_pool2d_with_indices_backward, g, x, [2, 2], [2, 2], [0, 0],
+                 [1, 1], False, ind)
+
+    def ce_torch(c, x):
+        return P(c.F.cross_entropy, x, idx(c, np.arange(64) % 64, True))
+
+    def ce_bwd_torch(c, x):
+        lab = idx(c, np.arange(64) % 64, True)
+        ls = c.torch.log_softmax(x, -1)
+        one = c.torch.ones((), device="cuda")
+        return lambda: aten(c)._log_softmax_backward_data(
+            aten(c).nll_loss_backward(one, ls, lab, None, 1, -100, one), ls, -1,
+            c.torch.float32)
+
+    def attn_bwd_ours(c, g, q, k, v):
+        out, lse = c.ml.flash_attention(q, k, v, return_lse=True)
+        return P(c.ml.flash_attention_backward, g, q, k, v, out, lse)
+
+    def ce_stats_ours(c, x):
+        lab = idx(c, np.arange(64) % 64)
+        _, st = c.ml.cross_entropy(x, lab, check_labels=False, return_row_stats=True)
+        return P(c.ml.cross_entropy_backward, x, lab, 1.0, "mean", -100, False, st)
+
+    return [
+        # gradients
+        grad_act("relu", lambda c: lambda g, x: aten(c).threshold_backward(g, x, 0)),
+        grad_act("leaky_relu",
+                 lambda c: lambda g, x: aten(c).leaky_relu_backward(g, x, 0.01, False)),
+        grad_act("elu", lambda c: lambda g, x: aten(c).elu_backward(g, 1.0, 1, 1, False, x)),
+        grad_act("gelu", lambda c: lambda g, x: aten(c).gelu_backward(g, x, approximate="tanh")),
+        grad_act("sigmoid", lambda c: aten(c).sigmoid_backward),
+        grad_act("tanh", lambda c: aten(c).tanh_backward),
+        Case("softmax_backward", "64x64 (grad, y)", [M, M],
+             lambda c, g, y: P(c.ml.softmax_backward, g, y),
+             lambda c, g, y: P(aten(c)._softmax_backward_data, g, y, -1, c.torch.float32)),
+        Case("log_softmax_backward", "64x64 (grad, y)", [M, M],
+             lambda c, g, y: P(c.ml.log_softmax_backward, g, y),
+             lambda c, g, y: P(aten(c)._log_softmax_backward_data, g, y, -1,
+                               c.torch.float32)),
+        Case("dropout_backward", "1,024 keep 0.5", [V],
+             lambda c, g: P(c.ml.dropout_backward, g, 0.5, 7),
+             lambda c, g: P(aten(c).native_dropout_backward, g, g > 1.0, 2.0)),
+        Case("layer_norm_backward", "64x64 weight", [M, M, (64,)],
+             lambda c, g, x, w: P(c.ml.layer_norm_backward, g, x, w), ln_bwd_torch),
+        Case("batch_norm_backward", "(1,8,16,16) training", [NCHW, NCHW, C8],
+             lambda c, g, x, w: P(c.ml.batch_norm_backward, g, x, w), bn_bwd_torch),
+        Case("max_pool2d_backward", "(1,8,16,16) 2x2", [(1, 8, 8, 8), NCHW],
+             lambda c, g, x: P(c.ml.max_pool2d_backward, g, x, 2), maxpool_bwd_torch),
+        Case("avg_pool2d_backward", "(1,8,16,16) 2x2", [(1, 8, 8, 8), NCHW],
+             lambda c, g, x: P(c.ml.avg_pool2d_backward, g, x, 2),
+             lambda c, g, x: P(aten(c).avg_pool2d_backward, g, x, [2, 2], [2, 2], [0, 0],
+                               False, True, None)),
+        Case("conv2d_backward", "(1,8,16,16)*(8,8,3,3) pad 1", [NCHW, NCHW, (8, 8, 3, 3)],
+             lambda c, g, x, w: P(c.ml.conv2d_backward, g, x, w,
+                                  c.ConvolutionConfig(3, padding=1)),
+             lambda c, g, x, w: P(aten(c).convolution_backward, g, x, w, None, [1, 1],
+                                  [1, 1], [1, 1], False, [0, 0], 1, [True, True, False])),
+        Case("flash_attention_backward", "(1,2,64,64) (torch: none timed)", [QKV] * 4,
+             attn_bwd_ours),
+        Case("linear", "32x1024 @ 1024x1024 + b", [(32, 1024), ((1024, 1024), 1024 ** -0.5),
+                                                  (1024,)],
+             lambda c, x, w, b: P(c.ml.linear, x, w, b),
+             lambda c, x, w, b: P(c.F.linear, x, w, b)),
+        Case("linear_backward", "32x1024 @ 1024x1024 + b", [(32, 1024), (32, 1024),
+                                                           (1024, 1024)],
+             lambda c, g, x, w: P(c.ml.linear_backward, g, x, w, True),
+             lambda c, g, x, w: lambda: (g @ w, g.t() @ x, g.sum(0))),
+        Case("fused_linear_gelu_backward", "32x1024 @ 1024x1024 + b (torch: none timed)",
+             [(32, 1024), (32, 1024), (1024, 1024), (1024,)],
+             lambda c, g, x, w, b: P(c.ml.fused_linear_gelu_backward, g, x, w, b)),
+        Case("matmul_backward", "64^3", [M, M, M],
+             lambda c, g, a, b: P(c.ml.matmul_backward, g, a, b),
+             lambda c, g, a, b: lambda: (g @ b.t(), a.t() @ g)),
+        Case("cross_entropy", "64x64, int64 labels, unchecked", [M],
+             lambda c, x: P(c.ml.cross_entropy, x, idx(c, np.arange(64) % 64), "mean",
+                            -100, False), ce_torch),
+        Case("cross_entropy_backward", "64x64, from row stats", [M], ce_stats_ours,
+             ce_bwd_torch),
+        # shape and indexing ops
+        Case("reshape", "64x64 -> 4096 (a view)", [M],
+             lambda c, x: P(c.m.reshape, x, (4096,)), lambda c, x: P(x.reshape, 4096)),
+        Case("view", "64x64 -> 4096", [M], lambda c, x: P(c.m.view, x, (4096,)),
+             lambda c, x: P(x.view, 4096)),
+        Case("permute", "(1,8,16,16) -> (0,2,3,1)", [NCHW],
+             lambda c, x: P(c.m.permute, x, (0, 2, 3, 1)),
+             lambda c, x: lambda: x.permute(0, 2, 3, 1).contiguous()),
+        Case("transpose", "64x64", [M], lambda c, x: P(c.m.transpose, x),
+             lambda c, x: lambda: x.t().contiguous()),
+        Case("split", "64x64 into 2 along axis 1", [M],
+             lambda c, x: P(c.m.split, x, 2, axis=1),
+             lambda c, x: lambda: [t.contiguous() for t in c.torch.split(x, 32, dim=1)]),
+        Case("stack", "2 x 64x64", [M, M], lambda c, a, b: P(c.m.stack, [a, b]),
+             lambda c, a, b: P(c.torch.stack, [a, b])),
+        Case("broadcast_to", "1,024 -> 4x1,024", [V],
+             lambda c, x: P(c.m.broadcast_to, x, (4, 1024)),
+             lambda c, x: lambda: x.expand(4, 1024).contiguous()),
+        Case("take", "8 rows of 64x64, unchecked", [M],
+             lambda c, x: P(c.m.take, x, idx(c, np.arange(8)), 0, False),
+             lambda c, x: P(c.torch.index_select, x, 0, idx(c, np.arange(8), True))),
+        Case("gather", "64x64 along axis 1, 64x3 indices, unchecked", [M],
+             lambda c, x: P(c.m.gather, x, idx(c, np.zeros((64, 3))), 1, False),
+             lambda c, x: P(c.torch.gather, x, 1, idx(c, np.zeros((64, 3)), True))),
+        Case("scatter_add", "8 rows into 64x64, unchecked", [M, (8, 64)],
+             lambda c, t, src: P(c.m.scatter_add, t, idx(c, np.arange(8)), src, 0, False),
+             lambda c, t, src: P(t.index_add_, 0, idx(c, np.arange(8), True), src)),
+        cmp("equal", "eq", scalar=False), cmp("not_equal", "ne"), cmp("less", "lt"),
+        cmp("less_equal", "le"), cmp("greater_equal", "ge"),
     ]
 
 

@@ -1545,3 +1545,19 @@ COMPARE_SCRIPT = script(STUBS, r'''
 
 def test_compare_where_plans_match_general_path():
     run_script(COMPARE_SCRIPT)
+
+
+def test_every_public_op_has_a_host_path_case():
+    """perf/bench_host_path.py times every public CudaMath / CudaML operation (registry.OPS)
+    against PyTorch: each has a case of its name, or one COVERS maps to it."""
+    sys.path.insert(0, os.path.join(ROOT, "perf"))
+    try:
+        import bench_host_path as bhp
+    finally:
+        sys.path.pop(0)
+    from cuda_backend import registry
+    names = {c.name for c in bhp._cases()}
+    assert set(bhp.COVERS) <= names
+    covered = names | set(bhp.COVERS.values())
+    missing = sorted(op for op in registry.OPS if op.split(".", 1)[1] not in covered)
+    assert not missing, f"public ops without a perf/bench_host_path.py case: {missing}"
