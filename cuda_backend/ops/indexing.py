@@ -180,15 +180,19 @@ def _plan_key(name: str, op: str, a: Any, b: Any, t: CudaTensor,
             b.shape if type(b) is CudaTensor else None, t.dtype, t.device_id)
 
 
+def _planned(m: Any, key: tuple, cond: Any, a: Any, b: Any) -> Optional[CudaTensor]:
+    """The result through the per-call plan of key, or None (no plan, or it steps aside)."""
+    plan = m.plans.get(key) if m.gpu else None
+    return None if plan is None else plan(cond, a, b)
+
+
 def compare(m: Any, op: str, a: Any, b: Any) -> CudaTensor:
     """op(a, b) elementwise with broadcasting: a bool tensor."""
     t0 = a if type(a) is CudaTensor else b
     if type(t0) is CudaTensor:
-        plan = m.plans.get(_plan_key("compare", op, a, b, t0)) if m.gpu else None
-        if plan is not None:
-            res = plan(None, a, b)
-            if res is not None:
-                return res
+        res = _planned(m, _plan_key("compare", op, a, b, t0), None, a, b)
+        if res is not None:
+            return res
     if op not in _NP_COMPARE:
         raise InvalidArgumentError(f"unknown comparison {op!r}; expected one of "
                                    f"{', '.join(COMPARE_OPS)}")
@@ -236,11 +240,9 @@ def where(m: Any, cond: Any, a: Any, b: Any) -> CudaTensor:
     """np.where(cond, a, b): cond a bool tensor, a / b tensors of one dtype or scalars."""
     t0 = a if type(a) is CudaTensor else b
     if type(cond) is CudaTensor and type(t0) is CudaTensor:
-        plan = m.plans.get(_plan_key("where", "", a, b, t0, cond)) if m.gpu else None
-        if plan is not None:
-            res = plan(cond, a, b)
-            if res is not None:
-                return res
+        res = _planned(m, _plan_key("where", "", a, b, t0, cond), cond, a, b)
+        if res is not None:
+            return res
     cond = _operand(cond, "cond")
     if not isinstance(cond, CudaTensor):
         raise InvalidArgumentError(f"where: cond must be a bool CudaTensor, got "
