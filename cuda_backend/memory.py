@@ -180,10 +180,19 @@ class MemoryPool(StreamOrder):
         return StreamBlock(self, block, stream, self._alloc_size(nbytes))
 
     def _allocate_for_graph(self, graph: GraphMemory, nbytes: int) -> StreamBlock:
-        """An allocation on a stream that captures a graph: a block the capture freed, else
-        one from the pool; either way owned by the graph."""
+        """An allocation on a stream that captures a graph: a block the capture freed (of
+        this size, else the smallest at most 1/4 larger), else one from the pool; either way
+        owned by the graph."""
         size = self._alloc_size(nbytes)
         reusable = graph.free_bins.get(size)
+        if not reusable and graph.free_bins:
+            # best fit: the smallest freed block at most 1/4 over this one (a capture runs
+            # once; its freed blocks are the graph's for good: tests/test_graphs.py)
+            fits = [s for s, blocks in graph.free_bins.items()
+                    if blocks and size < s <= size + size // 4]
+            if fits:
+                size = min(fits)
+                reusable = graph.free_bins[size]
         if reusable:
             with self._lock:
                 self._hits += 1
