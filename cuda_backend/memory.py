@@ -4,7 +4,10 @@
 pure-Python `HostBinnedPool` with the same interface) and adds what users of CuPy and
 PyTorch expect: usage statistics, a limit, pointer-level allocate/free, and on failure
 free cached blocks -> collect garbage -> retry once -> raise `CudaOutOfMemoryError`.
-Sizes in the statistics are the pool's block sizes (requests rounded up to its bins).
+Sizes in the statistics are the pools' block sizes (requests rounded up to their bins):
+requests of LARGE_BLOCK (16 MiB) or more go to a second pool with finer bins (at most 1/16
+over the request, where PyCUDA's bins take up to 1/4: perf/NOTES.md, GPT-2-small peak
+memory), the rest to the binned pool; the statistics sum the two.
 
 Stream order (memory_streams.py): a block used on the stream of a `with stream:` is reused by
 another stream only after the work issued on it before the free has completed (PyTorch's
@@ -29,7 +32,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Type
 import numpy as np
 
 from .errors import CudaOutOfMemoryError, InvalidArgumentError, InvalidPointerError
-from .memory_host import HostBinnedPool, PinnedHostPool
+from .memory_host import LARGE_BLOCK, HostBinnedPool, PinnedHostPool
 from .memory_streams import DriverEvents, GraphMemory, StreamBlock, StreamOrder, record_stream
 from .streams import current_pycuda_stream, local_state as _stream_local
 
@@ -54,10 +57,15 @@ class MemoryPool(StreamOrder):
     def __init__(self, device_id: int, pool: Any, *, device_total: int = 0,
                  activate: Optional[Callable[[], Any]] = None,
                  oom_errors: Tuple[Type[BaseException], ...] = (MemoryError,),
-                 events: Any = None) -> None:
+                 events: Any = None, large: Optional[HostBinnedPool] = None) -> None:
+        """pool: the binned pool (PyCUDA's DeviceMemoryPool, or HostBinnedPool); large: a
+        HostBinnedPool with finer bins for requests of LARGE_BLOCK bytes or more (None: the
+        binned pool takes every request). The statistics sum the two."""
         self.device_id = device_id
         self.owner: Any = None   # the CudaBackend that made it (its tensors' operators use it)
         self._pool = pool
+        self._large: Any = large   # HostBinnedPool or None (Any: read on the hot path)
+        self._large_min = LARGE_BLOCK if large is not None else 1 << 62
         self._device_total = device_total
         self._activate = activate or (lambda: NULL_CONTEXT)
         self._oom_errors = oom_errors
@@ -83,9 +91,29 @@ class MemoryPool(StreamOrder):
         self._hits = 0
         self._misses = 0
         self._oom_retries = 0
-        self._peak = self._pool.active_bytes
-        self._base_blocks = self._pool.active_blocks - self._deferred_blocks
+        self._peak = self._active_total()
+        self._base_blocks = self._active_blocks_total() - self._deferred_blocks
         self._managed = self._pool.managed_bytes
+        self._large_managed = self._large.managed_bytes if self._large is not None else 0
+
+    # -- the two pools' counters together ------------------------------------------
+    def _active_total(self) -> int:
+        large = self._large
+        return int(self._pool.active_bytes) + (large.active_bytes if large is not None else 0)
+
+    def _managed_total(self) -> int:
+        large = self._large
+        return int(self._pool.managed_bytes) + (large.managed_bytes if large is not None
+                                                else 0)
+
+    def _held_blocks_total(self) -> int:
+        large = self._large
+        return int(self._pool.held_blocks) + (large.held_blocks if large is not None else 0)
+
+    def _active_blocks_total(self) -> int:
+        large = self._large
+        return int(self._pool.active_blocks) + (large.active_blocks if large is not None
+                                                else 0)
 
     # -- allocation -----------------------------------------------------------------
     def allocate(self, nbytes: int, stream: Any = _CURRENT) -> Any:
@@ -132,29 +160,39 @@ class MemoryPool(StreamOrder):
                     return StreamBlock(self, block, stream, self._alloc_size(nbytes))
             if self._limit:
                 self._check_limit(nbytes)
+            big = nbytes >= self._large_min
             try:
-                block = pool.allocate(nbytes)
+                block = (self._large if big else pool).allocate(nbytes)
             except self._oom_errors:
                 block = None
             if block is not None:
-                self._count(nbytes)
+                self._count(nbytes, big)
                 if stream is None:
                     return block
         if block is None:       # outside the lock: collecting garbage runs finalizers
-            block = self._retry_after_oom(nbytes)
+            block = self._retry_after_oom(nbytes, big)
             if block is None:
                 raise self._oom_error(nbytes)
             with self._lock:
-                self._count(nbytes)
+                self._count(nbytes, big)
             if stream is None:
                 return block
         return StreamBlock(self, block, stream, self._alloc_size(nbytes))
 
     def _allocate_for_graph(self, graph: GraphMemory, nbytes: int) -> StreamBlock:
-        """An allocation on a stream that captures a graph: a block the capture freed, else
-        one from the pool; either way owned by the graph."""
+        """An allocation on a stream that captures a graph: a block the capture freed (of
+        this size, else the smallest at most 1/4 larger), else one from the pool; either way
+        owned by the graph."""
         size = self._alloc_size(nbytes)
         reusable = graph.free_bins.get(size)
+        if not reusable and graph.free_bins:
+            # best fit: the smallest freed block at most 1/4 over this one (a capture runs
+            # once; its freed blocks are the graph's for good: tests/test_graphs.py)
+            fits = [s for s, blocks in graph.free_bins.items()
+                    if blocks and size < s <= size + size // 4]
+            if fits:
+                size = min(fits)
+                reusable = graph.free_bins[size]
         if reusable:
             with self._lock:
                 self._hits += 1
@@ -168,17 +206,28 @@ class MemoryPool(StreamOrder):
         block.graph = graph
         return block
 
-    def _count(self, nbytes: int) -> None:
-        """(Lock held.) Hit or miss, requested bytes and the peak of one allocation."""
-        pool = self._pool
-        managed = pool.managed_bytes
-        if managed == self._managed:
-            self._hits += 1
+    def _count(self, nbytes: int, big: bool = False) -> None:
+        """(Lock held.) Hit or miss, requested bytes and the peak of one allocation (big:
+        the large pool served it)."""
+        pool, large = self._pool, self._large
+        if big:
+            managed = large.managed_bytes
+            if managed == self._large_managed:
+                self._hits += 1
+            else:
+                self._misses += 1
+                self._large_managed = managed
         else:
-            self._misses += 1
-            self._managed = managed
+            managed = pool.managed_bytes
+            if managed == self._managed:
+                self._hits += 1
+            else:
+                self._misses += 1
+                self._managed = managed
         self._total_requested += nbytes
         active = pool.active_bytes
+        if large is not None:
+            active += large._active_bytes   # (a counter: garbage-collected blocks reaped later)
         if active > self._peak:
             self._peak = active
 
@@ -187,11 +236,14 @@ class MemoryPool(StreamOrder):
     allocate_current = _allocate_locked
 
     def _free_held(self) -> None:
-        """The pool's free_held(), then the managed bytes a hit leaves unchanged."""
+        """The pools' free_held(), then the managed bytes a hit leaves unchanged."""
         self._pool.free_held()
         self._managed = self._pool.managed_bytes
+        if self._large is not None:
+            self._large.free_held()
+            self._large_managed = self._large.managed_bytes
 
-    def _retry_after_oom(self, nbytes: int) -> Any:
+    def _retry_after_oom(self, nbytes: int, big: bool = False) -> Any:
         """Wait for stream-ordered frees, free cached blocks, collect garbage, retry once;
         None if the retry fails too."""
         gc.collect()
@@ -199,9 +251,9 @@ class MemoryPool(StreamOrder):
             self._oom_retries += 1
             self._flush_deferred()
             self._free_held()
-            self._managed = -1                     # a miss, whatever the bytes say
+            self._managed = self._large_managed = -1    # a miss, whatever the bytes say
             try:
-                return self._pool.allocate(nbytes)
+                return (self._large if big else self._pool).allocate(nbytes)
             except self._oom_errors:
                 return None
 
@@ -213,18 +265,20 @@ class MemoryPool(StreamOrder):
 
     def _check_limit(self, nbytes: int) -> None:
         size = self._alloc_size(nbytes)
-        if self._pool.managed_bytes + size <= self._limit:
+        if self._managed_total() + size <= self._limit:
             return
         self._flush_deferred()
         self._free_held()
-        if self._pool.active_bytes + size > self._limit:
+        if self._active_total() + size > self._limit:
             raise CudaOutOfMemoryError(
-                nbytes, self.device_id, self._pool.active_bytes, self.free_bytes(),
+                nbytes, self.device_id, self._active_total(), self.free_bytes(),
                 self._limit,
                 reason=f"it would exceed the pool limit of {self._limit} bytes "
                        f"(set with set_limit)")
 
     def _alloc_size(self, nbytes: int) -> int:
+        if nbytes >= self._large_min:
+            return int(self._large.alloc_size(nbytes))
         pool = self._pool
         if hasattr(pool, "bin_number"):
             return int(pool.alloc_size(pool.bin_number(nbytes)))
@@ -272,18 +326,18 @@ class MemoryPool(StreamOrder):
 
     def used_bytes(self) -> int:
         self._settle()
-        return int(self._pool.active_bytes) - self._deferred_bytes
+        return self._active_total() - self._deferred_bytes
 
     def total_bytes(self) -> int:
-        return int(self._pool.managed_bytes)
+        return self._managed_total()
 
     def free_bytes(self) -> int:
         self._settle()
-        return int(self._pool.managed_bytes - self._pool.active_bytes) + self._deferred_bytes
+        return self._managed_total() - self._active_total() + self._deferred_bytes
 
     def n_free_blocks(self) -> int:
         self._settle()
-        return int(self._pool.held_blocks) + self._deferred_blocks
+        return self._held_blocks_total() + self._deferred_blocks
 
     def free_all_blocks(self) -> None:
         """Return every cached (unused) block to the driver, after the stream work that
@@ -315,24 +369,23 @@ class MemoryPool(StreamOrder):
         return self._limit
 
     def reset_peak_stats(self) -> None:
-        self._peak = self._pool.active_bytes
+        self._peak = self._active_total()
 
     def get_stats(self) -> Dict[str, int]:
         """The documented API's keys plus cache and hit statistics. Blocks waiting in stream-ordered
         free lists count as cached, not active."""
         self._settle()
-        pool = self._pool
         count = self._hits + self._misses
-        active_blocks = int(pool.active_blocks) - self._deferred_blocks
+        active_blocks = self._active_blocks_total() - self._deferred_blocks
         return {
             "total_allocated": self._total_requested,
-            "active_memory": int(pool.active_bytes) - self._deferred_bytes,
+            "active_memory": self._active_total() - self._deferred_bytes,
             "peak_allocated": int(self._peak),
             "allocation_count": count,
             "active_blocks": active_blocks,
             "cached_bytes": self.free_bytes(),
             "free_count": max(count - (active_blocks - self._base_blocks), 0),
-            "n_free_blocks": int(pool.held_blocks) + self._deferred_blocks,
+            "n_free_blocks": self._held_blocks_total() + self._deferred_blocks,
             "hits": self._hits,
             "misses": self._misses,
             "oom_retries": self._oom_retries,
@@ -352,3 +405,5 @@ class MemoryPool(StreamOrder):
                 self._closed = True
                 self._by_ptr.clear()
                 self._pool.stop_holding()
+                if self._large is not None:
+                    self._large.stop_holding()

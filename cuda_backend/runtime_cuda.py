@@ -19,7 +19,7 @@ from .dtypes import CudaDataType
 from .errors import GraphCaptureError, TransferError, driver_failure
 from .launch import Launcher
 from .memory import MemoryPool
-from .memory_host import PinnedHostPool
+from .memory_host import HostBinnedPool, PinnedHostPool, round_to_fine_bin
 from .memory_streams import DriverEvents, record_stream
 from .runtime import Runtime
 from .streams import capturing, current_pycuda_stream, current_stream
@@ -46,11 +46,15 @@ class CudaRuntime(Runtime):
             # A DeviceMemoryPool binds to the context current when it is made.
             def activate() -> Any:
                 return contexts.activate(dev)
+            def device_buffer(size: int) -> Any:
+                buf = drv.mem_alloc(size)     # freed when the large pool drops it
+                return buf, int(buf)
             with contexts.activate(dev):
+                large = HostBinnedPool(device_buffer, drv.MemoryError, round_to_fine_bin)
                 pool = MemoryPool(dev, pycuda.tools.DeviceMemoryPool(),
                                   device_total=devices[dev].memory_total,
                                   activate=activate, oom_errors=(drv.MemoryError,),
-                                  events=DriverEvents(drv, activate))
+                                  events=DriverEvents(drv, activate), large=large)
             pool.owner = owner
             return pool
         self.memory_pools: Dict[int, MemoryPool] = LazyPools(make_pool, contexts.validate)

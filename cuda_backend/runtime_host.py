@@ -18,7 +18,7 @@ from .dtypes import CudaDataType
 from .errors import (CudaNotAvailableError, InvalidDeviceError, InvalidPointerError,
                      TransferError)
 from .memory import MemoryPool
-from .memory_host import HostBinnedPool
+from .memory_host import HostBinnedPool, round_to_fine_bin
 from .runtime import Runtime
 from .tensor import CudaTensor
 
@@ -36,7 +36,8 @@ class HostRuntime(Runtime):
         CudaBackend, the pool's owner."""
         self.reason = reason
         self.devices: List[CudaDeviceInfo] = [host_device_info()]
-        pool = MemoryPool(0, HostBinnedPool(), device_total=self.devices[0].memory_total)
+        pool = MemoryPool(0, HostBinnedPool(), device_total=self.devices[0].memory_total,
+                          large=HostBinnedPool(rounding=round_to_fine_bin))
         pool.owner = owner
         self.memory_pools: Dict[int, MemoryPool] = {0: pool}
 

@@ -65,6 +65,31 @@ def test_graph_memory_is_reused_in_capture_and_held_until_release():
     assert pool.get_stats()["active_memory"] == before
 
 
+def test_graph_reuses_the_best_fitting_freed_block():
+    """A request with no freed block of its own size takes the smallest freed block at most
+    1/4 larger, which goes back under its own size when freed; a smaller request does not."""
+    pool = fake_pool()
+    S = object()
+    graph = pool.begin_graph(S)
+    big = pool.allocate(10000, stream=S)             # a 10240-byte block
+    ptr = int(big)
+    big.free()
+    small = pool.allocate(1000, stream=S)            # 1024: far smaller, a block of its own
+    assert int(small) != ptr
+    fit = pool.allocate(9000, stream=S)              # 9216 <= 10240 <= 9216 * 5 / 4
+    assert int(fit) == ptr and fit.size == 10240
+    fit.free()
+    again = pool.allocate(10000, stream=S)           # back under 10240
+    assert int(again) == ptr
+    used = pool.get_stats()["active_memory"]
+    pool.end_graph(graph)
+    assert used == 10240 + 1024
+    for t in (small, again):
+        t.free()
+    pool.release_graph(graph)
+    assert pool.get_stats()["active_memory"] == 0
+
+
 # -- on the GPU -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def mml(backend):

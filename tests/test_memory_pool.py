@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from cuda_backend import (CudaBackendError, CudaOutOfMemoryError, InvalidArgumentError,
                           InvalidPointerError)
 from cuda_backend.memory import HostBinnedPool, MemoryPool
-from cuda_backend.memory_host import round_to_bin
+from cuda_backend.memory_host import LARGE_BLOCK, round_to_bin, round_to_fine_bin
 
 
 class FakeAllocator:
@@ -373,3 +373,60 @@ class TestPoolMachineLong(PoolMachine.TestCase):
     """60 sequences of up to 30 steps (seconds; --runslow)."""
 
     settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+# -- the large pool (requests of LARGE_BLOCK bytes or more, finer bins) -------------------------
+def make_split_pool(device_total: int = 1 << 34):
+    small, large = FakeAllocator(), FakeAllocator()
+    pool = MemoryPool(0, HostBinnedPool(small), device_total=device_total,
+                      large=HostBinnedPool(large, rounding=round_to_fine_bin))
+    return pool, small, large
+
+
+def test_round_to_fine_bin():
+    assert round_to_fine_bin(1) == 256 and round_to_fine_bin(LARGE_BLOCK) == LARGE_BLOCK
+    for n in (LARGE_BLOCK + 1, 72 << 20, 1646821376, 3 * 10**9 + 7):
+        b = round_to_fine_bin(n)
+        assert n <= b <= n + n / 16 and b % 256 == 0
+    # the GPT-2-small logits (8192 x 50257 float32): 1600 MiB, not the 3-bit bins' 1792
+    assert round_to_fine_bin(8192 * 50257 * 4) == 1600 << 20
+    assert round_to_bin(8192 * 50257 * 4) == 1792 << 20
+
+
+def test_large_requests_take_the_large_pool():
+    pool, small, large = make_split_pool()
+    n = 72 << 20                                   # 3-bit bins: 80 MiB; finer ones: 72
+    a = pool.allocate(n)
+    b = pool.allocate(1000)
+    assert large.calls == [72 << 20] and small.calls == [1024]
+    s = stats(pool)
+    assert s["active_memory"] == (72 << 20) + 1024 and s["peak_allocated"] == s["active_memory"]
+    assert s["active_blocks"] == 2 and s["misses"] == 2
+    a.free()
+    s = stats(pool)
+    assert s["cached_bytes"] == 72 << 20 and s["n_free_blocks"] == 1
+    assert s["peak_allocated"] == (72 << 20) + 1024
+    c = pool.allocate(n - 5)                       # the same fine bin: a hit, no new block
+    assert large.calls == [72 << 20] and stats(pool)["hits"] == 1
+    assert pool.total_bytes() == (72 << 20) + 1024
+    c.free()
+    b.free()
+    pool.free_all_blocks()
+    assert pool.total_bytes() == 0 and stats(pool)["n_free_blocks"] == 0
+
+
+def test_large_pool_limit_and_oom_ladder():
+    pool, small, large = make_split_pool()
+    pool.set_limit(100 << 20)
+    keep = pool.allocate(64 << 20)
+    with pytest.raises(CudaOutOfMemoryError):
+        pool.allocate(40 << 20)                    # 64 + 40 MiB over the 100 MiB limit
+    assert stats(pool)["active_memory"] == 64 << 20
+    keep.free()
+    pool.set_limit(0)
+    cached = pool.allocate(40 << 20)
+    cached.free()                                  # 40 MiB cached in the large pool
+    large.fail_next = 1                            # the next new block fails once: the ladder
+    again = pool.allocate(48 << 20)                # frees the cached blocks and retries
+    assert stats(pool)["oom_retries"] == 1 and again is not None
+    again.free()
