@@ -234,7 +234,7 @@ def test_driver_memory_pinned_pool_and_streams_come_back(backend, m, monkeypatch
     import pycuda.driver as drv
     from cuda_backend import streams
     pool = backend.memory_pools[0]
-    pinned = backend._pinned
+    pinned = backend.pinned
     counter = _StreamCounter(drv, monkeypatch)
     mix = Mix(m, seed=11, big_copies=True)
     try:
