@@ -2,8 +2,10 @@
 `Function` (one recorded op: forward, saved tensors, backward), the backward walk, and the
 thread-local modes (`no_grad`, `autocast`) that decide what is recorded and in which dtype.
 
-Each op's result `Tensor` points at the `Function` that made it (`_ctx`); a Function holds its
-parent Tensors and the CudaTensors its backward needs (`save`). `backward()` sorts the
+Each op's result `Tensor` points at the `Function` that made it (`_ctx`); a Function holds an
+`Edge` per parent (the parent's Function, output index, shape and dtype, not its data: an
+intermediate result is freed as soon as nothing but the tape refers to it, as in PyTorch) or
+the parent itself when it is a leaf, and the CudaTensors its backward needs (`save`). `backward()` sorts the
 Functions reachable from the loss (parents first), runs them in reverse, sums the gradients
 arriving at one tensor with `CudaMath.add`, and releases each Function (its saved tensors and
 parents) as soon as its backward has run, so the pool is back to the parameters, their
@@ -294,6 +296,37 @@ def _accumulate(m: Any, leaf: Tensor, g: CudaTensor) -> None:
     leaf.grad = g if leaf.grad is None else m.add(leaf.grad, g)
 
 
+class Edge:
+    """A non-leaf parent as the tape sees it: what routes and checks its gradient (the
+    Function that made it and which output it was, its shape and dtype), without its data
+    (tests/test_autograd.py checks that intermediates are freed during the forward)."""
+
+    __slots__ = ("_ctx", "_index", "shape", "dtype")
+    requires_grad = True
+
+    def __init__(self, t: Tensor) -> None:
+        self._ctx, self._index = t._ctx, t._index
+        self.shape, self.dtype = t.data.shape, t.data.dtype
+
+
+class _Constant:
+    """A parent that takes no gradient (a leaf without requires_grad)."""
+
+    __slots__ = ()
+    requires_grad = False
+    _ctx = None
+
+
+_CONSTANT = _Constant()
+
+
+def _edges(parents: List[Tensor]) -> Tuple[Any, ...]:
+    """What a Function keeps of its parents: leaves that take a gradient as they are (it
+    accumulates into them), recorded results as Edges, other leaves as nothing."""
+    return tuple(Edge(p) if p._ctx is not None else p if p.requires_grad else _CONSTANT
+                 for p in parents)
+
+
 def _topo(root: "Function") -> List["Function"]:
     """The Functions reachable from root, each after every Function it reads from."""
     order: List[Function] = []
@@ -322,7 +355,7 @@ class Function:
     in order. `self.needs[i]`: whether the i-th Tensor argument wants its gradient."""
 
     # (class-level defaults: a Function is made per op call, so its creation stays cheap)
-    parents: Optional[Tuple[Tensor, ...]] = None
+    parents: Optional[Tuple[Any, ...]] = None     # leaf Tensors and Edges
     saved: Tuple[Any, ...] = ()
     owned: Tuple[CudaTensor, ...] = ()
     needs: Tuple[bool, ...] = ()
@@ -372,12 +405,12 @@ class Function:
         if type(out) is not tuple:
             res = Tensor(out, record)
             if record:
-                fn.parents = tuple(parents)
+                fn.parents = _edges(parents)
                 res._ctx = fn
             return res
         results = tuple(Tensor(o, record) for o in out)
         if record:
-            fn.parents = tuple(parents)
+            fn.parents = _edges(parents)
             fn.n_out = len(out)
             fn.out_meta = tuple((o.shape, o.dtype) for o in out)
             fn.device_id = out[0].device_id
