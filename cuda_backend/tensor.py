@@ -348,6 +348,28 @@ def pool_tensor(shape: Tuple[int, ...], dtype: CudaDataType, device_id: int, blo
     return t
 
 
+def device_view(x: CudaTensor, shape: Tuple[int, ...]) -> CudaTensor:
+    """A view of shape (a valid tuple of x.size elements) on all of x's device memory,
+    keeping x alive, for the reshape fast path: the slots ops/shape_layouts.make_view's
+    CudaTensor(..., owner=x) sets for a device tensor (tests/test_shape_ops.py compares
+    them), without __init__'s conversions and arithmetic. x is live and not on the host."""
+    t = _new(CudaTensor)
+    t.shape = shape
+    t.dtype = x.dtype
+    t.device_id = x.device_id
+    t._ptr = x._ptr
+    t._block = None
+    t._pool = x._pool
+    t._owner = x
+    t._host = None
+    t.on_host = False
+    t.stream = x.stream
+    t.size = x.size
+    t.nbytes = x.nbytes
+    t._exports = 0
+    return t
+
+
 def pointer_device(ptr: int) -> int:
     """The device ordinal a device pointer belongs to (CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)."""
     import ctypes

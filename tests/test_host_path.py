@@ -1561,3 +1561,118 @@ def test_every_public_op_has_a_host_path_case():
     covered = names | set(bhp.COVERS.values())
     missing = sorted(op for op in registry.OPS if op.split(".", 1)[1] not in covered)
     assert not missing, f"public ops without a perf/bench_host_path.py case: {missing}"
+
+
+# -- stack, reshape / view, batch_norm_backward: their per-call paths against the general ones;
+# the helpers (same_as_general with pool counters, t, odd_view) are NN_SCRIPT's -------------------
+SHAPE_BN_SCRIPT = NN_SCRIPT[:NN_SCRIPT.index("\nif WHICH == ")] + textwrap.dedent(r'''
+    from cuda_backend.ops import shape as shape_ops
+    from cuda_backend.ops.shape_layouts import make_view
+
+    # stack: one plan per (shapes, dtype, device, axis): concatenate's copies on the inputs
+    A, B, C3 = t((64, 64)), t((64, 64)), t((5, 7, 3), np.float16)
+    same_as_general(lambda: m.stack([A, B]), ("stack", ((64, 64),) * 2, DT.FLOAT32, 0, 0), 2)
+    same_as_general(lambda: m.stack((A, B, A), axis=-1),
+                    ("stack", ((64, 64),) * 3, DT.FLOAT32, 0, -1), 3)
+    same_as_general(lambda: m.stack([C3, C3], 2), ("stack", ((5, 7, 3),) * 2, DT.FLOAT16, 0, 2),
+                    2)
+    r = m.stack([A, B], 1)
+    assert r.shape == (64, 2, 64)
+    with pytest.raises(ShapeMismatchError):               # the general path's checks
+        m.stack([A, t((64, 63))])
+    with pytest.raises(DTypeMismatchError):
+        m.stack([A, t((64, 64), np.float64)])
+    dead = t((64, 64))
+    dead.free()
+    with pytest.raises(TensorFreedError):
+        m.stack([A, dead])
+    with pytest.raises(InvalidArgumentError):
+        m.stack([A, B], 3)
+
+    # reshape / view: a request seen before for this shape is a lookup; the view has the
+    # slots make_view gives it (owner, pointer, pool, stream), as the general path's
+    for req in ((4096,), 4096, (-1, 128), (2, -1, 64)):
+        for call in (lambda: m.reshape(A, req), lambda: m.view(A, req),
+                     lambda: A.reshape(req), lambda: A.view(req)):
+            shape_ops._TARGETS.clear()
+            launches.clear()
+            first, again = call(), call()
+            assert not launches
+            want = slots(make_view(A, first.shape))
+            assert slots(first) == want and slots(again) == want, (req, slots(again), want)
+            assert again._owner is A and again._block is None
+    odd = odd_view((6, 10))
+    assert slots(m.reshape(odd, (60,))) == slots(m.reshape(odd, (60,))) == \
+        slots(make_view(odd, (60,)))
+    m.reshape(A, (1, 4096))      # cached: equal to (True, 4096) as a key, as (4096,) to (4096.0,)
+    for bad, err in (((4096.0,), InvalidArgumentError), ((True, 4096), InvalidArgumentError),
+                     ((4095,), ShapeMismatchError), ((-1, -1), InvalidArgumentError),
+                     ([64, 64.5], InvalidArgumentError)):
+        for _ in range(2):
+            with pytest.raises(err):
+                m.reshape(A, bad)
+    assert m.reshape(A, [64, 64]).shape == (64, 64)      # a list: the general path
+    assert m.reshape(A, (np.int64(8), 512)).shape == (8, 512)
+    with pytest.raises(TensorFreedError):
+        m.reshape(dead, (4096,))
+    with pytest.raises(TensorFreedError):
+        dead.view(4096)
+
+    # batch_norm_backward: training (pass, finalize, apply) and inference (pass, finalize),
+    # NCHW / NCL / NC layouts, float32/64/16, grads vectorized or not
+    for shape, dt in (((1, 8, 16, 16), np.float32), ((2, 3, 5, 7), np.float32),
+                      ((3, 6, 7), np.float64), ((2, 16, 8, 8), np.float16),
+                      ((33, 12), np.float32)):
+        X, G = t(shape, dt), t(shape, dt)
+        C = shape[1]
+        gam, rm, rv = t((C,), dt), t((C,), dt), m.from_numpy(np.ones(C, dt))
+        same_as_general(lambda: ml.batch_norm_backward(G, X, gam),
+                        ("batch_norm_backward", X.shape, X.dtype, 0, 1e-5, True), 3)
+        same_as_general(lambda: ml.batch_norm_backward(G, X, gam, eps=1e-3, training=False,
+                                                       running_mean=rm, running_var=rv),
+                        ("batch_norm_backward", X.shape, X.dtype, 0, 1e-3, False), 2)
+        same_as_general(lambda: ml.batch_norm_backward(G, X, gam, running_mean=rm,
+                                                       running_var=rv),
+                        ("batch_norm_backward", X.shape, X.dtype, 0, 1e-5, True), 3)
+    X, G = t((4, 8, 4, 4)), t((4, 8, 4, 4))
+    gam, rm, rv = t((8,)), t((8,)), m.from_numpy(np.ones(8, np.float32))
+    key = ("batch_norm_backward", X.shape, X.dtype, 0, 1e-5, True)
+    for r in ml.batch_norm_backward(G, X, gam)[::-1]:
+        r.free()
+    O = odd_view((4, 8, 4, 4))      # an unaligned grad: the other variant of the same plan
+    launches.clear()
+    for r in ml.batch_norm_backward(O, X, gam)[::-1]:
+        r.free()
+    planned = list(launches)
+    m.plans.pop(key)
+    launches.clear()
+    for r in ml.batch_norm_backward(O, X, gam)[::-1]:
+        r.free()
+    assert launches == planned and key in m.plans
+    for args, kw, err in (((t((4, 8, 4, 5)), X, gam), {}, ShapeMismatchError),
+                          ((G, X, t((7,))), {}, ShapeMismatchError),
+                          ((G, X, t((8,), np.float64)), {}, DTypeMismatchError),
+                          ((G, X, gam), {"training": False, "running_mean": rm},
+                           InvalidArgumentError),
+                          ((G, X, gam), {"running_mean": t((7,)), "running_var": rv},
+                           ShapeMismatchError),
+                          ((dead, X, gam), {}, TensorFreedError),
+                          ((G, X, gam), {"eps": -1.0}, InvalidArgumentError)):
+        for _ in range(2):
+            with pytest.raises(err):
+                ml.batch_norm_backward(*args, **kw)
+    gdead = t((8,))
+    gdead.free()
+    with pytest.raises(TensorFreedError):
+        ml.batch_norm_backward(G, X, gdead)
+    print("OK")
+''')
+
+
+def test_stack_reshape_batch_norm_backward_plans_match_general_path():
+    """stack's plan (concatenate's copies on the inputs themselves), reshape / view of a
+    request seen before (a lookup and the view's slots, no launch) and batch_norm_backward's
+    plan (training and inference, each layout and float dtype, both alignment variants):
+    the same launches, pool counters and result slots as the general path, and the general
+    path's typed errors for what they cannot take."""
+    run_script(SHAPE_BN_SCRIPT, "none")

@@ -427,6 +427,125 @@ def test_take_paths_on_a_stubbed_driver():
     run_script(script(STUBS, PINNED_STUB, BACKEND, TAKE_STUB_SCRIPT))
 
 
+GATHER_SCATTER_STUB_SCRIPT = r"""
+    from cuda_backend.errors import (DTypeMismatchError, IndexOutOfRangeError,
+                                     ShapeMismatchError, TensorFreedError)
+    rng = np.random.default_rng(3)
+
+    def via_plan(key, call, fresh=True):
+        # call() through the general path (which makes the plan), then through the plan
+        # (after freeing a fresh result, so that the pool hands its block back): the same
+        # launches, the same result slots; returns the general path's launches
+        m.plans.pop(key, None)
+        launches.clear()
+        r1 = call()
+        general = list(launches)
+        assert key in m.plans, key
+        want = slots(r1)
+        if fresh:
+            r1.free()
+        plan, seen = m.plans[key], []
+        m.plans[key] = lambda *a: seen.append(plan(*a)) or seen[-1]
+        launches.clear()
+        r2 = call()
+        m.plans[key] = plan
+        assert len(seen) == 1 and seen[0] is not None and seen[0] is not False, seen
+        assert launches == general, (launches, general)
+        if fresh:
+            like_general(r2, want)
+            r2.free()
+        else:
+            assert r2 is r1
+        return general
+
+    def ints(shape, n, dt=np.int64):
+        return m.from_numpy(rng.integers(-n, n, shape).astype(dt))
+
+    # gather: element-wise (64x64 along axis 1, the benchmark's), vectorized (indices
+    # broadcast along the last dim), broadcast x, float16, negative axis; checked and not
+    x = m.from_numpy(rng.standard_normal((64, 64)).astype(np.float32))
+    for check in (False, True):
+        j = ints((64, 3), 64)
+        got = via_plan(("gather", (64, 64), DT.FLOAT32, (64, 3), DT.INT64, 0, 1, check),
+                       lambda: m.gather(x, j, 1, check))
+        assert len(got) == (2 if check else 1)
+    a = m.from_numpy(np.ones((4, 8), np.float32))
+    j31 = ints((3, 1), 4, np.int32)
+    key = ("gather", (4, 8), DT.FLOAT32, (3, 1), DT.INT32, 0, 0, False)
+    vec = via_plan(key, lambda: m.gather(a, j31, 0, False))
+    h = m.from_numpy(np.ones((2, 1, 5), np.float16))
+    j243 = ints((2, 4, 3), 5, np.int32)
+    via_plan(("gather", (2, 1, 5), DT.FLOAT16, (2, 4, 3), DT.INT32, 0, -1, True),
+             lambda: m.gather(h, j243, -1))
+    # a source 4 bytes off 16: the plan made for aligned ones launches the element-wise
+    # variant, as the general path does for it
+    base = m.from_numpy(np.ones(40, np.float32))
+    off = CudaTensor((4, 8), DT.FLOAT32, 0, base.ptr + 4, owner=base)
+    launches.clear()
+    m.gather(off, j31, 0, False).free()
+    planned = list(launches)
+    m.plans.pop(key)
+    launches.clear()
+    m.gather(off, j31, 0, False).free()
+    assert planned == launches and planned[0][2] != vec[0][2]    # per element: mode 0
+    # scatter_add (in place: the same target back): the benchmark's, 3-d with 2-d indices
+    t = m.from_numpy(np.zeros((64, 64), np.float32))
+    src = m.from_numpy(np.ones((8, 64), np.float32))
+    rows = m.from_numpy(np.arange(8))
+    for check in (False, True):
+        got = via_plan(("scatter_add", (64, 64), DT.FLOAT32, (8,), DT.INT64, 0, 0, check),
+                       lambda: m.scatter_add(t, rows, src, 0, check), fresh=False)
+        assert len(got) == (2 if check else 1)
+    t3 = m.from_numpy(np.zeros((3, 5, 4)))
+    j22 = ints((2, 2), 5, np.int32)
+    s3 = m.from_numpy(np.ones((3, 2, 2, 4)))
+    via_plan(("scatter_add", (3, 5, 4), DT.FLOAT64, (2, 2), DT.INT32, 0, 1, True),
+             lambda: m.scatter_add(t3, j22, s3, 1), fresh=False)
+    # what the plans leave to the general path, with its typed errors
+    with pytest.raises(ShapeMismatchError):
+        m.scatter_add(t3, j22, m.from_numpy(np.ones((3, 2, 4))), 1)
+    with pytest.raises(DTypeMismatchError):
+        m.scatter_add(t3, j22, m.from_numpy(np.ones((3, 2, 2, 4), np.float32)), 1)
+    with pytest.raises(DTypeMismatchError):
+        m.gather(x, m.from_numpy(np.zeros((64, 3), np.float32)), 1, False)
+    dead = m.from_numpy(np.ones((3, 2, 2, 4)))
+    dead.free()
+    with pytest.raises(TensorFreedError):
+        m.scatter_add(t3, j22, dead, 1)
+    dead_x = m.from_numpy(np.ones((64, 64), np.float32))
+    dead_x.free()
+    with pytest.raises(TensorFreedError):
+        m.gather(dead_x, m.from_numpy(np.zeros((64, 3), np.int64)), 1, False)
+    # a set flag raises from both plans (the gather's result freed)
+    fill[0] = 1
+    before = pool.get_stats()["active_blocks"]
+    for _ in range(2):
+        with pytest.raises(IndexOutOfRangeError, match="gather: an index is out of bounds"):
+            m.gather(h, j243, -1)
+        assert pool.get_stats()["active_blocks"] == before
+        with pytest.raises(IndexOutOfRangeError, match="scatter_add"):
+            m.scatter_add(t3, j22, s3, 1)
+    fill[0] = 0
+    s = b.stream()             # (last: the stub's events cannot settle stream-ordered frees)
+    launches.clear()
+    with s:
+        m.gather(x, m.from_numpy(np.zeros((64, 3), np.int64)), 1, False)
+        m.scatter_add(t, rows, src, 0, False)
+    assert [l[4] for l in launches] == [s.pycuda_stream] * 2
+    print("OK")
+"""
+
+
+def test_gather_scatter_plans_on_a_stubbed_driver():
+    """gather's and scatter_add's per-call plans (stubbed driver, as
+    test_take_paths_on_a_stubbed_driver): the plan launches exactly what the general path
+    did (the bounds check first when asked), per element or in vectors as the pointers'
+    alignment allows, and leaves bad operands, freed ones and `with stream:` calls to the
+    general path (its typed errors); a set bounds flag raises from either plan."""
+    from test_host_path import BACKEND, STUBS, run_script, script
+    run_script(script(STUBS, PINNED_STUB, BACKEND, GATHER_SCATTER_STUB_SCRIPT))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("index_dtype", [DT.INT32, DT.INT64], ids=ids([DT.INT32, DT.INT64]))
 @pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))
@@ -560,6 +679,45 @@ def test_scatter_add_embedding_backward(m):
         np.add.at(exp, ids_, rg.astype(np.float64))
         np.testing.assert_allclose(m.to_numpy(gw), exp, rtol=1e-5 if dtype is DT.FLOAT32
                                    else 1e-13, atol=1e-5 if dtype is DT.FLOAT32 else 1e-13)
+
+
+def test_gather_scatter_add_repeated_calls(m):
+    """The same shapes called three times on fresh values (on the GPU the later calls go
+    through the per-call plans, ops/indexing_take.py and ops/indexing.py): gather as
+    np.take_along_axis, exactly, checked and unchecked, aligned and one element off;
+    scatter_add of small integers in float64 (every partial sum exact, so any order of the
+    atomic adds gives np.add.at's result) and int32."""
+    rng = np.random.default_rng(11)
+    base = m.from_numpy(np.zeros(33, np.float32))
+    for call in range(3):
+        x, rx = make(m, (5, 13), DT.FLOAT32, rng)
+        idx = rng.integers(-13, 13, (5, 3))
+        for check in (True, False):
+            got = m.gather(x, m.from_numpy(idx), 1, check)
+            same(m, got, np.take_along_axis(rx, np.where(idx < 0, idx + 13, idx), axis=1))
+        h, rh = make(m, (7, 1, 6), DT.FLOAT16, rng)
+        j = rng.integers(0, 7, (3, 5, 1)).astype(np.int32)
+        same(m, m.gather(h, m.from_numpy(j), 0, False),
+             np.take_along_axis(np.broadcast_to(rh, (7, 5, 6)), np.broadcast_to(j, (3, 5, 6)),
+                                axis=0))
+        # indices broadcast along rows of 8: 16-byte vectors where aligned; then a source one
+        # element past base's start (not aligned) through the same shapes
+        a, ra = make(m, (4, 8), DT.FLOAT32, rng)
+        off = m.reshape(base[1:33], (4, 8))
+        m.backend.copy_to_device(np.ascontiguousarray(ra), off)
+        j31 = m.from_numpy(rng.integers(-4, 4, (3, 1)).astype(np.int32))
+        want = np.take_along_axis(ra, np.broadcast_to(m.to_numpy(j31) % 4, (3, 8)), axis=0)
+        same(m, m.gather(a, j31, 0, False), want)
+        same(m, m.gather(off, j31, 0, False), want)
+        for dtype in (DT.FLOAT64, DT.INT32):
+            t, rt = make(m, (4, 9, 3), dtype, rng, small=True)
+            k = rng.integers(-9, 9, (2, 11))
+            src, rs = make(m, (4, 2, 11, 3), dtype, rng, small=True)
+            assert m.scatter_add(t, m.from_numpy(k.astype(np.int32)), src, 1,
+                                 call % 2 == 0) is t
+            exp = rt.copy()
+            np.add.at(exp, (slice(None), k), rs)
+            same(m, t, exp)
 
 
 def test_scatter_add_out_of_range_and_errors(m):

@@ -593,3 +593,28 @@ def test_parse_key_offsets_and_strides():
     assert sl.parse_key((3, 4), (1, slice(None, None, -1))) == ((4,), [-1], 7)
     assert sl.parse_key((3, 4), (None, Ellipsis, 2)) == ((1, 3), [0, 4], 2)
     assert sl.parse_key((3, 4), slice(5, 9)) == ((0, 4), [4, 1], 0)
+
+
+def test_stack_reshape_repeated_calls(m):
+    """The same shapes three times on fresh values (on the GPU the later calls take the
+    per-call paths: stack's plan, reshape's remembered target shape): stack as np.stack for
+    each axis, bit for bit, also from a source one element past an aligned pointer; reshape /
+    view / the tensor methods give views sharing the memory of the tensor at hand."""
+    rng = np.random.default_rng(12)
+    base = m.from_numpy(np.zeros(3 * 7 * 5 + 1, np.float16))
+    for _ in range(3):
+        a, ra = make(m, (3, 7, 5), DT.FLOAT16, rng)
+        b, rb = make(m, (3, 7, 5), DT.FLOAT16, rng)
+        off = m.reshape(base[1:], (3, 7, 5))
+        m.backend.copy_to_device(rb, off)
+        for axis in (0, 1, -1, 3):
+            same(m, m.stack([a, b, a], axis), np.stack([ra, rb, ra], axis))
+            same(m, m.stack((off, a), axis), np.stack([rb, ra], axis))
+        x, rx = make(m, (6, 10), DT.INT32, rng)
+        for v, shape in ((m.reshape(x, (60,)), (60,)), (m.view(x, (-1, 12)), (5, 12)),
+                         (x.reshape(3, 20), (3, 20)), (x.view((2, -1, 5)), (2, 6, 5)),
+                         (m.reshape(x, 60), (60,))):
+            assert v.shape == shape and v.ptr == x.ptr and v._owner is x
+            same(m, v, rx.reshape(shape))
+        m.fill(x, 3)
+        same(m, m.reshape(x, (60,)), np.full(60, 3, np.int32))

@@ -155,6 +155,7 @@ def bn_call_plan(m: Any, ks: Dict[str, str], x: CudaTensor, training: bool, eps:
     pool = backend.memory_pools[dev]
     alloc, release = pool.allocate_current, pool.release
     direct = backend.direct_launch
+    plan_pointer = common.plan_pointer
     kstride = 1 if S == 1 else S
 
     def run(g: Any, x: CudaTensor, gamma: Any, mean: Any, var: Any) -> Any:
@@ -162,17 +163,19 @@ def bn_call_plan(m: Any, ks: Dict[str, str], x: CudaTensor, training: bool, eps:
         if ptrs is None:
             return None
         pg, px = ptrs
-        stats = (gamma,) if training else (gamma, mean, var)
-        if not training and (mean is None or var is None):
+        if training:
+            if plan_pointer(gamma, cshape, dtype, dev) is None:
+                return None
+            if mean is not None or var is not None:   # (unused, checked as the general path)
+                for t in (mean, var):
+                    if t is not None and (type(t) is not CudaTensor or t.shape != cshape or
+                                          t.dtype is not dtype or t.device_id != dev or
+                                          t._ptr is None):
+                        return None
+        elif mean is None or var is None or plan_pointer(gamma, cshape, dtype, dev) is None \
+                or plan_pointer(mean, cshape, dtype, dev) is None or \
+                plan_pointer(var, cshape, dtype, dev) is None:
             return None
-        for t in stats:
-            if common.plan_pointer(t, cshape, dtype, dev) is None:
-                return None
-        for t in ((mean, var) if training else ()):
-            if t is not None and (type(t) is not CudaTensor or t.shape != cshape or
-                                  t.dtype is not dtype or t.device_id != dev or
-                                  t._ptr is None):
-                return None
         dx = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
         dgamma = pool_tensor(cshape, dtype, dev, alloc(cbytes), pool, C, cbytes)
         dbeta = pool_tensor(cshape, dtype, dev, alloc(cbytes), pool, C, cbytes)

@@ -54,6 +54,7 @@ kernel was queued; stream order makes them visible).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Tuple, cast
 
 import numpy as np
@@ -63,10 +64,12 @@ from ..errors import (DTypeMismatchError, IndexOutOfRangeError, InvalidArgumentE
                       ShapeMismatchError)
 from ..tensor import CudaTensor
 from . import common
-from .indexing_bounds import checked_indices, checked_launch, host_indices, raise_bounds
-from .indexing_kernels import (BLOCK, COMPARE_OPS, ELEMS, INDEX_DTYPES, SCATTER_DTYPES,
-                               TEMPLATE, UNITS, check_dims, check_params, compare_params,
-                               gather_params, scatter_params, take_rows_params, where_params)
+from .indexing_bounds import (check_grid, checked_indices, checked_launch, host_indices,
+                              raise_bounds, start_check)
+from .indexing_kernels import (BLOCK, CHECK_BLOCK, COMPARE_OPS, ELEMS, INDEX_DTYPES,
+                               SCATTER_DTYPES, TEMPLATE, UNITS, check_dims, check_params,
+                               compare_params, gather_params, scatter_params, take_rows_params,
+                               where_params)
 from .indexing_take import gather, take  # noqa: F401  (ops' entries, as CudaMath calls them)
 from .shape import one_axis
 from .shape_copy import MAX_DIMS, grid_blocks, record
@@ -360,6 +363,12 @@ def _launch_plan(m: Any, name: str, res: CudaTensor, cond: Optional[CudaTensor],
 def scatter_add(m: Any, target: CudaTensor, indices: Any, src: CudaTensor, axis: int = 0,
                 check_bounds: bool = True) -> CudaTensor:
     """np.add.at(target, (:,) * axis + (indices,), src), in place; returns target."""
+    if type(target) is CudaTensor and type(indices) is CudaTensor and type(axis) is int and \
+            type(check_bounds) is bool:
+        fast = m.plans.get(("scatter_add", target.shape, target.dtype, indices.shape,
+                            indices.dtype, target.device_id, axis, check_bounds))
+        if fast is not None and fast(target, indices, src):
+            return target
     target = common.check_tensor(target, "target")
     idx = checked_indices(indices, "scatter_add")
     src = common.check_tensor(src, "src")
@@ -408,4 +417,48 @@ def scatter_add(m: Any, target: CudaTensor, indices: Any, src: CudaTensor, axis:
     checked_launch(m, "scatter_add", idx, size, ax, check_bounds, None, False,
                    m.backend.launch_kernel, name, grid_blocks(n, BLOCK), target, src, idx,
                    *args, block_size=(BLOCK, 1, 1), device_id=dev)
+    if type(axis) is int and type(check_bounds) is bool:
+        key = ("scatter_add", target.shape, target.dtype, idx.shape, idx.dtype, dev, axis,
+               check_bounds)
+        if key not in m.plans:
+            common.remember_plan(m, key, _scatter_plan(m, name, target, idx, src.shape, ax,
+                                                       tuple(args), check_bounds))
     return target
+
+
+def _scatter_plan(m: Any, name: str, target: CudaTensor, idx: CudaTensor,
+                  src_shape: Tuple[int, ...], ax: int, args: tuple, check_bounds: bool) -> Any:
+    """The per-call plan of scatter_add into targets shaped like this one (ops/common.py
+    remember_plan): run(target, indices, src) -> True once the adds are queued (and, with
+    check_bounds, the indices checked), False (the general path then runs, with its errors)
+    unless every operand is live, on the plan's device and on no stream, and src of the
+    plan's shape and dtype."""
+    backend = m.backend
+    dev, shape, dtype = target.device_id, target.shape, target.dtype
+    size, n = shape[ax], math.prod(src_shape)
+    go = backend.prepare_launch(backend.get_kernel(name, dev), (grid_blocks(n, BLOCK), 1, 1),
+                                (BLOCK, 1, 1), 0, dev)
+    checker = backend.prepare_launch(
+        backend.get_kernel(m.kernel(TEMPLATE, dev, **check_params(idx.dtype)).name, dev),
+        (check_grid(idx.size), 1, 1), (CHECK_BLOCK, 1, 1), 0, dev) if check_bounds else None
+    direct = backend.direct_launch
+    plan_pointer = common.plan_pointer
+
+    def run(target: CudaTensor, indices: CudaTensor, src: Any) -> bool:
+        pt = plan_pointer(target, shape, dtype, dev)
+        ps = plan_pointer(src, src_shape, dtype, dev)
+        pi = indices._ptr
+        if pt is None or ps is None or pi is None or indices.device_id != dev or \
+                indices.stream is not None or not direct(dev):
+            return False
+        check = start_check(m, indices, size, "scatter_add", check_bounds, None, checker)
+        try:
+            go(pt, ps, pi, *args)
+        except BaseException:
+            if check is not None:
+                check.abandon()
+            raise
+        if check is not None:
+            check.finish("scatter_add", ax, size)
+        return True
+    return run

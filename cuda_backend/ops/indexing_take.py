@@ -1,5 +1,5 @@
 """take (np.take: the embedding lookup) and gather (np.take_along_axis), the row-copy
-"take_rows" and N-d "gather" kernels of indexing.cu.j2, with take's per-call plan; their
+"take_rows" and N-d "gather" kernels of indexing.cu.j2, with their per-call plans; their
 semantics, the row copy's floor and the bounds check are ops/indexing.py's module doc.
 """
 from __future__ import annotations
@@ -44,27 +44,41 @@ def _host_take_indices(idx: CudaTensor, size: int, check_bounds: bool, what: str
     return j, bad
 
 
-def _gather_launch(m: Any, what: str, x: CudaTensor, idx: CudaTensor, out: CudaTensor,
-                   shape: Tuple[int, ...], s_src: List[int], s_idx: List[int], ax_size: int,
-                   ax_stride: int, check_bounds: bool, ax: int) -> CudaTensor:
-    """The "gather" kernel over out (contiguous, of shape) and the bounds check."""
-    dev = x.device_id
-    itemsize = x.dtype.itemsize
+def gather_layouts(shape: Tuple[int, ...], s_src: List[int], s_idx: List[int], ax_size: int,
+                   ax_stride: int, itemsize: int, what: str) -> List[Optional[Tuple[int, tuple]]]:
+    """The "gather" kernel's (items, arguments after out, x, idx) over out (contiguous, of
+    shape): [element-wise (mode 0), 16-byte vectors (mode 1) or None where the layout allows
+    none]; mode 1 also needs the source and result pointers 16-byte aligned."""
     sizes, (ss, si) = collapse(shape, s_src, s_idx)
     check_dims(len(sizes), shape, what)
     w = 16 // itemsize
-    mode = 0
-    if w > 1 and ss[-1] == 1 and si[-1] == 0 and sizes[-1] % w == 0 and ax_stride % w == 0 \
-            and all(s % w == 0 for s in ss[:-1]) and not (x.ptr | out.ptr) % 16:
-        mode = 1
-        sizes[-1] //= w
-        ss[-1] = w
-    items = math.prod(sizes)
-    name = m.kernel(TEMPLATE, dev, **gather_params(itemsize, idx.dtype)).name
+    out: List[Optional[Tuple[int, tuple]]] = []
+    for mode in (0, 1):
+        if mode:
+            if not (w > 1 and ss[-1] == 1 and si[-1] == 0 and sizes[-1] % w == 0 and
+                    ax_stride % w == 0 and all(s % w == 0 for s in ss[:-1])):
+                out.append(None)
+                break
+            sizes, ss = sizes[:-1] + [sizes[-1] // w], ss[:-1] + [w]
+        items = math.prod(sizes)
+        out.append((items, (items, ax_size, ax_stride, len(sizes), mode) +
+                    tuple(dims_args(sizes[::-1], 64, MAX_DIMS) + pad(ss[::-1], MAX_DIMS) +
+                          pad(si[::-1], MAX_DIMS))))
+    return out
+
+
+def _gather_launch(m: Any, what: str, x: CudaTensor, idx: CudaTensor, out: CudaTensor,
+                   layouts: List[Optional[Tuple[int, tuple]]], ax_size: int,
+                   check_bounds: bool, ax: int) -> CudaTensor:
+    """The "gather" kernel over out (one of gather_layouts) and the bounds check."""
+    dev = x.device_id
+    vec = layouts[1]
+    if vec is None or (x.ptr | out.ptr) % 16:
+        vec = layouts[0]
+    assert vec is not None    # (mode 0: every layout has one)
+    items, args = vec
+    name = m.kernel(TEMPLATE, dev, **gather_params(x.dtype.itemsize, idx.dtype)).name
     record(dev, x, idx)
-    args = [items, ax_size, ax_stride, len(sizes), mode] + \
-        dims_args(sizes[::-1], 64, MAX_DIMS) + pad(ss[::-1], MAX_DIMS) + \
-        pad(si[::-1], MAX_DIMS)
     checked_launch(m, what, idx, ax_size, ax, check_bounds, out, False,
                    m.backend.launch_kernel, name, grid_blocks(items, BLOCK), out, x, idx, *args,
                    block_size=(BLOCK, 1, 1), device_id=dev)
@@ -206,6 +220,14 @@ def gather(m: Any, x: CudaTensor, indices: Any, axis: Optional[int],
            check_bounds: bool = True) -> CudaTensor:
     """np.take_along_axis(x, indices, axis): indices has x's number of dims and broadcasts
     against x off the axis; out[..., i, ...] = x[..., indices[..., i, ...], ...]."""
+    if type(x) is CudaTensor and type(indices) is CudaTensor and type(axis) is int and \
+            type(check_bounds) is bool:
+        fast = m.plans.get(("gather", x.shape, x.dtype, indices.shape, indices.dtype,
+                            x.device_id, axis, check_bounds))
+        if fast is not None:
+            res = fast(x, indices)
+            if res is not None:
+                return res
     x = common.check_tensor(x, "tensor")
     idx = checked_indices(indices, "gather")
     common.same_device(x, idx)
@@ -254,5 +276,59 @@ def gather(m: Any, x: CudaTensor, indices: Any, axis: Optional[int],
              for d in range(x.ndim)]
     s_idx = [ids[d] if idx.shape[d] == shape[d] and shape[d] != 1 else 0
              for d in range(x.ndim)]
-    return _gather_launch(m, "gather", x, idx, out, shape, s_src, s_idx, size, xs[ax],
-                          check_bounds, ax)
+    layouts = gather_layouts(shape, s_src, s_idx, size, xs[ax], x.dtype.itemsize, "gather")
+    _gather_launch(m, "gather", x, idx, out, layouts, size, check_bounds, ax)
+    if type(axis) is int and type(check_bounds) is bool:
+        key = ("gather", x.shape, x.dtype, idx.shape, idx.dtype, x.device_id, axis,
+               check_bounds)
+        if key not in m.plans:
+            common.remember_plan(m, key, _gather_plan(m, x, idx, shape, layouts, ax,
+                                                      check_bounds))
+    return out
+
+
+def _gather_plan(m: Any, x: CudaTensor, idx: CudaTensor, shape: Tuple[int, ...],
+                 layouts: List[Optional[Tuple[int, tuple]]], ax: int, check_bounds: bool) -> Any:
+    """The per-call plan of gather for x and indices shaped like these (ops/common.py
+    remember_plan): run(x, indices) -> the result, or None (the general path then runs) when
+    an operand is freed, on another device or on a stream; the vectorized launch where the
+    source and the result are 16-byte aligned, as the general path chooses."""
+    backend = m.backend
+    dev, dtype = x.device_id, x.dtype
+    size = x.shape[ax]
+    n_out = math.prod(shape)
+    nbytes = n_out * dtype.itemsize
+    kernel = backend.get_kernel(m.kernel(TEMPLATE, dev, **gather_params(dtype.itemsize,
+                                                                        idx.dtype)).name, dev)
+    by_vec = [(backend.prepare_launch(kernel, (grid_blocks(lay[0], BLOCK), 1, 1),
+                                      (BLOCK, 1, 1), 0, dev), lay[1])
+              for lay in layouts if lay is not None]
+    by_vec.append(by_vec[-1])   # [mode 0, mode 1 or mode 0 again, ...]: by alignment
+    checker = backend.prepare_launch(
+        backend.get_kernel(m.kernel(TEMPLATE, dev, **check_params(idx.dtype)).name, dev),
+        (check_grid(idx.size), 1, 1), (CHECK_BLOCK, 1, 1), 0, dev) if check_bounds else None
+    pool = backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    direct = backend.direct_launch
+
+    def run(x: CudaTensor, indices: Any) -> Optional[CudaTensor]:
+        px, pi = x._ptr, indices._ptr
+        if px is None or pi is None or indices.device_id != dev or x.stream is not None or \
+                indices.stream is not None or not direct(dev):
+            return None
+        refuse_capture("gather", dev, check_bounds)
+        out = pool_tensor(shape, dtype, dev, alloc(nbytes, None), pool, n_out, nbytes)
+        po = out._ptr
+        go, args = by_vec[0 if (px | po) % 16 else 1]
+        check = start_check(m, indices, size, "gather", check_bounds, out, checker)
+        try:
+            go(po, px, pi, *args)
+        except BaseException:
+            if check is not None:
+                check.abandon()
+            out.free()
+            raise
+        if check is not None:
+            check.finish("gather", ax, size, out)
+        return out
+    return run

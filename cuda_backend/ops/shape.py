@@ -32,7 +32,7 @@ import numpy as np
 
 from ..dtypes import CudaDataType, from_bfloat16_bits
 from ..errors import InvalidArgumentError, ShapeMismatchError
-from ..tensor import CudaTensor, normalize_shape
+from ..tensor import CudaTensor, device_view, normalize_shape
 from . import common
 from .shape_copy import (BLOCK, TEMPLATE, convert_host, convert_params, copies_plan, copy_into,
                          copy_params, copy_plan, grid_blocks, strided_copy)
@@ -122,10 +122,36 @@ def _target_shape(x: CudaTensor, shape: Any, what: str) -> Tuple[int, ...]:
     return normalize_shape(dims)
 
 
+# (x.shape, requested shape) -> the target shape, for requests that are an int or a tuple of
+# ints (a float or a bool is equal to an int as a dict key: the fast path checks the types)
+_TARGETS: Dict[tuple, Tuple[int, ...]] = {}
+
+
 def reshape(m: Any, x: CudaTensor, shape: Any, what: str = "reshape") -> CudaTensor:
-    """x with a new shape of as many elements (one dim may be -1: inferred); no copy."""
+    """x with a new shape of as many elements (one dim may be -1: inferred); no copy. A device
+    tensor's reshape to a request seen before is a lookup and the view's slots."""
+    if type(x) is CudaTensor and x._host is None and x._ptr is not None:
+        kind = type(shape)
+        if kind is tuple:
+            for s in shape:
+                if type(s) is not int:
+                    break
+            else:
+                hit = _TARGETS.get((x.shape, shape))
+                if hit is not None:
+                    return device_view(x, hit)
+        elif kind is int:
+            hit = _TARGETS.get((x.shape, shape))
+            if hit is not None:
+                return device_view(x, hit)
     x = common.check_tensor(x, "tensor")
-    return make_view(x, _target_shape(x, shape, what))
+    target = _target_shape(x, shape, what)
+    if (type(shape) is int or (type(shape) is tuple and
+                               all(type(s) is int for s in shape))) and not x.on_host:
+        if len(_TARGETS) >= 4096:
+            _TARGETS.clear()
+        _TARGETS[(x.shape, shape)] = target
+    return make_view(x, target)
 
 
 # -- permute / transpose ------------------------------------------------------------------------
@@ -377,7 +403,17 @@ def _concat_key(m: Any, tensors: Any, axis: Any) -> Optional[tuple]:
 
 
 def stack(m: Any, tensors: Any, axis: int = 0) -> CudaTensor:
-    """np.stack: tensors of one shape and dtype joined along a new axis."""
+    """np.stack: tensors of one shape and dtype joined along a new axis (concatenate of
+    views with a size-1 axis there; a per-call plan runs concatenate's plan on the inputs
+    themselves, whose pointers those views share)."""
+    key = _concat_key(m, tensors, axis)
+    if key is not None:
+        key = ("stack",) + key[1:]
+        plan = m.plans.get(key)
+        if plan is not None and m.backend.direct_launch(key[3]):
+            res = plan(tensors)
+            if res is not None:
+                return res
     ts = _tensor_list(tensors, "stack")
     shape = ts[0].shape
     for i, t in enumerate(ts[1:], 1):
@@ -387,7 +423,13 @@ def stack(m: Any, tensors: Any, axis: int = 0) -> CudaTensor:
                 f"has shape {shape} and the tensor at index {i} has shape {t.shape}")
     ax = one_axis(axis, len(shape) + 1, "stack")
     new = shape[:ax] + (1,) + shape[ax:]
-    return concatenate(m, [make_view(t, new) for t in ts], ax)
+    views = [make_view(t, new) for t in ts]
+    out = concatenate(m, views, ax)
+    if key is not None:
+        copies = m.plans.get(_concat_key(m, views, ax))
+        if copies is not None:
+            common.remember_plan(m, key, copies)
+    return out
 
 
 def broadcast_to(m: Any, x: CudaTensor, shape: Any) -> CudaTensor:
