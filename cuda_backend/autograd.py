@@ -28,7 +28,8 @@ re-exports the names of the three modules that implement it:
 from __future__ import annotations
 
 from .autograd_layers import (Attention, BatchNorm, Conv2d, CrossEntropy, Dropout, Embedding,
-                              LayerNorm, Linear, Pool2d, attention, linear)
+                              LayerNorm, Linear, PackedAttention, Pool2d, attention, linear,
+                              packed_attention)
 from .autograd_ops import (Add, Astype, Div, Exp, Gelu, Log, LogSoftmax, MatMul, Mul, Neg,
                            Permute, Relu, Reshape, Sigmoid, Softmax, Sub, Sum, Tanh, Unbind, add,
                            astype, div, matmul, mul, reshape, sub, unbind, unbroadcast)
@@ -45,5 +46,5 @@ __all__ = [
     "astype", "div", "matmul", "mul", "reshape", "sub", "unbind", "unbroadcast",
     # the layers' rules (autograd_layers)
     "Attention", "BatchNorm", "Conv2d", "CrossEntropy", "Dropout", "Embedding", "LayerNorm",
-    "Linear", "Pool2d", "attention", "linear",
+    "Linear", "PackedAttention", "Pool2d", "attention", "linear", "packed_attention",
 ]

@@ -148,6 +148,30 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
     return Attention.apply(q, k, v, scale, causal)
 
 
+class PackedAttention(Function):
+    """flash_attention_packed: self-attention read from a fused (batch, seq, 3 * dim) q|k|v
+    projection and written as (batch, seq, dim), so neither the heads split nor their merge
+    is a copy (nor their gradients: the backward writes d(qkv) in the projection's layout)."""
+
+    def forward(self, qkv: CudaTensor, heads: int, scale: Optional[float] = None,
+                causal: bool = False) -> CudaTensor:
+        ml = apis()[1]
+        if not any(self.needs):
+            return ml.flash_attention_packed(qkv, heads, scale, causal)
+        out, lse = ml.flash_attention_packed(qkv, heads, scale, causal, return_lse=True)
+        self.save(qkv, out, lse, heads, scale, causal)
+        self.own(lse)
+        return out
+
+    def backward(self, g: CudaTensor) -> CudaTensor:
+        return apis()[1].flash_attention_packed_backward(g, *self.saved)
+
+
+def packed_attention(qkv: Tensor, heads: int, scale: Optional[float] = None,
+                     causal: bool = False) -> Tensor:
+    return PackedAttention.apply(qkv, heads, scale, causal)
+
+
 class CrossEntropy(Function):
     """The fused cross-entropy of logits (..., C) against labels (...,), mean or sum; the
     forward keeps each row's (max, sum) so that the backward reads the logits once."""

@@ -24,6 +24,8 @@ class LinearOps:
     _op_matmul_backward: ClassVar[Any]
     _op_flash_attention: ClassVar[Any]
     _op_flash_attention_backward: ClassVar[Any]
+    _op_flash_attention_packed: ClassVar[Any]
+    _op_flash_attention_packed_backward: ClassVar[Any]
 
     # -- layers ---------------------------------------------------------------------------
     def fused_linear_gelu(self, x: CudaTensor, weight: CudaTensor,
@@ -159,6 +161,32 @@ class LinearOps:
             from .ops.attention_backward import flash_attention_backward as op
             LinearOps._op_flash_attention_backward = staticmethod(op)
         return op(m, grad_out, q, k, v, out, lse, scale, causal)
+
+    def flash_attention_packed(self, qkv: CudaTensor, heads: int,
+                               scale: Optional[float] = None, causal: bool = False,
+                               return_lse: bool = False) -> Any:
+        """flash_attention of the q, k, v packed in a fused projection qkv (batch, seq,
+        3 * heads * head_dim), read in place (no permute copies): out (batch, seq, heads *
+        head_dim); return_lse=True gives (out, lse), lse float32 (batch, heads, seq)."""
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = LinearOps._op_flash_attention_packed
+        except AttributeError:
+            from .ops.attention_packed import flash_attention_packed as op
+            LinearOps._op_flash_attention_packed = staticmethod(op)
+        return op(self.math, qkv, heads, scale, causal, return_lse)
+
+    def flash_attention_packed_backward(self, grad_out: CudaTensor, qkv: CudaTensor,
+                                        out: CudaTensor, lse: CudaTensor, heads: int,
+                                        scale: Optional[float] = None,
+                                        causal: bool = False) -> CudaTensor:
+        """grad of qkv (batch, seq, 3 * heads * head_dim) for flash_attention_packed's output
+        gradient grad_out (batch, seq, heads * head_dim), from its out and lse."""
+        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
+            op = LinearOps._op_flash_attention_packed_backward
+        except AttributeError:
+            from .ops.attention_packed import flash_attention_packed_backward as op
+            LinearOps._op_flash_attention_packed_backward = staticmethod(op)
+        return op(self.math, grad_out, qkv, out, lse, heads, scale, causal)
 
     def sketched_linear(self, x: CudaTensor, U: CudaTensor, V: CudaTensor,
                         bias: Optional[CudaTensor] = None) -> CudaTensor:

@@ -300,8 +300,8 @@ class Embedding(Module):
 
 
 class MultiheadSelfAttention(Module):
-    """Self-attention over (batch, seq, dim): one qkv projection, flash_attention per head
-    (causal by default), an output projection."""
+    """Self-attention over (batch, seq, dim): one qkv projection, flash_attention_packed over
+    its heads (causal by default), an output projection."""
 
     def __init__(self, dim: int, heads: int, causal: bool = True, bias: bool = True) -> None:
         if dim % heads:
@@ -311,12 +311,9 @@ class MultiheadSelfAttention(Module):
         self.proj = Linear(dim, dim, bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        B, T, C = x.shape
-        H = self.heads
-        qkv = self.qkv(x).reshape(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4)
-        q, k, v = ag.unbind(qkv)                              # each (B, H, T, D)
-        y = ag.attention(q, k, v, None, self.causal)
-        return self.proj(y.permute(0, 2, 1, 3).reshape(B, T, C))
+        # q, k, v are read from the projection's (B, T, 3, H, D) layout in place and the
+        # output written as (B, T, H, D): no heads split or merge copies (perf/NOTES.md S9)
+        return self.proj(ag.packed_attention(self.qkv(x), self.heads, None, self.causal))
 
 
 class GELU(Module):

@@ -172,6 +172,12 @@ _ENTRIES: List[OpEntry] = [
     _ml("flash_attention_backward", "attention_backward",
         ("flash_attention_backward.cu.j2", "flash_attention_backward_prep.cu.j2"),
         "tests/test_attention_backward.py", "ml/flash_attention_backward"),
+    # attention straight from a fused (batch, seq, 3 * C) projection: the same kernels
+    _ml("flash_attention_packed", "attention", ("flash_attention.cu.j2",) + _FILL,
+        "tests/test_flash_attention_packed.py", "ml/flash_attention_packed"),
+    _ml("flash_attention_packed_backward", "attention_backward",
+        ("flash_attention_backward.cu.j2", "flash_attention_backward_prep.cu.j2"),
+        "tests/test_flash_attention_packed.py", "ml/flash_attention_packed_backward"),
     # normalization gradients: statistics recomputed, per-block partial sums, fixed-order finish
     _ml("layer_norm_backward", "normalization_backward", ("layer_norm_backward.cu.j2",),
         "tests/test_normalization_backward.py", "ml/layer_norm_backward"),

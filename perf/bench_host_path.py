@@ -636,6 +636,15 @@ def _more_cases() -> list:
         out, lse = c.ml.flash_attention(q, k, v, return_lse=True)
         return P(c.ml.flash_attention_backward, g, q, k, v, out, lse)
 
+    def packed_torch(c, qkv):
+        q, k, v = qkv.view(1, 64, 3, 2, 64).permute(2, 0, 3, 1, 4)
+        return lambda: c.F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(
+            1, 64, 128)
+
+    def packed_bwd_ours(c, g, qkv):
+        out, lse = c.ml.flash_attention_packed(qkv, 2, return_lse=True)
+        return P(c.ml.flash_attention_packed_backward, g, qkv, out, lse, 2)
+
     def ce_stats_ours(c, x):
         lab = idx(c, np.arange(64) % 64)
         _, st = c.ml.cross_entropy(x, lab, check_labels=False, return_row_stats=True)
@@ -677,6 +686,11 @@ def _more_cases() -> list:
                                   [1, 1], [1, 1], False, [0, 0], 1, [True, True, False])),
         Case("flash_attention_backward", "(1,2,64,64) (torch: none timed)", [QKV] * 4,
              attn_bwd_ours),
+        Case("flash_attention_packed", "(1,64,3x128), 2 heads (torch: SDPA on views)",
+             [(1, 64, 384)], lambda c, qkv: P(c.ml.flash_attention_packed, qkv, 2),
+             packed_torch),
+        Case("flash_attention_packed_backward", "(1,64,3x128), 2 heads (torch: none timed)",
+             [(1, 64, 128), (1, 64, 384)], packed_bwd_ours),
         Case("linear", "32x1024 @ 1024x1024 + b", [(32, 1024), ((1024, 1024), 1024 ** -0.5),
                                                   (1024,)],
              lambda c, x, w, b: P(c.ml.linear, x, w, b),

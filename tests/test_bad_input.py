@@ -393,6 +393,24 @@ row("config/flash_attention-3d", InvalidArgumentError, r"needs 4-D .* got q of s
 row("config/flash_attention-infinite-scale", InvalidArgumentError, r"scale must be finite, got inf",
     lambda e, q: e.ml.flash_attention(q, q, q, scale=math.inf),
     setup=lambda e: dict(q=e.t((1, 1, 4, 8))))
+row("config/flash_attention_packed-2d", InvalidArgumentError, r"needs a 3-D .* got shape \(4, 24\)",
+    lambda e, x: e.ml.flash_attention_packed(x, 2), setup=lambda e: dict(x=e.t((4, 24))))
+row("config/flash_attention_packed-columns", ShapeMismatchError, r"last dimension 20 is not divisible by 3 \* heads = 6",
+    lambda e, x: e.ml.flash_attention_packed(x, 2), setup=lambda e: dict(x=e.t((1, 4, 20))))
+row("config/flash_attention_packed-heads-0", InvalidArgumentError, r"heads must be a positive int, got 0",
+    lambda e, x: e.ml.flash_attention_packed(x, 0), setup=lambda e: dict(x=e.t((1, 4, 24))))
+row("config/flash_attention_packed-head_dim-300", InvalidArgumentError, r"head_dim up to 256, got head_dim 300",
+    lambda e, x: e.ml.flash_attention_packed(x, 1), setup=lambda e: dict(x=e.t((1, 2, 900))))
+row("dtype/flash_attention_packed-float64", DTypeMismatchError, r"flash_attention_packed does not support float64",
+    lambda e, x: e.ml.flash_attention_packed(x, 2), setup=lambda e: dict(x=e.t((1, 4, 24), np.float64)))
+row("config/flash_attention_packed-infinite-scale", InvalidArgumentError, r"scale must be finite, got inf",
+    lambda e, x: e.ml.flash_attention_packed(x, 2, scale=math.inf), setup=lambda e: dict(x=e.t((1, 4, 24))))
+row("config/flash_attention_packed_backward-grad-shape", ShapeMismatchError, r"grad_out has shape \(1, 4, 6\), expected .* \(1, 4, 8\)",
+    lambda e, x, g, o, l: e.ml.flash_attention_packed_backward(g, x, o, l, 2),
+    setup=lambda e: dict(x=e.t((1, 4, 24)), g=e.t((1, 4, 6)), o=e.t((1, 4, 8)), l=e.t((1, 2, 4))))
+row("config/flash_attention_packed_backward-lse-shape", ShapeMismatchError, r"lse has shape \(1, 4, 2\), expected",
+    lambda e, x, o, l: e.ml.flash_attention_packed_backward(o, x, o, l, 2),
+    setup=lambda e: dict(x=e.t((1, 4, 24)), o=e.t((1, 4, 8)), l=e.t((1, 4, 2))))
 row("config/batch_norm-gamma-shape", ShapeMismatchError, r"gamma has shape \(2,\), expected \(3,\)",
     lambda e, x, g, c: e.ml.batch_norm(x, g, c, c, c),
     setup=lambda e: dict(x=e.t((2, 3, 4)), g=e.t(2), c=e.t(3)))

@@ -332,6 +332,29 @@ SAMPLES["CudaML.flash_attention_backward"] = (
     F32, _attention_grad_q, lambda: _ref("attention_backward")(
         _r32(_ATT_GO), _r32(Q), _r32(K), _r32(V), 1 / np.sqrt(8), False)[0])
 
+# attention from a fused (batch, seq, 3 * C) projection: Q, K, V (1, 2, 5, 8) packed, 2 heads
+def _pack(a):
+    return np.swapaxes(a, 1, 2).reshape(1, 5, 16)
+
+
+_QKV = np.concatenate([_pack(a) for a in (Q, K, V)], axis=2)
+_QKV_GO = np.random.default_rng(29).standard_normal((1, 5, 16))
+SAMPLES["CudaML.flash_attention_packed"] = (
+    F32, lambda m, ml, t: ml.flash_attention_packed(t(_QKV), 2),
+    lambda: _pack(_ref("attention")(_r32(Q), _r32(K), _r32(V), 1 / np.sqrt(8), False)))
+
+
+def _attention_packed_grad(m, ml, t):
+    qkv = t(_QKV)
+    out, lse = ml.flash_attention_packed(qkv, 2, return_lse=True)
+    return ml.flash_attention_packed_backward(t(_QKV_GO), qkv, out, lse, 2)
+
+
+SAMPLES["CudaML.flash_attention_packed_backward"] = (
+    F32, _attention_packed_grad, lambda: np.concatenate([_pack(g) for g in _ref(
+        "attention_backward")(np.swapaxes(_r32(_QKV_GO).reshape(1, 5, 2, 8), 1, 2), _r32(Q),
+                              _r32(K), _r32(V), 1 / np.sqrt(8), False)], axis=2))
+
 
 # normalization gradients: grad_x
 SAMPLES["CudaML.layer_norm_backward"] = (

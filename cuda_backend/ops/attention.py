@@ -18,7 +18,8 @@ ops/attention_backward.py takes to recompute the probabilities.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -83,6 +84,47 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
         for cfgs in table.values():
             out += [{**dtype_params(dt), **c} for c in cfgs]
     return {TEMPLATE: out}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """An attention call as the kernels see it: bh matrices (heads per batch entry) of seq_q
+    query and seq_kv key rows of d, and the (sb, sh, ld) layout, in elements, of each tensor
+    group (flash_attention.cu.j2's header): q (q, dq), kv (k, v, dk, dv), o (out, grad_out)."""
+
+    bh: int
+    heads: int
+    seq_q: int
+    seq_kv: int
+    d: int
+    q: Tuple[int, int, int]
+    kv: Tuple[int, int, int]
+    o: Tuple[int, int, int]
+
+    def args(self) -> Tuple[int, ...]:
+        """The kernels' trailing layout arguments: heads, then (sb, sh, ld) of q, kv, o."""
+        return (self.heads, *self.q, *self.kv, *self.o)
+
+    def aligned(self, groups: str, nbytes: int, itemsize: int) -> bool:
+        """Whether every sb, sh, ld of the named groups ("q", "kv", "o") is a whole number of
+        nbytes (with d, what the 16-byte vector loads and 2-element stores need)."""
+        return all(x * itemsize % nbytes == 0
+                   for g in groups.split(",") for x in getattr(self, g))
+
+
+def contiguous_problem(q_shape: Tuple[int, ...], k_shape: Tuple[int, ...]) -> Problem:
+    """The trivial layout of contiguous (batch, heads, seq, d) q, k, v: heads 1, sb seq * d."""
+    B, H, Sq, D = q_shape
+    Skv = k_shape[2]
+    return Problem(B * H, 1, Sq, Skv, D, (Sq * D, 0, D), (Skv * D, 0, D), (Sq * D, 0, D))
+
+
+def packed_problem(batch: int, seq: int, heads: int, d: int) -> Problem:
+    """q, k, v read in place from a (batch, seq, 3 * heads * d) projection (its column blocks
+    [0, C), [C, 2C), [2C, 3C), C = heads * d), out and grad_out (batch, seq, C)."""
+    c = heads * d
+    qkv = (seq * 3 * c, d, 3 * c)
+    return Problem(batch * heads, heads, seq, seq, d, qkv, qkv, (seq * c, d, c))
 
 
 def padded_head_dim(d: int) -> int:
@@ -229,6 +271,7 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
     lse_nbytes = 4 * lse_size
     f32 = DT.FLOAT32
     d_vec, d_pair = D % (16 // dtype.itemsize) == 0, D % 2 == 0
+    layout = contiguous_problem(shape, k.shape).args()
     scaled = float(resolve_scale(None, D) * LOG2E)
     flag = int(causal)
     isfinite = math.isfinite
@@ -253,7 +296,7 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
                 lse = pool_tensor(lse_shape, f32, dev, alloc(lse_nbytes), pool, lse_size,
                                   lse_nbytes)
             go(pq, pk, pv, po, 0 if lse is None else lse._ptr, Sq, Skv, D, sc, flag,
-               int(d_vec and not (pq | pk | pv) & 15), int(d_pair and not po & 7))
+               int(d_vec and not (pq | pk | pv) & 15), int(d_pair and not po & 7), *layout)
         except BaseException:
             out.free()   # as the general path: nothing leaks from a failed launch
             if lse is not None:
@@ -286,23 +329,28 @@ def _compute(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor, out: CudaTenso
         if lse is not None and lse.size:
             _fill_zero(m, lse, dev, -math.inf)
         return None
-    hd = padded_head_dim(D)
-    cands = configs(dtype, hd)
-
     def run(cfg: Dict[str, Any]) -> None:
         run_config(m, cfg, q, k, v, out, sc, causal, lse)
 
-    if len(cands) > 1:
-        key = [dtype.name_str, hd, causal, _bucket(Sq), _bucket(Skv), _bucket(B * Hh)]
-        memo = m.__dict__.setdefault("_attention_choices", {})
-        mkey = (dev, tuple(key))
-        cfg = memo.get(mkey)
-        if cfg is None:
-            cfg = memo[mkey] = m.autotuner.pick("flash_attention", key, cands, run,
-                                                device_id=dev)
-    else:
-        cfg = cands[0]
+    cfg = pick_config(m, dtype, dev, contiguous_problem(q.shape, k.shape), causal, run)
     run(cfg)
+    return cfg
+
+
+def pick_config(m: Any, dtype: CudaDataType, dev: int, p: Problem, causal: bool,
+                run: Callable[[Dict[str, Any]], None]) -> Dict[str, Any]:
+    """The config for a problem's shape class (dtype, padded head_dim, causal, bucketed
+    seq_q, seq_kv and batch*heads; any layout), autotuned once per device with run."""
+    hd = padded_head_dim(p.d)
+    cands = configs(dtype, hd)
+    if len(cands) == 1:
+        return cands[0]
+    key = [dtype.name_str, hd, causal, _bucket(p.seq_q), _bucket(p.seq_kv), _bucket(p.bh)]
+    memo = m.__dict__.setdefault("_attention_choices", {})
+    mkey = (dev, tuple(key))
+    cfg = memo.get(mkey)
+    if cfg is None:
+        cfg = memo[mkey] = m.autotuner.pick("flash_attention", key, cands, run, device_id=dev)
     return cfg
 
 
@@ -313,6 +361,12 @@ def _bucket(x: int) -> int:
 def _kernel(m: Any, template: str, dev: int, params: Dict[str, Any]) -> Any:
     """m.kernel(template, dev, **params), memoized on m (ops/common.py memo_kernel)."""
     return common.memo_kernel(m, "_attention_kernels", template, dev, params)
+
+
+def compiled_kernel(m: Any, dtype: CudaDataType, dev: int, cfg: Dict[str, Any]) -> Any:
+    """The forward kernel of a config (compiled once, memoized), as the plans launch it."""
+    return m.backend.get_kernel(_kernel(m, TEMPLATE, dev, {**dtype_params(dtype), **cfg}).name,
+                                dev)
 
 
 def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
@@ -337,25 +391,40 @@ def _check_out(out: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor) -> None:
                 raise InvalidArgumentError(f"out overlaps {name}; use a separate tensor")
 
 
-def run_config(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor, v: CudaTensor,
-               out: CudaTensor, scale: float, causal: bool,
-               lse: Optional[CudaTensor] = None) -> None:
-    """Launch one config over the whole problem (writing lse too when given)."""
+Operand = Union[CudaTensor, int]   # a tensor or a device pointer into one (packed q, k, v)
+
+
+def pointer(t: Operand) -> int:
+    """The device address of an operand."""
+    return t if isinstance(t, int) else t.ptr
+
+
+def run_config(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: Operand, v: Operand,
+               out: Operand, scale: float, causal: bool,
+               lse: Optional[CudaTensor] = None, problem: Optional[Problem] = None) -> None:
+    """Launch one config over the whole problem (writing lse too when given); problem: the
+    layout (default: contiguous q, k, v, out), where k, v, out may be pointers."""
     dtype = q.dtype
     dev = q.device_id
-    B, Hh, Sq, D = q.shape
-    Skv = k.shape[2]
+    if problem is not None:
+        p = problem
+    elif isinstance(k, CudaTensor):
+        p = contiguous_problem(q.shape, k.shape)
+    else:
+        raise InvalidArgumentError("run_config: pointer operands need their problem (layout)")
+    D = p.d
     if padded_head_dim(D) > cfg["hd"]:
         raise InvalidArgumentError(f"config hd={cfg['hd']} is too small for head_dim {D}")
     kernel = _kernel(m, TEMPLATE, dev, {**dtype_params(dtype), **cfg})
     br = block_rows(cfg)
-    blocks = B * Hh * -(-Sq // br)
+    blocks = p.bh * -(-p.seq_q // br)
     epc = 16 // dtype.itemsize
-    vec = int(D % epc == 0 and all(t.ptr % 16 == 0 for t in (q, k, v)))
-    pair = int(D % 2 == 0 and out.ptr % 8 == 0)
+    vec = int(D % epc == 0 and all(pointer(t) % 16 == 0 for t in (q, k, v)) and
+              p.aligned("q,kv", 16, dtype.itemsize))
+    pair = int(D % 2 == 0 and pointer(out) % 8 == 0 and p.aligned("o", 2, 1))
     m.backend.launch_kernel(kernel.name, (blocks, 1, 1), q, k, v, out,
-                            0 if lse is None else lse, Sq, Skv, D,
-                            float(scale * LOG2E), int(causal), vec, pair,
+                            0 if lse is None else lse, p.seq_q, p.seq_kv, D,
+                            float(scale * LOG2E), int(causal), vec, pair, *p.args(),
                             block_size=(32 * cfg["nw"], 1, 1),
                             shared_mem=shared_bytes(cfg, dtype), device_id=dev)
 

@@ -36,7 +36,7 @@ bytes per padded query row. Fallback mode computes `reference` in float64.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -286,31 +286,35 @@ def _compute(m: Any, g: CudaTensor, q: CudaTensor, k: CudaTensor, v: CudaTensor,
              out: CudaTensor, lse: CudaTensor, grads: List[CudaTensor], sc: float,
              causal: bool) -> Dict[str, Any]:
     """Run the autotuned config into grads (dq, dk, dv); returns it."""
-    dtype, dev = q.dtype, q.device_id
-    B, Hh, Sq, D = q.shape
-    hd = padded_head_dim(D)
-    cands = configs(dtype, hd)
-
     def run(cfg: Dict[str, Any]) -> None:
         run_config(m, cfg, g, q, k, v, out, lse, grads, sc, causal)
 
-    if len(cands) > 1:
-        key = [dtype.name_str, hd, causal, _bucket(Sq), _bucket(k.shape[2]), _bucket(B * Hh)]
-        memo = m.__dict__.setdefault("_attention_bwd_choices", {})
-        mkey = (dev, tuple(key))
-        cfg = memo.get(mkey)
-        if cfg is None:
-            cfg = memo[mkey] = m.autotuner.pick(NAME, key, cands, run, device_id=dev)
-    else:
-        cfg = cands[0]
+    cfg = pick_config(m, q.dtype, q.device_id, attention.contiguous_problem(q.shape, k.shape),
+                      causal, run)
     run(cfg)
     return cfg
 
 
-def _geometry(cfg: Dict[str, Any], q_shape: Tuple[int, ...], skv: int) -> Dict[str, int]:
+def pick_config(m: Any, dtype: CudaDataType, dev: int, p: attention.Problem, causal: bool,
+                run: Callable[[Dict[str, Any]], None]) -> Dict[str, Any]:
+    """The config for a problem's shape class (dtype, padded head_dim, causal, bucketed
+    seq_q, seq_kv and batch*heads; any layout), autotuned once per device with run."""
+    hd = padded_head_dim(p.d)
+    cands = configs(dtype, hd)
+    if len(cands) == 1:
+        return cands[0]
+    key = [dtype.name_str, hd, causal, _bucket(p.seq_q), _bucket(p.seq_kv), _bucket(p.bh)]
+    memo = m.__dict__.setdefault("_attention_bwd_choices", {})
+    mkey = (dev, tuple(key))
+    cfg = memo.get(mkey)
+    if cfg is None:
+        cfg = memo[mkey] = m.autotuner.pick(NAME, key, cands, run, device_id=dev)
+    return cfg
+
+
+def _geometry(cfg: Dict[str, Any], p: attention.Problem) -> Dict[str, int]:
     """Launch sizes: padded query rows, prep / main / post grids (blocks)."""
-    B, Hh, Sq, D = q_shape
-    bh = B * Hh
+    bh, Sq, skv = p.bh, p.seq_q, p.seq_kv
     sq_pad = -(-Sq // SQ_PAD) * SQ_PAD
     return {"bh": bh, "sq_pad": sq_pad, "prep_rows": bh * sq_pad,
             "prep_grid": max(1, min(-(-bh * sq_pad // PREP_ROWS), 2**31 - 1)),
@@ -318,19 +322,26 @@ def _geometry(cfg: Dict[str, Any], q_shape: Tuple[int, ...], skv: int) -> Dict[s
             "post_grid": max(1, min(-(-bh * Sq // PREP_ROWS), 2**31 - 1))}
 
 
-def run_config(m: Any, cfg: Dict[str, Any], g: CudaTensor, q: CudaTensor, k: CudaTensor,
-               v: CudaTensor, out: CudaTensor, lse: CudaTensor, grads: List[CudaTensor],
-               scale: float, causal: bool) -> None:
+def run_config(m: Any, cfg: Dict[str, Any], g: CudaTensor, q: CudaTensor,
+               k: attention.Operand, v: attention.Operand, out: CudaTensor, lse: CudaTensor,
+               grads: Sequence[attention.Operand], scale: float, causal: bool,
+               problem: Optional[attention.Problem] = None) -> None:
     """The three launches of one config over the whole problem into grads (dq, dk, dv); the
-    workspaces come from the pool and go back after the launches (stream-ordered)."""
+    workspaces come from the pool and go back after the launches (stream-ordered). problem:
+    the layout (default: contiguous operands), where k, v, dk, dv may be pointers."""
     dtype, dev = q.dtype, q.device_id
-    B, Hh, Sq, D = q.shape
-    Skv = k.shape[2]
+    if problem is not None:
+        p = problem
+    elif isinstance(k, CudaTensor):
+        p = attention.contiguous_problem(q.shape, k.shape)
+    else:
+        raise InvalidArgumentError("run_config: pointer operands need their problem (layout)")
+    Sq, Skv, D = p.seq_q, p.seq_kv, p.d
     hd = cfg["hd"]
     if padded_head_dim(D) > hd:
         raise InvalidArgumentError(f"config hd={hd} is too small for head_dim {D}")
     dq, dk, dv = grads
-    geo = _geometry(cfg, q.shape, Skv)
+    geo = _geometry(cfg, p)
     bh, sq_pad = geo["bh"], geo["sq_pad"]
     prep = _kernel(m, PREP_TEMPLATE, dev, prep_params(dtype, "delta"))
     main = _kernel(m, TEMPLATE, dev, kernel_params(dtype, cfg))
@@ -342,18 +353,22 @@ def run_config(m: Any, cfg: Dict[str, Any], g: CudaTensor, q: CudaTensor, k: Cud
         lse2, delta = ws.ptr, ws.ptr + 4 * bh * sq_pad
         threads = (PREP_THREADS, 1, 1)
         m.backend.launch_kernel(prep.name, (geo["prep_grid"], 1, 1), g, out, lse, lse2, delta,
-                                acc, geo["prep_rows"], Sq, sq_pad, D, hd, 1,
+                                acc, geo["prep_rows"], Sq, sq_pad, D, hd, 1, p.heads, *p.o,
                                 block_size=threads, device_id=dev)
         isz = dtype.itemsize   # vec: whole 16-byte chunks per row; pair: 2-element stores
-        vec = int(D * isz % 16 == 0 and all(t.ptr % 16 == 0 for t in (q, k, v, g)))
-        pair = int(D % 2 == 0 and dk.ptr % (2 * isz) == 0 and dv.ptr % (2 * isz) == 0)
+        ptr = attention.pointer
+        vec = int(D * isz % 16 == 0 and all(ptr(t) % 16 == 0 for t in (q, k, v, g)) and
+                  p.aligned("q,kv,o", 16, isz))
+        pair = int(D % 2 == 0 and ptr(dk) % (2 * isz) == 0 and ptr(dv) % (2 * isz) == 0 and
+                   p.aligned("kv", 2, 1))
         m.backend.launch_kernel(main.name, (geo["main_grid"], 1, 1), q, k, v, g, lse2, delta,
                                 acc, dk, dv, Sq, Skv, D, sq_pad, float(scale * LOG2E),
-                                float(scale), int(causal), vec, pair,
+                                float(scale), int(causal), vec, pair, *p.args(),
                                 block_size=(32 * cfg["nw"], 1, 1),
                                 shared_mem=shared_bytes(cfg), device_id=dev)
         m.backend.launch_kernel(post.name, (geo["post_grid"], 1, 1), acc, dq, bh * Sq, D, hd,
-                                float(scale), block_size=threads, device_id=dev)
+                                float(scale), Sq, p.heads, *p.q, block_size=threads,
+                                device_id=dev)
     finally:
         ws.free()   # stream-ordered: reused only after these launches
         if acc is not None:
@@ -376,7 +391,9 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
     Skv = k_shape[2]
     lse_shape = q_shape[:3]
     hd = cfg["hd"]
-    geo = _geometry(cfg, q_shape, Skv)
+    prob = attention.contiguous_problem(q_shape, k_shape)
+    layout, o_layout, q_layout = prob.args(), prob.o, prob.q
+    geo = _geometry(cfg, prob)
     bh, sq_pad = geo["bh"], geo["sq_pad"]
     get = backend.get_kernel
     threads = (PREP_THREADS, 1, 1)
@@ -438,11 +455,12 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
             acc = alloc(acc_bytes)
             pw, pa = int(ws), int(acc)
             pdk, pdv = dk._ptr, dv._ptr
-            prep(pg, po, pl, pw, pw + delta_off, pa, prep_rows, Sq, sq_pad, D, hd, 1)
+            prep(pg, po, pl, pw, pw + delta_off, pa, prep_rows, Sq, sq_pad, D, hd, 1, 1,
+                 *o_layout)
             main(pq, pk, pv, pg, pw, pw + delta_off, pa, pdk, pdv, Sq, Skv, D, sq_pad,
                  sc * LOG2E, sc, flag, int(d_vec and not (pq | pk | pv | pg) & 15),
-                 int(d_pair and not (pdk | pdv) & pair_mask))
-            post(pa, dq._ptr, post_rows, D, hd, sc)
+                 int(d_pair and not (pdk | pdv) & pair_mask), *layout)
+            post(pa, dq._ptr, post_rows, D, hd, sc, Sq, 1, *q_layout)
         except BaseException:
             for t in (dq, dk, dv):
                 if t is not None:

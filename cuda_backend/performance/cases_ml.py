@@ -31,6 +31,9 @@ from .cases_ml_grads import (attention_grad_inputs, attention_grad_q, batch_norm
                              torch_dropout_backward, torch_layer_backward,
                              torch_layer_norm_backward, torch_matmul_backward,
                              torch_max_pool2d_backward)
+from .cases_ml_attention_packed import (packed_attention, packed_grad, packed_grad_inputs,
+                                        packed_qkv, ours_packed_backward,
+                                        torch_packed_attention, torch_packed_backward)
 
 # CudaML methods that are not operations (sketched_linear_params draws random weights).
 NON_OPS = ("math", "backend", "sketched_linear_params")
@@ -160,6 +163,11 @@ ML_OPS: List[OpDef] = [
           torch=lambda T, q, k, v: F(T).scaled_dot_product_attention(q, k, v, is_causal=True),
           api="CudaML", variant="causal", dtypes=TENSOR, compute_unit="tensor",
           flops=lambda sh: 2.0 * sh[0][0] * sh[0][1] * sh[0][2] ** 2 * sh[0][3]),
+    # attention from a fused (B, T, 3C) projection: flash_attention's case, packed
+    OpDef("flash_attention_packed", ML, packed_qkv,
+          lambda c, qkv: c.ml.flash_attention_packed(qkv, 8), cpu=packed_attention(False),
+          torch=torch_packed_attention(False), api="CudaML", dtypes=TENSOR,
+          compute_unit="tensor", flops=lambda sh: 4.0 * sh[0][0] * sh[0][1] ** 2 * sh[0][2] / 3),
     OpDef("fused_linear_gelu", ML, linear,
           lambda c, x, w, b: c.ml.fused_linear_gelu(x, w, b),
           cpu=lambda xp, x, w, b: gelu_tanh(xp, x @ w.T + b),
@@ -279,6 +287,10 @@ ML_OPS: List[OpDef] = [
           cpu=attention_grad_q(True), torch_factory=torch_attention_backward(True),
           api="CudaML", variant="causal", cupy=False, dtypes=TENSOR, compute_unit="tensor",
           flops=_attention_grad_flops(True)),
+    OpDef("flash_attention_packed_backward", ML, packed_grad_inputs, ours_packed_backward(False),
+          cpu=packed_grad(False), torch_factory=torch_packed_backward(False), api="CudaML",
+          cupy=False, dtypes=TENSOR, compute_unit="tensor",
+          flops=lambda sh: 10.0 * sh[0][0] * sh[0][1] ** 2 * sh[0][2]),
     # normalization gradients: the report checks the first result (grad_x / grad_input);
     # bytes = inputs + outputs (x, grad_out, grad_x and the parameters), the floor's
     OpDef("layer_norm_backward", ML, norm_grad_rows,
