@@ -10,6 +10,7 @@ are compared bit for bit (array_equal); the rest of the file checks the host-sid
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -618,3 +619,159 @@ def test_stack_reshape_repeated_calls(m):
             same(m, v, rx.reshape(shape))
         m.fill(x, 3)
         same(m, m.reshape(x, (60,)), np.full(60, 3, np.int32))
+
+
+# -- "cat": concatenate / stack / split in one launch per 8 pieces -------------------------------
+def _fast_div(n, d, mul, l, bits):
+    """FastDiv::div of _strided.cuh.j2 on Python ints (mulhi of `bits`-wide words)."""
+    t = (mul * n) >> bits
+    return (t + ((n - t) >> min(l, 1))) >> max(l - 1, 0)
+
+
+def _run_cat_emulated(launches, pieces, one, one_addr):
+    """strided_copy.cu.j2's "cat" kernel in NumPy over plan_cat's launches: every work item's
+    row (FastDiv), column, piece (the unrolled compares) and both offsets, on byte buffers
+    (pieces: uint8 arrays, one: the uint8 buffer whose byte 0 is at one_addr, the whole
+    tensor's row 0 starting there less the first piece's column)."""
+    for L in launches:
+        unit, bits = L.params["unit"], L.params["index"]
+        assert L.params["kind"] == "cat" and len(L.args) == 6 + 8 + 7
+        n, split, d, mul, l, ostride = L.args[:6]
+        inner, off = list(L.args[6:14]), [0] + list(L.args[14:21])
+        assert len(L.pieces) <= 8 and all(inner[k] == 0 for k in range(len(L.pieces), 8))
+        assert all(o == d for o in off[len(L.pieces):])          # unused slots: never chosen
+        assert n < 2**bits and n == (n // d) * d
+        i = np.arange(n, dtype=np.uint64)
+        o = np.array([_fast_div(int(v), d, mul, l, bits) for v in i], dtype=np.int64)
+        np.testing.assert_array_equal(o, np.arange(n) // d)
+        c = np.arange(n) - o * d
+        k = np.zeros(n, np.int64)
+        for s in range(1, 8):
+            k = np.where(c >= off[s], s, k)
+        one_u = one[:one.size // unit * unit].view(f"V{unit}")
+        at_one = L.one_off // unit + o * ostride + c
+        for s in range(len(L.pieces)):
+            sel = k == s
+            p = pieces[L.pieces[s]].view(f"V{unit}")
+            at_piece = o[sel] * inner[s] + c[sel] - off[s]
+            if split:
+                p[at_piece] = one_u[at_one[sel]]
+            else:
+                one_u[at_one[sel]] = p[at_piece]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cat_launches_emulated(seed):
+    """plan_cat's launches, run through the kernel's index math in NumPy, concatenate and
+    split as NumPy does: 1..19 pieces along each axis of odd shapes, every element size,
+    pointers at random alignments (16-byte items only where every size and pointer allows),
+    split pieces covering part of the axis."""
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        nd = int(rng.integers(1, 4))
+        base = [int(v) for v in rng.integers(1, 6, nd)]
+        ax = int(rng.integers(0, nd))
+        npieces = int(rng.choice([1, 2, 3, 7, 8, 9, 16, 17, 19]))
+        dt = np.dtype(rng.choice([np.uint8, np.float16, np.float32, np.float64]))
+        widths = [int(v) for v in rng.integers(1, 9, npieces)]
+        parts = [rng.integers(0, 255, base[:ax] + [w] + base[ax + 1:]).astype(dt)
+                 for w in widths]
+        ref = np.concatenate(parts, axis=ax)
+        rows = math.prod(base[:ax])
+        row_piece = [p.size // rows * dt.itemsize for p in parts]
+        addrs = [int(rng.integers(0, 64)) * dt.itemsize for _ in parts]
+        one_addr = int(rng.integers(0, 64)) * dt.itemsize
+        launches = sc.plan_cat(rows, row_piece, addrs, one_addr, False)
+        assert len(launches) == -(-npieces // 8)
+        unit = launches[0].params["unit"]
+        assert unit == max(u for u in (1, 2, 4, 8, 16)
+                           if all(v % u == 0 for v in row_piece + addrs + [one_addr]))
+        one = np.zeros(ref.size, dt)
+        _run_cat_emulated(launches, [p.reshape(-1).view(np.uint8) for p in parts],
+                          one.view(np.uint8), one_addr)
+        np.testing.assert_array_equal(one.reshape(ref.shape), ref)
+        # split: pieces [a, b) of the axis, side by side, from a tensor of a wider axis
+        lead = int(rng.integers(0, 3))
+        wide = base[:ax] + [lead + ref.shape[ax] + int(rng.integers(0, 3))] + base[ax + 1:]
+        src = rng.integers(0, 255, wide).astype(dt)
+        src[(slice(None),) * ax + (slice(lead, lead + ref.shape[ax]),)] = ref
+        inner = math.prod(base[ax + 1:]) * dt.itemsize
+        launches = sc.plan_cat(rows, row_piece, addrs, one_addr + lead * inner, True,
+                               wide[ax] * inner)
+        outs = [np.zeros(p.size, dt) for p in parts]
+        flat = src.reshape(-1).view(np.uint8)
+        _run_cat_emulated(launches, [o.view(np.uint8) for o in outs], flat[lead * inner:],
+                          one_addr + lead * inner)
+        for o, p in zip(outs, parts):
+            np.testing.assert_array_equal(o.reshape(p.shape), p)
+
+
+def test_cat_unit_and_index_width():
+    assert sc.cat_unit(0, 32, 48) == 16 and sc.cat_unit(16, 12) == 4
+    assert sc.cat_unit(8, 16) == 8 and sc.cat_unit(3) == 1 and sc.cat_unit() == 16
+    launches = sc.plan_cat(3, [28, 20], [0, 16], 32, False)       # float32 (3, 7) | (3, 5)
+    assert [L.params for L in launches] == [sc.cat_params(4, 32)]
+    assert launches[0].args[:2] == (36, 0) and launches[0].args[5] == 12
+    big = sc.plan_cat(2**20, [2**13, 2**13], [0, 0], 0, False)      # 2^29 16-byte items
+    assert big[0].params == sc.cat_params(16, 32)
+    big = sc.plan_cat(2**24, [2**13, 2**13], [0, 0], 0, False)      # 2^33 items: 64-bit
+    assert big[0].params == sc.cat_params(16, 64)
+    assert sc.cat_params(16, 32) in sh.template_variants()[sh.TEMPLATE]
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))
+def test_concatenate_one_to_nine_inputs(m, dtype):
+    """1..9 inputs (9: two launches) of (3, 5, 7) pieces along each axis, mixed sizes along
+    it (16-byte items for some calls, elements for others), bit for bit; each call twice (the
+    second through the plan on the GPU)."""
+    rng = np.random.default_rng(21)
+    base = (3, 5, 7)
+    for n in range(1, 10):
+        for axis in range(3):
+            parts, refs = [], []
+            for k in rng.integers(1, 5, n):
+                t, r = make(m, base[:axis] + (int(k),) + base[axis + 1:], dtype, rng)
+                parts.append(t)
+                refs.append(r)
+            want = np.concatenate(refs, axis=axis)
+            for _ in range(2):
+                same(m, m.concatenate(parts, axis=axis), want)
+    a, ra = make(m, (4, 4), dtype, rng)           # 16-byte rows for 4- and 8-byte dtypes
+    b, rb = make(m, (4, 8), dtype, rng)
+    for _ in range(3):
+        same(m, m.concatenate([a, b, a], axis=1), np.concatenate([ra, rb, ra], axis=1))
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))
+def test_stack_many_inputs_each_axis(m, dtype):
+    rng = np.random.default_rng(22)
+    for n in (1, 2, 5, 8, 9):
+        ts, refs = zip(*[make(m, (3, 5, 7), dtype, rng) for _ in range(n)])
+        for axis in range(-4, 4):
+            want = np.stack(refs, axis=axis)
+            for _ in range(2):
+                same(m, m.stack(list(ts), axis=axis), want)
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=ids(ALL))
+def test_split_side_by_side_pieces(m, dtype):
+    """split along inner axes (copies: one launch per 8 pieces on the GPU) into sections and
+    at indices (empty pieces, pieces starting after 0 or ending before the end, more than 8
+    pieces, overlapping pieces through getitem), each call three times (plans)."""
+    rng = np.random.default_rng(23)
+    x, ref = make(m, (3, 10, 7), dtype, rng)
+    for arg, axis in [(2, 1), (5, 1), (10, 1), (7, 2), (1, 2), ([3, 3, 8], 1), ([-2], 2),
+                      ([2, 5], 1), ([1, 2, 3, 4, 5, 6, 7, 8, 9], 1), ([4, 2], 2),
+                      ((0, 10), 1), ([3, 12], 1), ([9, 20], 1)]:
+        exp = np.split(ref, arg, axis=axis)
+        for _ in range(3):
+            got = m.split(x, arg, axis=axis)
+            assert len(got) == len(exp)
+            for g, e in zip(got, exp):
+                same(m, g, e)
+    v = m.reshape(m.from_numpy(np.zeros(3 * 10 * 7 + 1, np.float32))[1:], (3, 10, 7))
+    r = np.arange(210, dtype=np.float32).reshape(3, 10, 7)
+    m.backend.copy_to_device(r, v)                # one element past an aligned pointer
+    for _ in range(3):
+        for g, e in zip(m.split(v, 2, axis=2 - 1), np.split(r, 2, axis=1)):
+            same(m, g, e)

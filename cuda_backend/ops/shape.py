@@ -13,7 +13,8 @@ Tensors are C-contiguous, so:
   stream's work is done).
 - everything else is a copy through one kernel template, `strided_copy.cu.j2`: "gather"
   (any strided layout), "tile" (permutations that move the innermost axis; plain 2-D
-  transposes go to transpose.cu.j2) and "convert" (astype), planned and launched by
+  transposes go to transpose.cu.j2), "cat" (concatenate, stack and split pieces side by
+  side: one launch per 8 pieces) and "convert" (astype), planned and launched by
   ops/shape_copy.py; ops/shape_layouts.py computes the layouts and makes the views.
 
 astype follows NumPy's astype (a new tensor, also for the same dtype): bfloat16 rounds to
@@ -34,20 +35,24 @@ from ..dtypes import CudaDataType, from_bfloat16_bits
 from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..tensor import CudaTensor, device_view, normalize_shape
 from . import common
-from .shape_copy import (BLOCK, TEMPLATE, convert_host, convert_params, copies_plan, copy_into,
-                         copy_params, copy_plan, grid_blocks, strided_copy)
+from .shape_copy import (BLOCK, TEMPLATE, cat_params, cat_plan, convert_host, convert_params,
+                         copy_into, copy_params, copy_plan, grid_blocks, plan_cat, record,
+                         run_cat, split_plan, strided_copy)
 from .shape_layouts import contiguous_strides, index_int, is_contiguous, make_view, parse_key
 
 DT = CudaDataType
 TEMPLATES = (TEMPLATE,)
 ELEMS = (1, 2, 4, 8)
 INDEX_BITS = (32, 64)
+CAT_UNITS = (1, 2, 4, 8, 16)
 
 
 # -- the family contract (registry.CONTRACT) ----------------------------------------------
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
-    """gather and tile per element size and index width; convert per ordered dtype pair."""
+    """gather and tile per element size and index width, cat per unit and index width;
+    convert per ordered dtype pair."""
     sets = [copy_params(k, e, i) for k in ("gather", "tile") for e in ELEMS for i in INDEX_BITS]
+    sets += [cat_params(u, i) for u in CAT_UNITS for i in INDEX_BITS]
     sets += [convert_params(s, d) for s in DT for d in DT if s is not d]
     return {TEMPLATE: sets}
 
@@ -273,7 +278,15 @@ def key_token(key: Any) -> Any:
 def split(m: Any, x: CudaTensor, indices_or_sections: Any, axis: int = 0) -> List[CudaTensor]:
     """np.split: `sections` equal pieces along axis (the size must divide), or pieces between
     the given indices (slice semantics: clipped, negative counts from the end). Pieces that are
-    contiguous in memory (along a leading axis) are views."""
+    contiguous in memory (along a leading axis) are views; copies of pieces side by side
+    are made by one "cat" launch per 8 pieces."""
+    key = _split_key(x, indices_or_sections, axis) if m.gpu else None
+    if key is not None:
+        plan = m.plans.get(key)
+        if plan is not None:
+            res = plan(x)
+            if res is not None:
+                return cast(List[CudaTensor], res)
     x = common.check_tensor(x, "tensor")
     if x.ndim == 0:
         raise InvalidArgumentError("split needs a tensor of at least 1 dimension, got a 0-d one")
@@ -298,9 +311,59 @@ def split(m: Any, x: CudaTensor, indices_or_sections: Any, axis: int = 0) -> Lis
                 f"split: indices_or_sections must be an int or a sequence of ints, got "
                 f"{indices_or_sections!r}")
         bounds = [0] + cast(List[int], points) + [n]   # (no None: checked above)
+    spans = [slice(bounds[i], bounds[i + 1]).indices(n)[:2] for i in range(len(bounds) - 1)]
+    pieces = _split_copy(m, x, ax, spans, key)
+    if pieces is not None:
+        return pieces
     pre = (slice(None),) * ax
     return [getitem(m, x, pre + (slice(bounds[i], bounds[i + 1]),))
             for i in range(len(bounds) - 1)]
+
+
+def _split_key(x: Any, sections: Any, axis: Any) -> Optional[tuple]:
+    """split's plan key (shape, dtype, device, the sections or indices, the axis), or None:
+    no plan for this call (arguments not plain ints or a tuple / list of them)."""
+    if type(x) is not CudaTensor or type(axis) is not int:
+        return None
+    kind = type(sections)
+    if kind is int:
+        tok: Any = sections
+    elif kind is tuple or kind is list:
+        for s in sections:
+            if type(s) is not int:
+                return None
+        tok = (kind is list, tuple(sections))
+    else:
+        return None
+    return ("split", x.shape, x.dtype, x.device_id, axis, tok)
+
+
+def _split_copy(m: Any, x: CudaTensor, ax: int, spans: List[Tuple[int, int]],
+                key: Optional[tuple]) -> Optional[List[CudaTensor]]:
+    """The pieces of split by "cat" launches (one per 8 pieces) where they are copies (rows
+    before axis > 1), at least two are non-empty and those follow one another along axis;
+    None otherwise (getitem per piece: views, or copies of overlapping pieces)."""
+    rows = math.prod(x.shape[:ax])
+    full = [(a, b) for a, b in spans if b > a]
+    if not m.gpu or rows <= 1 or len(full) < 2 or \
+            any(full[i][1] != full[i + 1][0] for i in range(len(full) - 1)):
+        return None
+    dev, dtype = x.device_id, x.dtype
+    inner = math.prod(x.shape[ax + 1:]) * dtype.itemsize
+    shapes = [x.shape[:ax] + (max(b - a, 0),) + x.shape[ax + 1:] for a, b in spans]
+    outs = [m.backend.empty(s, dtype, dev) for s in shapes]
+    pieces = [o for o in outs if o.size]
+    base = full[0][0] * inner
+    addrs = [o.ptr for o in pieces]
+    launches = plan_cat(rows, [(b - a) * inner for a, b in full], addrs, x.ptr + base, True,
+                        x.shape[ax] * inner)
+    record(dev, x, *pieces)
+    run_cat(m, dev, launches, addrs, x.ptr + base)
+    if key is not None and len(pieces) == len(outs):
+        copy = split_plan(m, dev, launches, shapes, dtype, x.ptr, base, addrs)
+        direct = m.backend.direct_launch
+        common.remember_plan(m, key, lambda t: copy(t) if direct(dev) else None)
+    return outs
 
 
 def one_axis(axis: Any, ndim: int, what: str) -> int:
@@ -329,7 +392,8 @@ def _tensor_list(tensors: Any, what: str) -> List[CudaTensor]:
 
 def concatenate(m: Any, tensors: Any, axis: Optional[int] = 0) -> CudaTensor:
     """np.concatenate: tensors of one dtype whose shapes agree except along axis (None:
-    flattened first); one copy launch per non-empty input, into the result at its offset."""
+    flattened first); one "cat" launch per 8 non-empty inputs (the result as rows of the
+    dims before axis, each input a contiguous run of every row)."""
     key = _concat_key(m, tensors, axis)
     if key is not None:
         plan = m.plans.get(key)
@@ -372,18 +436,18 @@ def concatenate(m: Any, tensors: Any, axis: Optional[int] = 0) -> CudaTensor:
                          t.shape)
             off += t.shape[ax]
         return out
-    dev, dtype, item = out.device_id, out.dtype, out.dtype.itemsize
-    parts = []
-    off = 0
-    for i, t in enumerate(ts):
-        if t.size:
-            base = off * ostr[ax] * item
-            launches = copy_into(m, t, 0, contiguous_strides(t.shape), out, base, ostr,
-                                 t.shape)
-            parts.append((i, launches, t.ptr, base))
-        off += t.shape[ax]
+    dev, dtype = out.device_id, out.dtype
+    rows = math.prod(shape[:ax])
+    sources = [i for i, t in enumerate(ts) if t.size]
+    pieces = [ts[i] for i in sources]
+    addrs = [t.ptr for t in pieces]
+    launches = plan_cat(rows, [t.size // rows * dtype.itemsize for t in pieces], addrs,
+                        out.ptr, False)
+    record(dev, out, *pieces)
+    run_cat(m, dev, launches, addrs, out.ptr)
     if key is not None:
-        common.remember_plan(m, key, copies_plan(m, dev, parts, shape, dtype, out.ptr))
+        common.remember_plan(m, key, cat_plan(m, dev, launches, sources, addrs, shape, dtype,
+                                              out.ptr))
     return out
 
 

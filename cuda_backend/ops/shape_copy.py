@@ -6,10 +6,11 @@ ops/shape.py's ops and ops/indexing.py use them; ops/shape_layouts.py computes t
 dims both sides traverse the same way), coordinates found with FastDiv (32-bit where every
 count is under 2^32, else 64-bit), 64-bit strides (negative for reversed slices, 0 for
 broadcast dims), 16-byte items when the innermost input stride is 1 (or 0) and the
-pointers allow; output strides too, so concatenate / stack write each input into the
-output at an offset (one launch per input). "tile": a 32 x 32 shared-memory transpose for
-permutations that move the innermost axis (reads and writes both coalesced), any batch
-dims around it; a plain (batched) 2-D transpose of 2-, 4- or 8-byte elements goes to
+pointers allow; output strides too. "cat": concatenate / stack / split of contiguous
+pieces side by side along one axis, one launch per 8 pieces (plan_cat, cat_plan,
+split_plan), items as wide as the pointers and sizes allow (up to 16 bytes). "tile": a
+32 x 32 shared-memory transpose for permutations that move the innermost axis (reads and
+writes both coalesced), any batch dims around it; a plain (batched) 2-D transpose of 2-, 4- or 8-byte elements goes to
 transpose.cu.j2's autotuned kernels instead (ops/transpose.py). "convert": astype between
 every pair of dtypes. Fallback mode runs the same layouts (offsets and strides) through
 NumPy's as_strided.
@@ -34,6 +35,7 @@ TILE = 32
 MAX_DIMS = 8          # dims one "gather" launch covers (after merging)
 MAX_BATCH = 6         # batch dims around a "tile" launch's two
 MAX_GRID = 2**31 - 1
+MAX_PIECES = 8        # pieces one "cat" launch moves
 _ALIAS = {2: DT.FLOAT16, 4: DT.INT32, 8: DT.INT64}   # transpose.cu.j2 dtype per element size
 
 
@@ -42,6 +44,11 @@ def copy_params(kind: str, elem: int, index: int) -> Dict[str, Any]:
     """Parameters of a "gather" or "tile" render for elements of `elem` bytes."""
     return {"kind": kind, "elem": elem, "index": index,
             "block_size": TILE_BLOCK if kind == "tile" else BLOCK}
+
+
+def cat_params(unit: int, index: int) -> Dict[str, Any]:
+    """Parameters of a "cat" render moving `unit` bytes per work item."""
+    return {"kind": "cat", "unit": unit, "index": index, "block_size": BLOCK}
 
 
 def _storage_ctype(dtype: CudaDataType) -> str:
@@ -184,6 +191,149 @@ def _transpose_launches(m: Any, dev: int, dtype: CudaDataType, sizes: List[int],
             for b0, grid in tr.launch_grids(cfg, batch, rows, cols, tr.max_grid_z(m, dev))]
 
 
+# -- concatenate / split of contiguous pieces: "cat" -------------------------------------------
+class CatLaunch:
+    """One "cat" launch: its template parameters, grid, the pieces it moves (indices into
+    the pieces' list, at most MAX_PIECES), the byte offset of its group's first column in
+    the whole tensor and the arguments after the nine pointers."""
+
+    __slots__ = ("params", "grid", "pieces", "one_off", "args")
+
+    def __init__(self, params: Dict[str, Any], grid: int, pieces: Sequence[int], one_off: int,
+                 args: Sequence[Any]) -> None:
+        self.params, self.grid, self.pieces = params, grid, tuple(pieces)
+        self.one_off, self.args = one_off, tuple(args)
+
+
+def cat_unit(*values: int) -> int:
+    """The widest power of two up to 16 (bytes) dividing every value (addresses, sizes)."""
+    unit = 16
+    for v in values:
+        while v % unit:
+            unit //= 2
+    return unit
+
+
+def plan_cat(rows: int, piece_bytes: Sequence[int], piece_addrs: Sequence[int],
+             one_addr: int, split: bool, row_bytes: Optional[int] = None) -> List[CatLaunch]:
+    """The "cat" launches between one contiguous tensor viewed as `rows` rows of row_bytes
+    (default: the pieces' sum; one_addr: the first piece's column of row 0) and pieces
+    holding piece_bytes[k] (> 0) bytes of each row, side by side in order: concatenate
+    (the pieces into the one) or split (the one into the pieces). One launch per group of
+    MAX_PIECES pieces."""
+    if row_bytes is None:
+        row_bytes = sum(piece_bytes)
+    unit = cat_unit(one_addr, row_bytes, *piece_bytes, *piece_addrs)
+    inners = [b // unit for b in piece_bytes]
+    ostride = row_bytes // unit
+    bits = _index_bits(rows * ostride, rows, ostride)
+    params = cat_params(unit, bits)
+    out: List[CatLaunch] = []
+    col = 0
+    for g0 in range(0, len(inners), MAX_PIECES):
+        group = list(range(g0, min(g0 + MAX_PIECES, len(inners))))
+        widths = [inners[k] for k in group]
+        gw = sum(widths)
+        offs = [sum(widths[:k]) for k in range(1, MAX_PIECES)]
+        offs = [o if k + 1 < len(widths) else gw for k, o in enumerate(offs)]
+        items = rows * gw
+        args = [items, int(split), *fast_divisor(gw, bits), ostride] + \
+            pad(widths, MAX_PIECES) + offs
+        out.append(CatLaunch(params, grid_blocks(items, BLOCK), group, col * unit, args))
+        col += gw
+    return out
+
+
+def run_cat(m: Any, dev: int, launches: Sequence[CatLaunch], piece_addrs: Sequence[int],
+            one_addr: int) -> None:
+    """Launch plan_cat's launches on these addresses (the pieces' and the one tensor's)."""
+    launch = m.backend.launch_kernel
+    for L in launches:
+        name = m.kernel(TEMPLATE, dev, **L.params).name
+        ptrs = pad([piece_addrs[k] for k in L.pieces], MAX_PIECES)
+        launch(name, L.grid, one_addr + L.one_off, *ptrs, *L.args, block_size=(BLOCK, 1, 1),
+               device_id=dev)
+
+
+def prepare_cat(m: Any, dev: int, launches: Sequence[CatLaunch]) -> List[Tuple[Any, ...]]:
+    """plan_cat's launches prepared for a per-call plan: (prepared launch, piece indices,
+    one_off, arguments) each."""
+    backend = m.backend
+    return [(backend.prepare_launch(m.kernel(TEMPLATE, dev, **L.params), L.grid,
+                                    (BLOCK, 1, 1), 0, dev), L.pieces, L.one_off, L.args)
+            for L in launches]
+
+
+def cat_plan(m: Any, dev: int, launches: Sequence[CatLaunch], sources: Sequence[int],
+             src_addrs: Sequence[int], shape: Tuple[int, ...], dtype: CudaDataType,
+             dst_addr: int) -> Any:
+    """The per-call plan of concatenate by "cat" launches: sources[k] is the index in the
+    call's list of the k-th piece (src_addrs[k] its address at the first call);
+    run(tensors) -> the result, or None (general path) where a piece is freed, on a stream,
+    of another dtype or device, or not at its first call's address modulo 16 (the unit
+    follows the alignment)."""
+    pool = m.backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    size = math.prod(shape)
+    nbytes = size * dtype.itemsize
+    da = dst_addr % 16
+    checks = [(i, a % 16) for i, a in zip(sources, src_addrs)]
+    prepared = [(go, [sources[k] for k in pieces], one_off, args)
+                for go, pieces, one_off, args in prepare_cat(m, dev, launches)]
+    zeros = [(0,) * (MAX_PIECES - len(idx)) for _, idx, _, _ in prepared]
+
+    def run(srcs: Any) -> Optional[CudaTensor]:
+        for i, sa in checks:
+            t = srcs[i]
+            px = t._ptr
+            if px is None or t.stream is not None or t.dtype is not dtype or \
+                    t.device_id != dev or px % 16 != sa:
+                return None
+        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
+        po = out._ptr
+        if po % 16 != da:
+            out.free()
+            return None
+        for (go, idx, one_off, args), z in zip(prepared, zeros):
+            go(po + one_off, *[srcs[i]._ptr for i in idx], *z, *args)
+        return out
+    return run
+
+
+def split_plan(m: Any, dev: int, launches: Sequence[CatLaunch], shapes: Sequence[Tuple[int, ...]],
+               dtype: CudaDataType, src_addr: int, src_base: int,
+               dst_addrs: Sequence[int]) -> Any:
+    """The per-call plan of split by "cat" launches into new tensors of `shapes` (every one
+    non-empty): run(x) -> the pieces, or None (general path) where x is freed, on a stream
+    or not at its first call's address modulo 16, or a piece not at its first call's
+    address modulo 16. src_base: bytes from x's pointer to the first piece's column."""
+    pool = m.backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    sizes = [math.prod(s) for s in shapes]
+    outs_at = [(s, n, n * dtype.itemsize, a % 16) for s, n, a in zip(shapes, sizes, dst_addrs)]
+    sa = (src_addr + src_base) % 16
+    prepared = [(go, idx, one_off, args, (0,) * (MAX_PIECES - len(idx)))
+                for go, idx, one_off, args in prepare_cat(m, dev, launches)]
+
+    def run(x: CudaTensor) -> Optional[List[CudaTensor]]:
+        px = x._ptr
+        if px is None or x.stream is not None or (px + src_base) % 16 != sa:
+            return None
+        px += src_base
+        outs = []
+        for shape, size, nbytes, da in outs_at:
+            out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
+            outs.append(out)
+            if out._ptr % 16 != da:
+                for o in reversed(outs):
+                    o.free()
+                return None
+        for go, idx, one_off, args, z in prepared:
+            go(px + one_off, *[outs[k]._ptr for k in idx], *z, *args)
+        return outs
+    return run
+
+
 def record(dev: int, *tensors: CudaTensor) -> None:
     """Note the current stream's use of tensors passed to launches as raw addresses (and of
     the tensors views keep alive), as the launcher does for tensor arguments."""
@@ -236,7 +386,7 @@ def copy_into(m: Any, src: CudaTensor, src_base: int, in_strides: Sequence[int],
               dst: CudaTensor, dst_base: int, out_strides: Sequence[int],
               shape: Sequence[int]) -> List[Launch]:
     """strided_copy's launches on the GPU (bases in bytes from each tensor's pointer, a
-    non-empty shape), returned for a per-call plan (copy_plan / copies_plan)."""
+    non-empty shape), returned for a per-call plan (copy_plan)."""
     dev = src.device_id
     s_addr, d_addr = src.ptr + src_base, dst.ptr + dst_base
     launches = plan_copy(m, dev, src.dtype, shape, in_strides, out_strides, s_addr, d_addr)
@@ -274,44 +424,6 @@ def copy_plan(m: Any, dev: int, launches: List[Launch], shape: Tuple[int, ...],
             return None
         for so, do, go, args in prepared:
             go(px + so, po + do, *args)
-        return out
-    return run
-
-
-def copies_plan(m: Any, dev: int, parts: List[Tuple[int, List[Launch], int, int]],
-                shape: Tuple[int, ...], dtype: CudaDataType, dst_addr: int) -> Any:
-    """The per-call plan of copies from several sources into one new tensor (concatenate's):
-    parts = (source index, its launches, its address, its bytes from the result's start);
-    run(sources) -> the result, or None (general path) where a source is freed, on a
-    stream, of another dtype or device, or not at its first call's address modulo 16."""
-    backend = m.backend
-    pool = backend.memory_pools[dev]
-    alloc = pool.allocate_current
-    size = math.prod(shape)
-    nbytes = size * dtype.itemsize
-    da = dst_addr % 16
-    prepared = [(i, src_addr % 16, [(L.src_off, base + L.dst_off,
-                                     backend.prepare_launch(m.kernel(L.template, dev, **L.params),
-                                                            L.grid, L.block, 0, dev), L.args)
-                                    for L in launches])
-                for i, launches, src_addr, base in parts]
-
-    def run(srcs: Any) -> Optional[CudaTensor]:
-        for i, sa, _ in prepared:
-            t = srcs[i]
-            px = t._ptr
-            if px is None or t.stream is not None or t.dtype is not dtype or \
-                    t.device_id != dev or px % 16 != sa:
-                return None
-        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
-        po = out._ptr
-        if po % 16 != da:
-            out.free()
-            return None
-        for i, _, launches in prepared:
-            px = srcs[i]._ptr
-            for so, do, go, args in launches:
-                go(px + so, po + do, *args)
         return out
     return run
 
