@@ -1519,7 +1519,7 @@ COMPARE_SCRIPT = script(STUBS, r'''
                     ("concatenate", ((3, 4, 5),) * 3, f32, 0, 0))
     launches.clear()
     r = m.concatenate([x, z], axis=1)
-    assert len(launches) == 2 and r.shape == (3, 6, 5)
+    assert len(launches) == 1 and r.shape == (3, 6, 5)      # one "cat" launch
     with pytest.raises(DTypeMismatchError):      # a mismatch: the general path's error
         m.concatenate([x, m.from_numpy(np.ones((3, 2, 5)))], axis=1)
     with pytest.raises(TensorFreedError):
@@ -1571,11 +1571,11 @@ SHAPE_BN_SCRIPT = NN_SCRIPT[:NN_SCRIPT.index("\nif WHICH == ")] + textwrap.deden
 
     # stack: one plan per (shapes, dtype, device, axis): concatenate's copies on the inputs
     A, B, C3 = t((64, 64)), t((64, 64)), t((5, 7, 3), np.float16)
-    same_as_general(lambda: m.stack([A, B]), ("stack", ((64, 64),) * 2, DT.FLOAT32, 0, 0), 2)
+    same_as_general(lambda: m.stack([A, B]), ("stack", ((64, 64),) * 2, DT.FLOAT32, 0, 0), 1)
     same_as_general(lambda: m.stack((A, B, A), axis=-1),
-                    ("stack", ((64, 64),) * 3, DT.FLOAT32, 0, -1), 3)
+                    ("stack", ((64, 64),) * 3, DT.FLOAT32, 0, -1), 1)
     same_as_general(lambda: m.stack([C3, C3], 2), ("stack", ((5, 7, 3),) * 2, DT.FLOAT16, 0, 2),
-                    2)
+                    1)
     r = m.stack([A, B], 1)
     assert r.shape == (64, 2, 64)
     with pytest.raises(ShapeMismatchError):               # the general path's checks
@@ -1618,8 +1618,9 @@ SHAPE_BN_SCRIPT = NN_SCRIPT[:NN_SCRIPT.index("\nif WHICH == ")] + textwrap.deden
     with pytest.raises(TensorFreedError):
         dead.view(4096)
 
-    # batch_norm_backward: training (pass, finalize, apply) and inference (pass, finalize),
+    # batch_norm_backward: training (pass with its finalize, apply) and inference (the pass),
     # NCHW / NCL / NC layouts, float32/64/16, grads vectorized or not
+    ml.batch_norm_backward(t((2, 3)), t((2, 3)), t((3,)))   # (its ticket counters, made once)
     for shape, dt in (((1, 8, 16, 16), np.float32), ((2, 3, 5, 7), np.float32),
                       ((3, 6, 7), np.float64), ((2, 16, 8, 8), np.float16),
                       ((33, 12), np.float32)):
@@ -1627,13 +1628,13 @@ SHAPE_BN_SCRIPT = NN_SCRIPT[:NN_SCRIPT.index("\nif WHICH == ")] + textwrap.deden
         C = shape[1]
         gam, rm, rv = t((C,), dt), t((C,), dt), m.from_numpy(np.ones(C, dt))
         same_as_general(lambda: ml.batch_norm_backward(G, X, gam),
-                        ("batch_norm_backward", X.shape, X.dtype, 0, 1e-5, True), 3)
+                        ("batch_norm_backward", X.shape, X.dtype, 0, 1e-5, True), 2)
         same_as_general(lambda: ml.batch_norm_backward(G, X, gam, eps=1e-3, training=False,
                                                        running_mean=rm, running_var=rv),
-                        ("batch_norm_backward", X.shape, X.dtype, 0, 1e-3, False), 2)
+                        ("batch_norm_backward", X.shape, X.dtype, 0, 1e-3, False), 1)
         same_as_general(lambda: ml.batch_norm_backward(G, X, gam, running_mean=rm,
                                                        running_var=rv),
-                        ("batch_norm_backward", X.shape, X.dtype, 0, 1e-5, True), 3)
+                        ("batch_norm_backward", X.shape, X.dtype, 0, 1e-5, True), 2)
     X, G = t((4, 8, 4, 4)), t((4, 8, 4, 4))
     gam, rm, rv = t((8,)), t((8,)), m.from_numpy(np.ones(8, np.float32))
     key = ("batch_norm_backward", X.shape, X.dtype, 0, 1e-5, True)
@@ -1676,3 +1677,216 @@ def test_stack_reshape_batch_norm_backward_plans_match_general_path():
     the same launches, pool counters and result slots as the general path, and the general
     path's typed errors for what they cannot take."""
     run_script(SHAPE_BN_SCRIPT, "none")
+
+
+# -- concatenate / stack / split through "cat" (one launch per 8 pieces): the plans against the
+# general path; the helpers are NN_SCRIPT's -----------------------------------------------------
+CAT_SCRIPT = NN_SCRIPT[:NN_SCRIPT.index("\nif WHICH == ")] + textwrap.dedent(r'''
+    f32, f16 = DT.FLOAT32, DT.FLOAT16
+    A, B, C = t((64, 64)), t((64, 64)), t((3, 5, 7), np.float16)
+    nine = [t((3, k, 7), np.float16) for k in (1, 2, 3, 4, 5, 1, 2, 3, 4)]
+    same_as_general(lambda: m.concatenate([A, B], axis=1),
+                    ("concatenate", ((64, 64),) * 2, f32, 0, 1), 1)
+    same_as_general(lambda: m.concatenate(nine, axis=1),
+                    ("concatenate", tuple(x.shape for x in nine), f16, 0, 1), 2)
+    same_as_general(lambda: m.concatenate([C, t((3, 5, 1), np.float16), C], axis=2),
+                    ("concatenate", ((3, 5, 7), (3, 5, 1), (3, 5, 7)), f16, 0, 2), 1)
+    E = m.create_tensor((64, 0))
+    same_as_general(lambda: m.concatenate([E, A, E, B], axis=1),
+                    ("concatenate", ((64, 0), (64, 64), (64, 0), (64, 64)), f32, 0, 1), 1)
+    same_as_general(lambda: m.stack(nine[:1] * 9, axis=2), ("stack", ((3, 1, 7),) * 9, f16, 0, 2),
+                    2)
+    same_as_general(lambda: m.stack([A, B], axis=2), ("stack", ((64, 64),) * 2, f32, 0, 2), 1)
+    # a source at another alignment: the general path (16-byte items, then elements)
+    O = odd_view((64, 64))
+    launches.clear()
+    m.concatenate([A, B], axis=1).free()
+    m.concatenate([O, B], axis=1).free()
+    assert len(launches) == 2 and launches[0][2] != launches[1][2]
+    key = ("concatenate", ((64, 64),) * 2, f32, 0, 1)
+    planned = launches[1]
+    m.plans.pop(key)
+    launches.clear()
+    m.concatenate([O, B], axis=1).free()
+    assert launches == [planned]
+    # split: pieces of inner axes side by side, one launch per 8; the plan per (shape, dtype,
+    # device, sections or indices, axis)
+    same_as_general(lambda: tuple(m.split(A, 2, axis=1)), ("split", (64, 64), f32, 0, 1, 2), 1)
+    same_as_general(lambda: tuple(m.split(C, [2, 6], axis=2)),
+                    ("split", (3, 5, 7), f16, 0, 2, (True, (2, 6))), 1)
+    same_as_general(lambda: tuple(m.split(C, (1, 2, 3, 4, 5, 6), axis=-1)),
+                    ("split", (3, 5, 7), f16, 0, -1, (False, (1, 2, 3, 4, 5, 6))), 1)
+    D = t((2, 9, 3))
+    same_as_general(lambda: tuple(m.split(D, 9, axis=1)), ("split", (2, 9, 3), f32, 0, 1, 9), 2)
+    launches.clear()
+    parts = m.split(C, [3, 3, 9], axis=1)      # an empty piece, one past the end: no plan
+    assert len(launches) == 1 and [p.shape[1] for p in parts] == [3, 0, 2, 0]
+    assert ("split", (3, 5, 7), f16, 0, 1, (True, (3, 3, 9))) not in m.plans
+    launches.clear()
+    parts = m.split(C, [4, 2], axis=1)         # overlapping pieces: getitem per piece
+    assert len(launches) == 2 and [p.shape[1] for p in parts] == [4, 0, 3]
+    assert all(p._owner is A for p in m.split(A, 4, axis=0))      # views, no launch
+    with pytest.raises(TensorFreedError):
+        dead = t((64, 64))
+        dead.free()
+        m.split(dead, 2, axis=1)
+    with pytest.raises(ShapeMismatchError):
+        m.split(A, 3, axis=1)
+    s = b.stream()
+    launches.clear()
+    with s:
+        m.split(A, 2, axis=1)
+        m.concatenate([A, B], axis=1)
+    assert [l[4] for l in launches] == [s.pycuda_stream] * 2
+    print("OK")
+''')
+
+
+def test_concatenate_stack_split_cat_plans_match_general_path():
+    """concatenate, stack and split by "cat" launches (one per 8 pieces): each plan launches
+    what the general path launched, with its pool counters and result slots; a source at
+    another alignment, a `with stream:` block, empty or overlapping split pieces and freed
+    or mismatched operands take the general path, with its typed errors."""
+    run_script(CAT_SCRIPT, "none")
+
+
+COMPARE_FLAT_SCRIPT = script(STUBS, r'''
+    import struct
+    from cuda_backend.errors import DTypeMismatchError, ShapeMismatchError, TensorFreedError
+''', BACKEND, r'''
+    rng = np.random.default_rng(3)
+    OPS = ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal")
+    for dt in (np.float32, np.float64, np.float16, np.int32, np.int64, np.bool_):
+        for shape in ((3, 5, 7), (1,), (1023,), (64, 64)):
+            A = m.from_numpy((rng.standard_normal(shape) * 3).astype(dt))
+            B = m.from_numpy((rng.standard_normal(shape) * 3).astype(dt))
+            n = int(np.prod(shape))
+            for op in OPS:
+                key = ("compare", op, None, shape, shape, DT.from_any(dt), 0)
+                getattr(m, op)(A, B).free()
+                m.plans.pop(key, None)
+                launches.clear()
+                r1 = getattr(m, op)(A, B)                      # the general path, flat kernel
+                assert key in m.plans and len(launches) == 1
+                general = launches[-1]
+                # four arguments: out, a, b and the element count (no dims, no strides)
+                assert general[2] == struct.pack("PPPQ", r1._ptr, A._ptr, B._ptr, n), op
+                want = slots(r1)
+                r1.free()
+                launches.clear()
+                r2 = getattr(m, op)(A, B)                      # the plan
+                assert launches == [general], (launches, general)
+                like_general(r2, want)
+                r2.free()
+    # broadcasting and scalars keep the general kernel (its many arguments)
+    A, S = m.from_numpy(np.ones((4, 6), np.float32)), m.from_numpy(np.ones((6,), np.float32))
+    launches.clear()
+    m.equal(A, S).free()
+    m.less(A, 0.5).free()
+    assert all(len(l[2]) > 64 for l in launches) and len(launches) == 2
+    # what the plan cannot take goes to the general path and its typed errors
+    A, B = m.from_numpy(np.ones((4, 6), np.float32)), m.from_numpy(np.ones((4, 6), np.float32))
+    m.greater(A, B).free()
+    with pytest.raises(DTypeMismatchError):
+        m.greater(A, m.from_numpy(np.ones((4, 6), np.float64)))
+    with pytest.raises(ShapeMismatchError):
+        m.greater(A, m.from_numpy(np.ones((4, 5), np.float32)))
+    dead = m.from_numpy(np.ones((4, 6), np.float32))
+    dead.free()
+    with pytest.raises(TensorFreedError):
+        m.greater(A, dead)
+    with pytest.raises(TensorFreedError):
+        m.greater(dead, A)
+    r = m.greater(A, B.reshape(24).reshape(4, 6))   # a view: the plan takes it
+    assert r.shape == (4, 6)
+    print("OK")
+''')
+
+
+def test_compare_two_tensors_of_one_shape_take_the_flat_kernel_and_its_plan():
+    """equal ... greater_equal of two tensors of one shape (every dtype, odd sizes): one
+    launch of the four-argument flat kernel (out, a, b, n), the plan launching exactly what
+    the general path launched, a result like the general one; broadcasting and scalars keep
+    the general kernel; bad operands still raise the general path's typed errors."""
+    run_script(COMPARE_FLAT_SCRIPT)
+
+
+BN_TICKET_SCRIPT = script(STUBS, r'''
+    import struct
+    from cuda_backend.cuda_ml import CudaML
+    from cuda_backend.ops import batch_norm_backward_plans as bb
+''', BACKEND, r'''
+    ml = CudaML(m)
+    rng = np.random.default_rng(5)
+
+    def t(shape, dtype=np.float32):
+        return m.from_numpy(rng.standard_normal(shape).astype(dtype))
+
+    def pass_args(launch):
+        """(x, g, dx, gamma, mean, var, eps, partials, counters, dgamma, dbeta, coef)."""
+        return struct.unpack_from("PPPPPPdPPPPP", launch[2])
+
+    def allocations():
+        return pool.get_stats()["allocation_count"]
+
+    # small: the workspace inside grad_input's block (3 allocations, 2 launches / 1 launch)
+    X, G, gam = t((1, 8, 16, 16)), t((1, 8, 16, 16)), t((8,))
+    rm, rv = t((8,)), m.from_numpy(np.ones(8, np.float32))
+    for training, nlaunch in ((True, 2), (False, 1)):
+        kw = {} if training else {"training": False, "running_mean": rm, "running_var": rv}
+        key = ("batch_norm_backward", X.shape, X.dtype, 0, 1e-5, training)
+        for r in ml.batch_norm_backward(G, X, gam, **kw):
+            r.free()
+        for via in ("general", "plan"):
+            if via == "general":
+                m.plans.pop(key, None)
+            launches.clear()
+            a0 = allocations()
+            dx, dg, db = ml.batch_norm_backward(G, X, gam, **kw)
+            assert allocations() - a0 == 3 and len(launches) == nlaunch, (via, launches)
+            p = pass_args(launches[0])
+            assert p[2] == (0 if training else dx._ptr) and p[7] == dx._ptr + 8192
+            assert (p[9], p[10]) == (dg._ptr, db._ptr)
+            splits = bb.bn_geometry("ncs", 1, 8, 256, 1, 4, 132)["splits"]   # (vectors)
+            assert p[11] == (p[7] + splits * 8 * 4 * 4 if training else 0)   # [splits][8][4]
+            if training:
+                assert struct.unpack_from("P", launches[1][2])[0] == p[11]   # apply's coef
+            assert key in m.plans
+            for r in (dx, dg, db):
+                r.free()
+    # large (over bb.BN_INLINE_MAX with its workspace): a workspace block of its own
+    Y, H, gy = t((4, 16, 128, 128)), t((4, 16, 128, 128)), t((16,))
+    assert Y.nbytes > bb.BN_INLINE_MAX
+    for via in ("general", "plan"):
+        launches.clear()
+        a0 = allocations()
+        dx, dg, db = ml.batch_norm_backward(H, Y, gy)
+        assert allocations() - a0 == 4 and len(launches) == 2, via
+        for r in (dx, dg, db):
+            r.free()
+    # many channel groups ("ncs": one a channel): the counters grow (doubling) and a plan
+    # made before takes the new ones
+    launches.clear()
+    dx, dg, db = ml.batch_norm_backward(G, X, gam)              # the plan: current counters
+    held = pass_args(launches[0])[8]
+    Z, K, gz = t((2, 3000, 2, 2)), t((2, 3000, 2, 2)), t((3000,))
+    launches.clear()
+    ml.batch_norm_backward(K, Z, gz)
+    grown = pass_args(launches[0])[8]
+    assert grown != held and launches[0][0][0] == 3000
+    counters = [c for d in bb._counters.values() for c in d.values()]
+    assert len(counters) == 1 and counters[0].size == 4096 and counters[0]._ptr == grown
+    launches.clear()
+    ml.batch_norm_backward(G, X, gam)                           # the plan made earlier
+    assert pass_args(launches[0])[8] == grown
+    print("OK")
+''')
+
+
+def test_batch_norm_backward_workspace_and_ticket_counters():
+    """batch_norm_backward's passes finalize their channel groups (ticket counters): small
+    inputs take 3 allocations (the workspace inside grad_input's block) and 2 launches for
+    training, 1 for inference, through the general path and the plan alike, with the
+    pointers where they belong; large inputs keep a workspace block; the counters grow for
+    a grid of more groups and a plan made before takes the new ones."""
+    run_script(BN_TICKET_SCRIPT)

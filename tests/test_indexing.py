@@ -755,3 +755,36 @@ def test_reference():
     out = ix.reference("scatter_add", np.zeros(3), np.array([1, 1, 2]), np.ones(3))
     np.testing.assert_array_equal(out, [0, 2, 1])
     assert from_bfloat16_bits(to_bfloat16_bits(np.float32([1.0])))[0] == 1.0
+
+
+@pytest.mark.gpu
+def test_compare_two_tensors_of_one_shape_gpu(m):
+    """The flat kernel (two tensors of one shape): every op and dtype at odd sizes against
+    NumPy (float64 for the float types), NaN unequal to everything, through the general
+    path and then the plan."""
+    if not m.gpu:
+        pytest.skip("the flat kernel runs on the GPU")
+    rng = np.random.default_rng(17)
+    for dt in (DT.FLOAT32, DT.FLOAT64, DT.FLOAT16, DT.BFLOAT16, DT.INT32, DT.INT64, DT.BOOL):
+        for shape in ((1,), (7,), (1023,), (3, 5, 7), (33, 65)):
+            raw = np.round(rng.standard_normal((2,) + shape) * 2)   # many equal pairs
+            if dt is DT.BOOL:
+                host = raw > 0
+            elif dt.is_floating:
+                host = raw.astype(np.float32 if dt is DT.BFLOAT16 else dt.numpy_dtype)
+                host.reshape(2, -1)[0, ::5] = np.nan
+            else:
+                host = raw.astype(dt.numpy_dtype)
+            a, b = (m.from_numpy(h, dtype=dt) for h in host)
+            ha, hb = m.to_numpy(a), m.to_numpy(b)
+            if dt is DT.BFLOAT16:
+                ha, hb = ha.astype(np.float64), hb.astype(np.float64)
+            for op in ixk.COMPARE_OPS:
+                want = ix.reference(op, ha, hb)
+                for _ in range(2):                       # the general path, then the plan
+                    got = getattr(m, op)(a, b)
+                    assert got.dtype is DT.BOOL and got.shape == shape
+                    np.testing.assert_array_equal(m.to_numpy(got), want, err_msg=f"{op} {dt}")
+                    got.free()
+            a.free()
+            b.free()

@@ -535,10 +535,9 @@ def test_template_variants():
     rows = [p for p in ln if p["kernel"] == "rows"]
     assert all(p["aligned"] and p["mode"] == "block" for p in rows if p["prefetch"])
     assert sum(p["prefetch"] for p in rows) == len(FLOATS) * len(lb.LN_BLOCK_CONFIGS)
-    assert len(bn) == 4 * (3 * 2 + 2)
-    assert {(p["kernel"], p.get("layout"), p.get("mode")) for p in bn} == {
-        (k, lay, None) for k in ("reduce", "eval", "apply") for lay in ("nc", "ncs")} | {
-        ("finalize", None, "train"), ("finalize", None, "eval")}
+    assert len(bn) == 4 * 3 * 2    # the passes finalize their channel groups themselves
+    assert {(p["kernel"], p["layout"]) for p in bn} == {
+        (k, lay) for k in ("reduce", "eval", "apply") for lay in ("nc", "ncs")}
 
 
 # -- bad input (any mode) ---------------------------------------------------------------------
@@ -838,3 +837,48 @@ def test_gpu_large_inputs_are_right(apis):
                                        running_var=rv),
              hg, hx, hgam, 1e-5, False, DT.FLOAT32, "images eval", hrm, hrv)
     free(g, x, gam, rm, rv)
+
+
+# -- the passes' fused finalize (ticket per channel group) ------------------------------------
+# many splits per channel group, several groups ("nc": C over bx * W channels a group, with
+# and without 16-byte vectors; "ncs": one channel a group), odd sizes
+BN_GROUP_SHAPES = [(300, 2052), (513, 1030), (97, 5, 33, 31), (7, 300, 3, 3), (2000, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
+def test_batch_norm_backward_group_finalize_gpu(apis, dtype):
+    """The last block of each channel group adds the group's partials: every channel of
+    every group within the float64 bounds, for training and inference, through the general
+    path and the plan; the ticket counters go back to 0 (a repeat call, and calls of other
+    shapes between, give the same bits)."""
+    if not GPU:
+        pytest.skip("needs a GPU")
+    m, ml = apis
+    rng = np.random.default_rng(11)
+    for shape in BN_GROUP_SHAPES:
+        g, hg, x, hx, gam, hgam, rm, hrm, rv, hrv = bn_inputs(m, rng, shape, dtype, offset=3.0)
+        for training in (True, False):
+            kw = {} if training else {"training": False, "running_mean": rm,
+                                      "running_var": rv}
+            first = ml.batch_norm_backward(g, x, gam, **kw)          # general path
+            check_bn(m, first, hg, hx, hgam, 1e-5, training, dtype, f"{shape} {training}",
+                     hrm, hrv)
+            key = ("batch_norm_backward", x.shape, dtype, x.device_id, 1e-5, training)
+            again = call_through_plan(m, key, lambda: ml.batch_norm_backward(g, x, gam, **kw))
+            other = ml.batch_norm_backward(*bn_inputs(m, rng, (3, 4, 5), dtype)[0:6:2])
+            third = ml.batch_norm_backward(g, x, gam, **kw)
+            for a, b, c in zip(first, again, third):
+                np.testing.assert_array_equal(m.to_numpy(a), m.to_numpy(b))
+                np.testing.assert_array_equal(m.to_numpy(a), m.to_numpy(c))
+            free(*first, *again, *other, *third)
+        free(g, x, gam, rm, rv)
+    # inference on empty batches (N = 0, S = 0): the pass over nothing writes zeros
+    for shape in ((0, 5), (4, 3, 0), (0, 6, 2, 2)):
+        C = shape[1]
+        z, _ = make(m, np.zeros(shape), dtype)
+        gam, _ = make(m, np.ones(C), dtype)
+        rv, _ = make(m, np.ones(C), dtype)
+        dx, dg, db = ml.batch_norm_backward(z, z, gam, training=False, running_mean=gam,
+                                            running_var=rv)
+        assert dx.shape == shape and not m.to_numpy(dg).any() and not m.to_numpy(db).any()

@@ -1,15 +1,18 @@
 """Batch normalization backward's kernels (`templates/batch_norm_backward.cu.j2`): their
 parameters, the launch geometry of an input shape, the compiled kernels of a (dtype, layout,
-mode), the general path's launches and the per-call plan that replays them.
-ops/normalization_backward.py's batch_norm_backward checks the arguments and calls these; its
-docstring has the passes and the floor.
+mode), the ticket counters of the passes' fused finalize, the general path's launches and the
+per-call plan that replays them. ops/normalization_backward.py's batch_norm_backward checks
+the arguments and calls these; its docstring has the passes and the floor.
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any, Dict, Optional, Tuple
 
 from ..dtypes import CudaDataType
 from ..kernels import dtype_params
+from ..streams import current_pycuda_stream
 from ..tensor import CudaTensor, pool_tensor
 from . import common
 from .batch_norm_plans import nc_block
@@ -22,20 +25,50 @@ BN_TEMPLATE = "batch_norm_backward.cu.j2"
 BN_BLOCK = 256
 BN_PASS_BLOCKS_PER_SM = 4
 BN_UNROLL = {"nc": 2, "ncs": 4}
-BN_FINAL_CHANNELS = BN_BLOCK // 32   # finalize: one warp per channel
+BN_MIN_COUNTERS = 1024   # ticket counters made at least, per device and stream
+BN_INLINE_MAX = 1 << 20   # grad_input and the workspace up to this many bytes: one block
 
 
 # -- template parameter sets ---------------------------------------------------------------
-def bn_params(dtype: CudaDataType, kernel: str, layout: str = "",
-              mode: str = "") -> Dict[str, Any]:
+def bn_params(dtype: CudaDataType, kernel: str, layout: str) -> Dict[str, Any]:
     """batch_norm_backward.cu.j2 parameters: kernel "reduce", "eval" or "apply" with a layout
-    ("nc" or "ncs"), or "finalize" with a mode ("train" or "eval")."""
-    p: Dict[str, Any] = {**dtype_params(dtype), "kernel": kernel, "block_size": BN_BLOCK}
-    if kernel == "finalize":
-        p["mode"] = mode
-    else:
-        p.update(layout=layout, vec=vec_width(dtype))
-    return p
+    ("nc" or "ncs")."""
+    return {**dtype_params(dtype), "kernel": kernel, "block_size": BN_BLOCK, "layout": layout,
+            "vec": vec_width(dtype)}
+
+
+# -- ticket counters -----------------------------------------------------------------------
+_counters: "weakref.WeakKeyDictionary[Any, Dict[tuple, CudaTensor]]" = \
+    weakref.WeakKeyDictionary()
+_counters_lock = threading.Lock()
+MAX_COUNTER_STREAMS = 64   # counter sets kept per backend; the oldest goes beyond that
+
+
+def bn_counters(m: Any, dev: int, stream: Any, groups: int) -> CudaTensor:
+    """At least `groups` zeroed uint32 ticket counters for the passes on one device and
+    stream (one per channel group, grid x), made once and kept (grown by doubling): every
+    pass leaves the counters it used at 0 again, so launches in one stream's order never
+    need them cleared; two streams get two sets. The key holds the PyCUDA stream itself, so
+    its handle cannot be reused while its counters exist."""
+    key = (dev, stream)
+    with _counters_lock:
+        per = _counters.get(m.backend)
+        if per is None:
+            per = _counters[m.backend] = {}
+        t = per.get(key)
+        if t is None or t.is_freed or t.size < groups:
+            n = BN_MIN_COUNTERS if t is None or t.is_freed else t.size
+            while n < groups:
+                n *= 2
+            if t is not None:
+                per.pop(key)
+                t.free()   # stream-ordered (memory.py): reused after the launches queued
+            elif len(per) >= MAX_COUNTER_STREAMS:
+                per.pop(next(iter(per))).free()
+            t = m.backend.empty((n,), CudaDataType.INT32, dev)
+            m.backend.memset_async(t, 0, stream)    # an async memset: capturable
+            per[key] = t
+        return t
 
 
 # -- geometry, kernels, launches ------------------------------------------------------------
@@ -43,7 +76,8 @@ def bn_geometry(layout: str, N: int, C: int, S: int, vec_ok: int, vec: int,
                 sms: int) -> Dict[str, Any]:
     """Launch sizes of batch_norm_backward for one shape (count N * S > 0) and vec_ok: the
     passes' ("reduce", "eval") grid, block, splits, chunk and `terms` (the most elements one
-    thread adds into one sum), and "apply"'s grid and block."""
+    thread adds into one sum), and "apply"'s grid and block. N = 0 (an empty batch) gives one
+    split of nothing."""
     w = vec if vec_ok else 1
     SW = S // w if layout == "ncs" else 1
     if layout == "nc":
@@ -57,8 +91,8 @@ def bn_geometry(layout: str, N: int, C: int, S: int, vec_ok: int, vec: int,
     per_channel = N * SW
     splits = max(1, min(-(-per_channel // (BN_BLOCK * BN_UNROLL["ncs"])),
                         -(-(sms * BN_PASS_BLOCKS_PER_SM) // C), 65535))
-    chunk = -(-per_channel // splits)
-    splits = -(-per_channel // chunk)   # no empty split
+    chunk = max(1, -(-per_channel // splits))
+    splits = max(1, -(-per_channel // chunk))   # no empty split
     items = N * C * SW
     grid = max(1, min(-(-items // (BN_BLOCK * BN_UNROLL["ncs"])), 2**31 - 1))
     return {"grid": (C, splits, 1), "block": (BN_BLOCK, 1, 1), "splits": splits,
@@ -73,10 +107,8 @@ def bn_kernels(m: Any, dtype: CudaDataType, layout: str, training: bool,
         k = m.kernel
         if training:
             return {"pass": k(BN_TEMPLATE, dev, **bn_params(dtype, "reduce", layout)).name,
-                    "final": k(BN_TEMPLATE, dev, **bn_params(dtype, "finalize", mode="train")).name,
                     "apply": k(BN_TEMPLATE, dev, **bn_params(dtype, "apply", layout)).name}
-        return {"pass": k(BN_TEMPLATE, dev, **bn_params(dtype, "eval", layout)).name,
-                "final": k(BN_TEMPLATE, dev, **bn_params(dtype, "finalize", mode="eval")).name}
+        return {"pass": k(BN_TEMPLATE, dev, **bn_params(dtype, "eval", layout)).name}
     return prepared(m, ("bn", dev, dtype, layout, training), compile_them)
 
 
@@ -90,37 +122,77 @@ def bn_args(geo: Dict[str, Any], N: int, C: int, S: int, vec_ok: int
     return pass_tail, apply_tail
 
 
+def bn_ws_bytes(geo: Dict[str, Any], C: int, training: bool, adt: CudaDataType
+                ) -> Tuple[int, int]:
+    """(offset of the coefficients, bytes) of the workspace: the partials [splits][C][4 or
+    2], then for training the per-channel coefficients [C][4], in the accumulation type."""
+    coef_at = geo["splits"] * C * (4 if training else 2) * adt.itemsize
+    return coef_at, coef_at + (C * 4 * adt.itemsize if training else 0)
+
+
+def bn_inline_at(nbytes: int, ws_bytes: int) -> int:
+    """Where the workspace starts inside grad_input's block (its bytes rounded up to 256),
+    or 0 where it takes a block of its own: grad_input empty, or both over BN_INLINE_MAX
+    together (large inputs: one more allocation is nothing next to their kernels, and a
+    workspace kept as long as grad_input would be)."""
+    at = -(-nbytes // 256) * 256
+    return at if nbytes and at + ws_bytes <= BN_INLINE_MAX else 0
+
+
+def bn_general(m: Any, ks: Dict[str, str], training: bool, g: CudaTensor, x: CudaTensor,
+               gamma: CudaTensor, mean: Optional[CudaTensor], var: Optional[CudaTensor],
+               eps: float, sms: int) -> Tuple[CudaTensor, CudaTensor, CudaTensor]:
+    """The general path for a batch of N * S > 0 values per channel: the results allocated
+    (grad_input's block holding the workspace too when small: bn_inline_at, sized for the
+    larger of the two vec_ok variants, as the per-call plan does) and launched."""
+    dev, dtype, shape = x.device_id, x.dtype, x.shape
+    N, C, S, count, layout, vec, can_vec = bn_layout(shape, dtype)
+    geos = [bn_geometry(layout, N, C, S, ok, vec, sms) for ok in ((0, 1) if can_vec else (0,))]
+    adt = acc_dtype(dtype)
+    ws_max = max(bn_ws_bytes(geo, C, training, adt)[1] for geo in geos)
+    at = bn_inline_at(x.nbytes, ws_max)
+    pool = m.backend.memory_pools[dev]
+    if at:
+        dx = pool_tensor(shape, dtype, dev, pool.allocate(at + ws_max), pool, x.size, x.nbytes)
+    else:
+        dx = m.backend.empty(shape, dtype, dev)
+    dgamma = m.backend.empty((C,), dtype, dev)
+    dbeta = m.backend.empty((C,), dtype, dev)
+    vec_ok = int(can_vec and not ((g.ptr | x.ptr | dx.ptr) & 15))
+    bn_launch(m, ks, geos[vec_ok], training, g, x, dx, gamma, mean, var, dgamma, dbeta, eps,
+              N, C, S, vec_ok, dx.ptr + at if at else 0)
+    return dx, dgamma, dbeta
+
+
 def bn_launch(m: Any, ks: Dict[str, str], geo: Dict[str, Any], training: bool,
               g: CudaTensor, x: CudaTensor, dx: CudaTensor, gamma: CudaTensor,
               mean: Optional[CudaTensor], var: Optional[CudaTensor], dgamma: CudaTensor,
-              dbeta: CudaTensor, eps: float, N: int, C: int, S: int, count: int,
-              vec_ok: int) -> None:
-    """The general path's launches, with a workspace (partials, then for training the
-    per-channel coefficients) freed after them (stream-ordered)."""
+              dbeta: CudaTensor, eps: float, N: int, C: int, S: int, vec_ok: int,
+              ws_at: int = 0) -> None:
+    """The general path's launches: the pass, whose channel groups' last blocks finalize
+    (grad_gamma, grad_beta and, for training, the per-channel coefficients), then for
+    training "apply"; the workspace (partials, then the coefficients) at ws_at, else a
+    block of its own freed after them (stream-ordered)."""
     dev, adt = x.device_id, acc_dtype(x.dtype)
-    nsum = 4 if training else 2
-    splits = geo["splits"]
     pass_tail, apply_tail = bn_args(geo, N, C, S, vec_ok)
-    ws = m.backend.empty((splits * C * nsum + (C * 4 if training else 0),), adt, dev)
+    counters = bn_counters(m, dev, current_pycuda_stream(dev), geo["grid"][0])
+    coef_at, ws_bytes = bn_ws_bytes(geo, C, training, adt)
+    ws = None if ws_at else m.backend.empty((ws_bytes // adt.itemsize,), adt, dev)
     launch = m.backend.launch_kernel
-    final_grid = (-(-C // BN_FINAL_CHANNELS), 1, 1)
     try:
-        parts = ws.ptr
+        parts = ws_at or ws.ptr   # type: ignore[union-attr]
         if training:
-            coef = parts + splits * C * nsum * adt.itemsize
-            launch(ks["pass"], geo["grid"], x, g, 0, 0, 0, 0, 0.0, parts, *pass_tail,
-                   block_size=geo["block"], device_id=dev)
-            launch(ks["final"], final_grid, x, parts, splits, C, 1 if S == 1 else S, count,
-                   gamma, eps, dgamma, dbeta, coef, block_size=(BN_BLOCK, 1, 1), device_id=dev)
+            coef = parts + coef_at
+            launch(ks["pass"], geo["grid"], x, g, 0, gamma, 0, 0, eps, parts, counters, dgamma,
+                   dbeta, coef, *pass_tail, block_size=geo["block"], device_id=dev)
             launch(ks["apply"], geo["apply_grid"], coef, x, g, dx, *apply_tail,
                    block_size=geo["apply_block"], device_id=dev)
         else:
-            launch(ks["pass"], geo["grid"], x, g, dx, gamma, mean, var, eps, parts, *pass_tail,
-                   block_size=geo["block"], device_id=dev)
-            launch(ks["final"], final_grid, parts, splits, C, var, eps, dgamma, dbeta,
-                   block_size=(BN_BLOCK, 1, 1), device_id=dev)
+            launch(ks["pass"], geo["grid"], x, g, dx, gamma, mean, var, eps, parts, counters,
+                   dgamma, dbeta, 0, *pass_tail, block_size=geo["block"], device_id=dev)
     finally:
-        ws.free()
+        if ws is not None:
+            ws.free()
 
 
 # -- the per-call plan ---------------------------------------------------------------------
@@ -138,25 +210,32 @@ def bn_call_plan(m: Any, ks: Dict[str, str], x: CudaTensor, training: bool, eps:
     N, C, S, count, layout, vec, can_vec = bn_layout(shape, dtype)
     cshape, cbytes = (C,), C * dtype.itemsize
     adt = acc_dtype(dtype)
-    nsum = 4 if training else 2
     prep, get = backend.prepare_launch, backend.get_kernel
-    final = prep(get(ks["final"], dev), (-(-C // BN_FINAL_CHANNELS), 1, 1), (BN_BLOCK, 1, 1), 0,
-                 dev)
-    variants = []   # by vec_ok: (pass, its tail, apply, its tail, splits, ws bytes)
+    variants = []   # by vec_ok: (pass, its tail, apply, its tail, coef offset, ws bytes)
+    groups = 1
     for vec_ok in ((0, 1) if can_vec else (0,)):
         geo = bn_geometry(layout, N, C, S, vec_ok, vec, sms)
         pass_tail, apply_tail = bn_args(geo, N, C, S, vec_ok)
         first = prep(get(ks["pass"], dev), geo["grid"], geo["block"], 0, dev)
         second: Any = prep(get(ks["apply"], dev), geo["apply_grid"], geo["apply_block"], 0,
                            dev) if training else None
-        splits = geo["splits"]
-        ws_bytes = (splits * C * nsum + (C * 4 if training else 0)) * adt.itemsize
-        variants.append((first, pass_tail, second, apply_tail, splits, ws_bytes))
+        coef_at, ws_bytes = bn_ws_bytes(geo, C, training, adt)
+        variants.append((first, pass_tail, second, apply_tail, coef_at, ws_bytes))
+        groups = max(groups, geo["grid"][0])
+    ws_max = max(v[5] for v in variants)
+    at = bn_inline_at(nbytes, ws_max)   # as bn_general
+    dx_bytes = at + ws_max if at else nbytes
     pool = backend.memory_pools[dev]
     alloc, release = pool.allocate_current, pool.release
     direct = backend.direct_launch
     plan_pointer = common.plan_pointer
-    kstride = 1 if S == 1 else S
+    held = [bn_counters(m, dev, None, groups)]   # (direct launches: no stream block open)
+
+    def counters() -> int:
+        t = held[0]
+        if t._ptr is None:   # grown or evicted (freed): fetched again
+            t = held[0] = bn_counters(m, dev, None, groups)
+        return t._ptr
 
     def run(g: Any, x: CudaTensor, gamma: Any, mean: Any, var: Any) -> Any:
         ptrs = grad_pointers(g, x, shape, dtype, dev, direct)
@@ -176,25 +255,25 @@ def bn_call_plan(m: Any, ks: Dict[str, str], x: CudaTensor, training: bool, eps:
                 or plan_pointer(mean, cshape, dtype, dev) is None or \
                 plan_pointer(var, cshape, dtype, dev) is None:
             return None
-        dx = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
+        dx = pool_tensor(shape, dtype, dev, alloc(dx_bytes), pool, size, nbytes)
         dgamma = pool_tensor(cshape, dtype, dev, alloc(cbytes), pool, C, cbytes)
         dbeta = pool_tensor(cshape, dtype, dev, alloc(cbytes), pool, C, cbytes)
         pdx = dx._ptr
-        first, pass_tail, second, apply_tail, splits, ws_bytes = \
+        first, pass_tail, second, apply_tail, coef_at, ws_bytes = \
             variants[1 if can_vec and not (pg | px | pdx) & 15 else 0]
-        ws = alloc(ws_bytes)
+        ws = None if at else alloc(ws_bytes)
         try:
-            parts = int(ws)
+            parts = pdx + at if ws is None else int(ws)
             if training:
-                coef = parts + splits * C * nsum * adt.itemsize
-                first(px, pg, 0, 0, 0, 0, 0.0, parts, *pass_tail)
-                final(px, parts, splits, C, kstride, count, gamma._ptr, eps, dgamma._ptr,
-                      dbeta._ptr, coef)
+                coef = parts + coef_at
+                first(px, pg, 0, gamma._ptr, 0, 0, eps, parts, counters(), dgamma._ptr,
+                      dbeta._ptr, coef, *pass_tail)
                 second(coef, px, pg, pdx, *apply_tail)
             else:
-                first(px, pg, pdx, gamma._ptr, mean._ptr, var._ptr, eps, parts, *pass_tail)
-                final(parts, splits, C, var._ptr, eps, dgamma._ptr, dbeta._ptr)
+                first(px, pg, pdx, gamma._ptr, mean._ptr, var._ptr, eps, parts, counters(),
+                      dgamma._ptr, dbeta._ptr, 0, *pass_tail)
         finally:
-            release(ws)   # as ws.free() in the general path: stream-ordered
+            if ws is not None:
+                release(ws)   # as ws.free() in the general path: stream-ordered
         return dx, dgamma, dbeta
     return run

@@ -68,8 +68,8 @@ from .indexing_bounds import (check_grid, checked_indices, checked_launch, host_
                               raise_bounds, start_check)
 from .indexing_kernels import (BLOCK, CHECK_BLOCK, COMPARE_OPS, ELEMS, INDEX_DTYPES,
                                SCATTER_DTYPES, TEMPLATE, UNITS, check_dims, check_params,
-                               compare_params, gather_params, scatter_params, take_rows_params,
-                               where_params)
+                               compare_flat_params, compare_params, gather_params,
+                               scatter_params, take_rows_params, where_params)
 from .indexing_take import gather, take  # noqa: F401  (ops' entries, as CudaMath calls them)
 from .shape import one_axis
 from .shape_copy import MAX_DIMS, grid_blocks, record
@@ -85,10 +85,11 @@ _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 # -- the contract -------------------------------------------------------------------------------
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
-    """Comparisons per op and dtype, where and gather per element size (gather per index
-    dtype too), take's row copy per unit and index dtype, the bounds check per index dtype,
-    scatter_add per dtype and index dtype."""
+    """Comparisons per op and dtype (broadcasting, and two tensors of one shape), where and
+    gather per element size (gather per index dtype too), take's row copy per unit and index
+    dtype, the bounds check per index dtype, scatter_add per dtype and index dtype."""
     sets = [compare_params(op, dt) for op in COMPARE_OPS for dt in DT]
+    sets += [compare_flat_params(op, dt) for op in COMPARE_OPS for dt in DT]
     sets += [where_params(e) for e in ELEMS]
     sets += [gather_params(e, i) for e in ELEMS for i in INDEX_DTYPES]
     sets += [take_rows_params(u, i) for u in UNITS for i in INDEX_DTYPES]
@@ -221,6 +222,8 @@ def compare(m: Any, op: str, a: Any, b: Any) -> CudaTensor:
         y = common.host_array(m, b) if tb else np.asarray(vb, ct or dtype.numpy_dtype)
         out.host_view[...] = _NP_COMPARE[op](x, y)
         return out
+    if ta and tb and a.shape == b.shape:   # two tensors of one shape: the flat kernel
+        return _compare_flat(m, op, a, b, out)
     sa = _bcast_strides(shape, a.shape) if ta else [0] * len(shape)
     sb = _bcast_strides(shape, b.shape) if tb else [0] * len(shape)
     sizes, (sa, sb) = collapse(shape, sa, sb)
@@ -237,6 +240,45 @@ def compare(m: Any, op: str, a: Any, b: Any) -> CudaTensor:
         common.remember_plan(m, key, _launch_plan(m, name, out, None, a, b, tuple(args),
                                                   lambda v, what: _scalar_for(dtype, v, what)))
     return out
+
+
+def _compare_flat(m: Any, op: str, a: CudaTensor, b: CudaTensor, out: CudaTensor) -> CudaTensor:
+    """op(a, b) of two (contiguous) tensors of one shape into out: the four-argument kernel,
+    and its per-call plan."""
+    dev, n = out.device_id, out.size
+    name = m.kernel(TEMPLATE, dev, **compare_flat_params(op, a.dtype)).name
+    record(dev, a, b)
+    m.backend.launch_kernel(name, grid_blocks(n, BLOCK), out, a, b, n, block_size=(BLOCK, 1, 1),
+                            device_id=dev)
+    key = _plan_key("compare", op, a, b, a)
+    if key not in m.plans:
+        common.remember_plan(m, key, _flat_plan(m, name, out, a.dtype))
+    return out
+
+
+def _flat_plan(m: Any, name: str, res: CudaTensor, dtype: CudaDataType) -> Any:
+    """The per-call plan (ops/common.py remember_plan) of a comparison of two tensors of
+    res's shape: run(None, a, b) -> the result, or None (general path) unless both are live
+    tensors of the plan's shape, dtype and device on no stream."""
+    from ..tensor import pool_tensor
+    backend = m.backend
+    shape, rdt, dev = res.shape, res.dtype, res.device_id
+    n, nbytes = res.size, res.nbytes
+    go = backend.prepare_launch(backend.get_kernel(name, dev), (grid_blocks(n, BLOCK), 1, 1),
+                                (BLOCK, 1, 1), 0, dev)
+    pool = backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    direct = backend.direct_launch
+    plan_pointer = common.plan_pointer
+
+    def run(c: Any, a: Any, b: Any) -> Optional[CudaTensor]:
+        pa, pb = plan_pointer(a, shape, dtype, dev), plan_pointer(b, shape, dtype, dev)
+        if pa is None or pb is None or not direct(dev):
+            return None
+        out = pool_tensor(shape, rdt, dev, alloc(nbytes, None), pool, n, nbytes)
+        go(out._ptr, pa, pb, n)
+        return out
+    return run
 
 
 def where(m: Any, cond: Any, a: Any, b: Any) -> CudaTensor:

@@ -43,6 +43,11 @@ def compare_params(op: str, dtype: CudaDataType) -> Dict[str, Any]:
     return {"kind": "map", "op": op, **p, "block_size": BLOCK}
 
 
+def compare_flat_params(op: str, dtype: CudaDataType) -> Dict[str, Any]:
+    """The comparison of two contiguous tensors of one shape (no broadcasting)."""
+    return {**compare_params(op, dtype), "kind": "compare_flat"}
+
+
 def where_params(elem: int) -> Dict[str, Any]:
     return {"kind": "map", "op": "where", "elem": elem, "block_size": BLOCK}
 

@@ -27,11 +27,12 @@ batch_norm_backward(grad_out, input, gamma, eps, training, running_mean, running
   (N, C), (N, C, L), (N, C, H, W): grad_beta = sum g, grad_gamma = sum g * xhat per channel;
   training (batch statistics): grad_input = gamma rstd (g - grad_beta / M - xhat grad_gamma
   / M), M = N * L or N * H * W, in two passes: "reduce" (shifted sums of x, x^2, g, g x per channel
-  into per-block partials), "finalize" (one warp per channel adds the partials in double in
-  a fixed order: grad_gamma, grad_beta and the channel's coefficients), "apply" (grad_input
-  = A g + B (x - mean) + Dc, rows from the last one down so the first blocks find pass 1's
-  last reads in L2). training=False (the running statistics): grad_input = g gamma rstd in
-  one pass ("eval", which also sums g and g (x - mean)), then "finalize".
+  into per-block partials; the last block of each channel group to finish, by an atomic
+  ticket, adds the group's partials in double in a fixed order, one warp per channel:
+  grad_gamma, grad_beta and the channel's coefficients), "apply" (grad_input = A g + B (x -
+  mean) + Dc, rows from the last one down so the first blocks find pass 1's last reads in
+  L2). training=False (the running statistics): grad_input = g gamma rstd in one pass
+  ("eval", which also sums g and g (x - mean) and finalizes the same way): one launch.
 No float atomics: every sum runs in an order fixed by the shape and the device's SM count,
 so a repeat call gives the same bits. Half types compute in float32 and round once; the
 parameter gradients round once from double. Fallback mode computes `reference` in float64
@@ -65,8 +66,8 @@ from ..dtypes import CudaDataType
 from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..tensor import CudaTensor
 from . import common
-from .batch_norm_backward_plans import (BN_BLOCK, BN_FINAL_CHANNELS, BN_TEMPLATE, bn_call_plan,
-                                        bn_geometry, bn_kernels, bn_launch, bn_params)
+from .batch_norm_backward_plans import (BN_TEMPLATE, bn_call_plan, bn_general, bn_geometry,
+                                        bn_kernels, bn_launch, bn_params)
 from .layer_norm_backward_plans import (LN_FINAL_BLOCK, LN_TEMPLATE, ln_call_plan, ln_launch,
                                         ln_params, ln_prepared, ln_row_plans)
 from .normalization_common import DT, DTYPES, bn_layout, vec_width
@@ -89,8 +90,6 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
         for kernel in ("reduce", "eval", "apply"):
             for layout in ("nc", "ncs"):
                 bn.append(bn_params(dt, kernel, layout))
-        for mode in ("train", "eval"):
-            bn.append(bn_params(dt, "finalize", mode=mode))
     return {LN_TEMPLATE: ln, BN_TEMPLATE: bn}
 
 
@@ -273,28 +272,21 @@ def batch_norm_backward(m: Any, grad_out: CudaTensor, input: CudaTensor, gamma: 
         return (_host_out(m, dx, dtype, dev), _host_out(m, cast(np.ndarray, dg), dtype, dev),
                 _host_out(m, dbeta, dtype, dev))
     N, C, S, count, layout, vec, can_vec = bn_layout(x.shape, dtype)
-    dx = m.backend.empty(x.shape, dtype, dev)
-    dgamma = m.backend.empty((C,), dtype, dev)
-    dbeta = m.backend.empty((C,), dtype, dev)
-    if C == 0:
-        return dx, dgamma, dbeta
-    ks = bn_kernels(m, dtype, layout, training, dev)
-    final_grid = (-(-C // BN_FINAL_CHANNELS), 1, 1)
-    launch = m.backend.launch_kernel
-    if count == 0:   # inference on an empty batch: sums over nothing
-        launch(ks["final"], final_grid, 0, 0, C, running_var, eps, dgamma, dbeta,
-               block_size=(BN_BLOCK, 1, 1), device_id=dev)
-        return dx, dgamma, dbeta
-    aligned = not ((g.ptr | x.ptr | dx.ptr) & 15)
-    vec_ok = int(aligned and can_vec)
+    ks = bn_kernels(m, dtype, layout, training, dev) if C else {}
     sms = int(m.backend.get_device_info(dev).multiprocessor_count)
-    geo = bn_geometry(layout, N, C, S, vec_ok, vec, sms)
-    bn_launch(m, ks, geo, training, g, x, dx, gamma, running_mean, running_var, dgamma, dbeta,
-              eps, N, C, S, count, vec_ok)
+    if C == 0 or count == 0:
+        dx = m.backend.empty(x.shape, dtype, dev)
+        dgamma = m.backend.empty((C,), dtype, dev)
+        dbeta = m.backend.empty((C,), dtype, dev)
+        if C:   # inference on an empty batch: the pass over nothing writes the zeros
+            bn_launch(m, ks, bn_geometry(layout, 0, C, 1, 0, vec, sms), training, g, x, dx,
+                      gamma, running_mean, running_var, dgamma, dbeta, eps, 0, C, 1, 0)
+        return dx, dgamma, dbeta
+    res = bn_general(m, ks, training, g, x, gamma, running_mean, running_var, eps, sms)
     key = ("batch_norm_backward", x.shape, dtype, dev, eps, training)
     if key not in m.plans:
         common.remember_plan(m, key, bn_call_plan(m, ks, x, training, eps, sms))
-    return dx, dgamma, dbeta
+    return res
 
 
 def _bn_checks(grad_out: Any, input: Any, gamma: Any, eps: Any, training: Any,
