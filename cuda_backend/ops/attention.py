@@ -339,18 +339,25 @@ def _compute(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor, out: CudaTenso
 
 def pick_config(m: Any, dtype: CudaDataType, dev: int, p: Problem, causal: bool,
                 run: Callable[[Dict[str, Any]], None]) -> Dict[str, Any]:
-    """The config for a problem's shape class (dtype, padded head_dim, causal, bucketed
-    seq_q, seq_kv and batch*heads; any layout), autotuned once per device with run."""
+    """The forward's config for a problem (shape_class_choice over `configs`)."""
     hd = padded_head_dim(p.d)
-    cands = configs(dtype, hd)
+    return shape_class_choice(m, "flash_attention", configs(dtype, hd), dtype, hd, dev, p,
+                              causal, run)
+
+
+def shape_class_choice(m: Any, op: str, cands: List[Dict[str, Any]], dtype: CudaDataType,
+                       hd: int, dev: int, p: Problem, causal: bool,
+                       run: Callable[[Dict[str, Any]], None]) -> Dict[str, Any]:
+    """The candidate for a problem's shape class (dtype, padded head_dim hd, causal, bucketed
+    seq_q, seq_kv and batch*heads; any layout), autotuned once per op and device with run."""
     if len(cands) == 1:
         return cands[0]
     key = [dtype.name_str, hd, causal, _bucket(p.seq_q), _bucket(p.seq_kv), _bucket(p.bh)]
     memo = m.__dict__.setdefault("_attention_choices", {})
-    mkey = (dev, tuple(key))
+    mkey = (op, dev, tuple(key))
     cfg = memo.get(mkey)
     if cfg is None:
-        cfg = memo[mkey] = m.autotuner.pick("flash_attention", key, cands, run, device_id=dev)
+        cfg = memo[mkey] = m.autotuner.pick(op, key, cands, run, device_id=dev)
     return cfg
 
 

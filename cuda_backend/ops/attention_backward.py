@@ -278,10 +278,6 @@ def flash_attention_backward(m: Any, grad_out: CudaTensor, q: CudaTensor, k: Cud
     return dq, dk, dv
 
 
-def _bucket(x: int) -> int:
-    return max(0, int(x) - 1).bit_length()
-
-
 def _compute(m: Any, g: CudaTensor, q: CudaTensor, k: CudaTensor, v: CudaTensor,
              out: CudaTensor, lse: CudaTensor, grads: List[CudaTensor], sc: float,
              causal: bool) -> Dict[str, Any]:
@@ -297,19 +293,10 @@ def _compute(m: Any, g: CudaTensor, q: CudaTensor, k: CudaTensor, v: CudaTensor,
 
 def pick_config(m: Any, dtype: CudaDataType, dev: int, p: attention.Problem, causal: bool,
                 run: Callable[[Dict[str, Any]], None]) -> Dict[str, Any]:
-    """The config for a problem's shape class (dtype, padded head_dim, causal, bucketed
-    seq_q, seq_kv and batch*heads; any layout), autotuned once per device with run."""
+    """The backward's config for a problem (attention.shape_class_choice over `configs`)."""
     hd = padded_head_dim(p.d)
-    cands = configs(dtype, hd)
-    if len(cands) == 1:
-        return cands[0]
-    key = [dtype.name_str, hd, causal, _bucket(p.seq_q), _bucket(p.seq_kv), _bucket(p.bh)]
-    memo = m.__dict__.setdefault("_attention_bwd_choices", {})
-    mkey = (dev, tuple(key))
-    cfg = memo.get(mkey)
-    if cfg is None:
-        cfg = memo[mkey] = m.autotuner.pick(NAME, key, cands, run, device_id=dev)
-    return cfg
+    return attention.shape_class_choice(m, NAME, configs(dtype, hd), dtype, hd, dev, p, causal,
+                                        run)
 
 
 def _geometry(cfg: Dict[str, Any], p: attention.Problem) -> Dict[str, int]:

@@ -6,8 +6,6 @@ the arguments and calls these; its docstring has the passes and the floor.
 """
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Any, Dict, Optional, Tuple
 
 from ..dtypes import CudaDataType
@@ -37,38 +35,13 @@ def bn_params(dtype: CudaDataType, kernel: str, layout: str) -> Dict[str, Any]:
             "vec": vec_width(dtype)}
 
 
-# -- ticket counters -----------------------------------------------------------------------
-_counters: "weakref.WeakKeyDictionary[Any, Dict[tuple, CudaTensor]]" = \
-    weakref.WeakKeyDictionary()
-_counters_lock = threading.Lock()
-MAX_COUNTER_STREAMS = 64   # counter sets kept per backend; the oldest goes beyond that
+# -- ticket counters (one per channel group, grid x) -----------------------------------------
+COUNTERS = common.TicketCounters(BN_MIN_COUNTERS)
 
 
 def bn_counters(m: Any, dev: int, stream: Any, groups: int) -> CudaTensor:
-    """At least `groups` zeroed uint32 ticket counters for the passes on one device and
-    stream (one per channel group, grid x), made once and kept (grown by doubling): every
-    pass leaves the counters it used at 0 again, so launches in one stream's order never
-    need them cleared; two streams get two sets. The key holds the PyCUDA stream itself, so
-    its handle cannot be reused while its counters exist."""
-    key = (dev, stream)
-    with _counters_lock:
-        per = _counters.get(m.backend)
-        if per is None:
-            per = _counters[m.backend] = {}
-        t = per.get(key)
-        if t is None or t.is_freed or t.size < groups:
-            n = BN_MIN_COUNTERS if t is None or t.is_freed else t.size
-            while n < groups:
-                n *= 2
-            if t is not None:
-                per.pop(key)
-                t.free()   # stream-ordered (memory.py): reused after the launches queued
-            elif len(per) >= MAX_COUNTER_STREAMS:
-                per.pop(next(iter(per))).free()
-            t = m.backend.empty((n,), CudaDataType.INT32, dev)
-            m.backend.memset_async(t, 0, stream)    # an async memset: capturable
-            per[key] = t
-        return t
+    """At least `groups` ticket counters for the passes on one device and stream."""
+    return COUNTERS.get(m, dev, stream, groups)
 
 
 # -- geometry, kernels, launches ------------------------------------------------------------

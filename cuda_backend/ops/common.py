@@ -256,3 +256,50 @@ def is_scalar(x: Any) -> bool:
 
 def maybe(t: Optional[CudaTensor]) -> Optional[CudaTensor]:
     return None if t is None else check_tensor(t)
+
+
+class TicketCounters:
+    """Zeroed uint32 ticket counters of one op's split launches (a last-block-done ticket per
+    group), one set per backend, device and stream, made once and kept (grown by doubling to
+    the count asked for): every launch leaves the counters it used at 0 again, so launches in
+    one stream's order never need them cleared. Two streams get two sets (one set shared by
+    concurrent launches gave wrong sums: tests/test_stream_order.py); each op keeps its own
+    instance, so one op growing its set never frees another's. The key holds the PyCUDA
+    stream itself, so its handle cannot be reused while its counters exist."""
+
+    MAX_STREAMS = 64   # sets kept per backend; the oldest goes beyond that
+
+    def __init__(self, minimum: int) -> None:
+        import threading
+        import weakref
+        self.minimum = minimum
+        self._sets: "weakref.WeakKeyDictionary[Any, Dict[tuple, CudaTensor]]" = \
+            weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def held(self) -> list:
+        """Every counter set kept now (tests read their sizes and pointers)."""
+        with self._lock:
+            return [t for per in self._sets.values() for t in per.values()]
+
+    def get(self, m: Any, dev: int, stream: Any, count: int = 0) -> CudaTensor:
+        """At least max(count, minimum) counters for launches on (dev, stream)."""
+        key = (dev, stream)
+        with self._lock:
+            per = self._sets.get(m.backend)
+            if per is None:
+                per = self._sets[m.backend] = {}
+            t = per.get(key)
+            if t is None or t.is_freed or t.size < count:
+                n = self.minimum if t is None or t.is_freed else t.size
+                while n < count:
+                    n *= 2
+                if t is not None:
+                    per.pop(key)
+                    t.free()   # stream-ordered (memory.py): reused after the launches queued
+                elif len(per) >= self.MAX_STREAMS:
+                    per.pop(next(iter(per))).free()
+                t = m.backend.empty((n,), CudaDataType.INT32, dev)
+                m.backend.memset_async(t, 0, stream)    # an async memset: capturable
+                per[key] = t
+            return t

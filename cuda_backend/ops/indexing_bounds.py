@@ -138,6 +138,15 @@ def checked_launch(m: Any, what: str, idx: CudaTensor, size: int, ax: int,
     (start_check), then the check's finish (IndexOutOfRangeError, out freed first); when the
     launch raises, the check is abandoned and out freed if free_out."""
     check = start_check(m, idx, size, what, check_bounds, out)
+    run_checked(check, what, ax, size, out, free_out, launch, *args, **kwargs)
+
+
+def run_checked(check: Optional[BoundsCheck], what: str, ax: int, size: int,
+                out: Optional[CudaTensor], free_out: bool, launch: Any, *args: Any,
+                **kwargs: Any) -> None:
+    """launch(*args, **kwargs) behind a started check (or None), then the check's finish;
+    when the launch raises, the check is abandoned and out freed if free_out (the general
+    paths through checked_launch, the per-call plans with their prepared check)."""
     try:
         launch(*args, **kwargs)
     except BaseException:

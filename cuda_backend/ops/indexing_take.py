@@ -13,7 +13,7 @@ from ..errors import IndexOutOfRangeError, InvalidArgumentError, ShapeMismatchEr
 from ..tensor import CudaTensor, pool_tensor
 from . import common
 from .indexing_bounds import (check_grid, checked_indices, checked_launch, host_indices,
-                              raise_bounds, refuse_capture, start_check)
+                              raise_bounds, refuse_capture, run_checked, start_check)
 from .indexing_kernels import (BLOCK, CHECK_BLOCK, ROW_BLOCK, ROW_BLOCKS_PER_SM, ROW_RESIDENT,
                                ROW_UNROLL, TEMPLATE, UNITS, check_dims, check_params, gather_params,
                                take_rows_params)
@@ -203,15 +203,7 @@ def _take_plan(m: Any, x: CudaTensor, idx: CudaTensor, ax: int, check_bounds: bo
             out.free()
             return None
         check = start_check(m, indices, size, "take", check_bounds, out, checker)
-        try:
-            rows(out._ptr, px, pi, *args)
-        except BaseException:
-            if check is not None:
-                check.abandon()
-            out.free()
-            raise
-        if check is not None:
-            check.finish("take", ax, size, out)
+        run_checked(check, "take", ax, size, out, True, rows, out._ptr, px, pi, *args)
         return out
     return run
 
@@ -321,14 +313,6 @@ def _gather_plan(m: Any, x: CudaTensor, idx: CudaTensor, shape: Tuple[int, ...],
         po = out._ptr
         go, args = by_vec[0 if (px | po) % 16 else 1]
         check = start_check(m, indices, size, "gather", check_bounds, out, checker)
-        try:
-            go(po, px, pi, *args)
-        except BaseException:
-            if check is not None:
-                check.abandon()
-            out.free()
-            raise
-        if check is not None:
-            check.finish("gather", ax, size, out)
+        run_checked(check, "gather", ax, size, out, True, go, po, px, pi, *args)
         return out
     return run

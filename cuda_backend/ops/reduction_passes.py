@@ -6,9 +6,7 @@ per device and stream. The sizing is ops/reduction_config.py's; the ops are ops/
 from __future__ import annotations
 
 import math
-import threading
-import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from .. import occupancy
 from ..dtypes import CudaDataType
@@ -20,31 +18,8 @@ from .reduction_config import (AXIS_TEMPLATE, BLOCK, MAX_SPLIT_GROUPS, ROWS_TEMP
                                result_dtype, rows_config)
 
 
-# -- per-stream ticket counters --------------------------------------------------------------
-_counters: "weakref.WeakKeyDictionary[Any, Dict[tuple, CudaTensor]]" = weakref.WeakKeyDictionary()
-_counters_lock = threading.Lock()
-MAX_COUNTER_STREAMS = 64   # counter blocks kept per backend; the oldest goes beyond that
-
-
-def _ticket_counters(m: Any, dev: int, stream: Any) -> CudaTensor:
-    """MAX_SPLIT_GROUPS zeroed uint32 counters for split launches on one device and stream,
-    made once and kept: every split launch leaves the counters it used at 0 again, so
-    launches in one stream's order never need them cleared. Two streams get two sets (one set
-    shared by concurrent launches gave wrong sums: tests/test_stream_order.py). The key holds
-    the PyCUDA stream itself, so its handle cannot be reused while its counters exist."""
-    key = (dev, stream)
-    with _counters_lock:
-        per = _counters.get(m.backend)
-        if per is None:
-            per = _counters[m.backend] = {}
-        t = per.get(key)
-        if t is None or t.is_freed:
-            if len(per) >= MAX_COUNTER_STREAMS:
-                per.pop(next(iter(per))).free()   # stream-ordered: see memory.py
-            t = m.backend.empty((MAX_SPLIT_GROUPS,), CudaDataType.INT32, dev)
-            m.backend.memset_async(t, 0, stream)    # an async memset: capturable
-            per[key] = t
-        return t
+# -- per-stream ticket counters of split launches ----------------------------------------------
+COUNTERS = common.TicketCounters(MAX_SPLIT_GROUPS)
 
 
 def gpu_reduce(m: Any, op: str, x: CudaTensor, axes: Tuple[int, ...], shape: Tuple[int, ...],
@@ -118,7 +93,7 @@ def _fast_plan(m: Any, dev: int, shape: Tuple[int, ...], dtype: CudaDataType,
     def ticket_counters() -> int:
         t = counters[0]
         if t is None or t._ptr is None:   # evicted (freed) ones are made again
-            t = counters[0] = _ticket_counters(m, dev, None)
+            t = counters[0] = COUNTERS.get(m, dev, None)
         return t._ptr
 
     def run(x: CudaTensor) -> Optional[CudaTensor]:
@@ -192,7 +167,7 @@ def _launch_pass(m: Any, dev: int, op: str, x: CudaTensor, out: CudaTensor, oute
     try:
         m.backend.launch_kernel(
             p.name, p.grid, x, out, 0 if part is None else part,
-            0 if part is None else _ticket_counters(m, dev, current_pycuda_stream(dev)),
+            0 if part is None else COUNTERS.get(m, dev, current_pycuda_stream(dev)),
             *p.args, divisor, block_size=p.block, device_id=dev)
     finally:
         if part is not None:
