@@ -208,20 +208,20 @@ class Launcher:
             raise _pack_error(kernel, args, exc) from None
         if self.profiler is None:
             if top == device_id:
-                try:
-                    kernel.function._launch_kernel(dims[0], dims[1], buf, shared_mem, stream)
-                except self._drv.Error as exc:
-                    raise driver_failure(f"launch of kernel '{kernel_name}'", exc,
-                                         device_id) from None
-                return 0.0
+                return self._send(kernel, device_id, dims, buf, shared_mem, stream)
             with self._contexts.activate(device_id):
-                try:
-                    kernel.function._launch_kernel(dims[0], dims[1], buf, shared_mem, stream)
-                except self._drv.Error as exc:
-                    raise driver_failure(f"launch of kernel '{kernel_name}'", exc,
-                                         device_id) from None
-            return 0.0
+                return self._send(kernel, device_id, dims, buf, shared_mem, stream)
         return self._timed_launch(kernel, device_id, dims, buf, shared_mem, stream)
+
+    def _send(self, kernel: CudaKernel, device_id: int, dims: tuple, buf: bytes,
+              shared_mem: int, stream: Any) -> float:
+        """One untimed launch of a packed argument buffer in the current context (0.0, the
+        time launch() reports untimed); a driver error becomes the typed error."""
+        try:
+            kernel.function._launch_kernel(dims[0], dims[1], buf, shared_mem, stream)
+        except self._drv.Error as exc:
+            raise driver_failure(f"launch of kernel '{kernel.name}'", exc, device_id) from None
+        return 0.0
 
     def _timed_launch(self, kernel: CudaKernel, device_id: int, dims: tuple, buf: bytes,
                       shared_mem: int, stream: Any) -> float:

@@ -143,20 +143,22 @@ class CudaRuntime(Runtime):
     def copy_to_device_async(self, host: np.ndarray, ptr: int, dev: int,
                              capacity: Optional[int], tensor: Optional[CudaTensor],
                              stream: Any) -> None:
-        stream = resolve_stream(stream, dev)
-        if tensor is not None:
-            record_stream(tensor, stream)
-        with self.contexts.activate(dev):
-            self.drv.memcpy_htod_async(ptr, host, stream)
+        self._copy_async(dev, tensor, stream, self.drv.memcpy_htod_async, ptr, host)
 
     def copy_from_device_async(self, ptr: int, host: np.ndarray, dev: int,
                                capacity: Optional[int], tensor: Optional[CudaTensor],
                                stream: Any) -> None:
+        self._copy_async(dev, tensor, stream, self.drv.memcpy_dtoh_async, host, ptr)
+
+    def _copy_async(self, dev: int, tensor: Optional[CudaTensor], stream: Any, copy: Any,
+                    dst: Any, src: Any) -> None:
+        """copy(dst, src, stream) on dev in stream order (the resolved stream), tensor's pool
+        block recorded on that stream first."""
         stream = resolve_stream(stream, dev)
         if tensor is not None:
             record_stream(tensor, stream)
         with self.contexts.activate(dev):
-            self.drv.memcpy_dtoh_async(host, ptr, stream)
+            copy(dst, src, stream)
 
     def copy_device_to_device(self, dptr: int, sptr: int, nbytes: int, dev: int,
                               stream: Any) -> float:

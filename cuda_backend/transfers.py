@@ -103,15 +103,19 @@ class TransferEngine:
     def _wall(self, kind: str, nbytes: int, device_id: int, work) -> float:
         """Run a synchronous copy (the host waits for it) on the legacy default stream with
         profiling off: no events, the wall clock gives the milliseconds."""
-        drv = self._drv
         with self._contexts.activate(device_id):
-            t0 = time.perf_counter()
-            try:
-                work()
-            except drv.Error as exc:
-                raise driver_failure(f"{kind} copy of {nbytes} bytes on device {device_id}",
-                                     exc, device_id) from None
-            return (time.perf_counter() - t0) * 1e3
+            return self._clocked(kind, nbytes, device_id, work)
+
+    def _clocked(self, kind: str, nbytes: int, device_id: int, work: Any, *args: Any) -> float:
+        """work(*args), a synchronous copy in the current context, timed by the wall clock
+        (milliseconds); a driver error becomes the typed error naming the copy."""
+        t0 = time.perf_counter()
+        try:
+            work(*args)
+        except self._drv.Error as exc:
+            raise driver_failure(f"{kind} copy of {nbytes} bytes on device {device_id}",
+                                 exc, device_id) from None
+        return (time.perf_counter() - t0) * 1e3
 
     def direct_htod(self, host: Any, tensor: Any) -> Optional[float]:
         """copy_to_device's common call: `host` (a NumPy array) into the live tensor `tensor`,
@@ -126,14 +130,7 @@ class TransferEngine:
                 host.size != tensor.size or nbytes >= self.staging_threshold or \
                 self.profiler is not None or not host.flags.c_contiguous:
             return None
-        drv = self._drv
-        t0 = time.perf_counter()
-        try:
-            drv.memcpy_htod(ptr, host)
-        except drv.Error as exc:
-            raise driver_failure(f"htod copy of {nbytes} bytes on device {tensor.device_id}",
-                                 exc, tensor.device_id) from None
-        return (time.perf_counter() - t0) * 1e3
+        return self._clocked("htod", nbytes, tensor.device_id, self._drv.memcpy_htod, ptr, host)
 
     def direct_dtoh(self, tensor: Any, host: Any) -> Optional[float]:
         """copy_from_device's common call, as direct_htod: one synchronous cuMemcpyDtoH into a
@@ -147,14 +144,7 @@ class TransferEngine:
         flags = host.flags
         if not flags.c_contiguous or not flags.writeable:
             return None
-        drv = self._drv
-        t0 = time.perf_counter()
-        try:
-            drv.memcpy_dtoh(host, ptr)
-        except drv.Error as exc:
-            raise driver_failure(f"dtoh copy of {nbytes} bytes on device {tensor.device_id}",
-                                 exc, tensor.device_id) from None
-        return (time.perf_counter() - t0) * 1e3
+        return self._clocked("dtoh", nbytes, tensor.device_id, self._drv.memcpy_dtoh, host, ptr)
 
     def _timed(self, kind: str, nbytes: int, device_id: int, stream: Any, work) -> float:
         drv = self._drv

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..dtypes import CudaDataType
-from ..errors import InvalidArgumentError, ShapeMismatchError
+from ..errors import InvalidArgumentError
 from ..kernels import dtype_params
 from ..tensor import CudaTensor
 from . import common
@@ -134,15 +134,7 @@ def backward(m: Any, op: str, grad_out: CudaTensor, v: CudaTensor,
     if spec is None:
         raise InvalidArgumentError(f"unknown activation {op!r}; expected one of {', '.join(OPS)}")
     name, vname = PUBLIC[op], spec[0]
-    g = common.check_tensor(grad_out, "grad_out")
-    x = common.check_tensor(v, vname)
-    common.require_dtype(g, common.FLOATS, name)
-    dtype = common.same_dtype(g, x)
-    dev = common.same_device(g, x)
-    if g.shape != x.shape:
-        raise ShapeMismatchError(
-            f"{name}: grad_out has shape {g.shape} and {vname} has shape {x.shape}; they must "
-            f"have the same shape")
+    g, x, dtype, dev = common.grad_operands(grad_out, v, vname, name)
     a = _alpha(op, dtype, alpha)
     res = m.backend.empty(g.shape, dtype, dev)
     n = res.size

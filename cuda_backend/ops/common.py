@@ -57,6 +57,22 @@ def check_out(out: Any, x: CudaTensor, shape: Tuple[int, ...]) -> None:
     same_device(x, out)
 
 
+def grad_operands(grad_out: Any, v: Any, vname: str,
+                  name: str) -> Tuple[CudaTensor, CudaTensor, CudaDataType, int]:
+    """An element-wise backward op's (grad_out, v, dtype, device) after the checks: live
+    tensors (v named vname in errors) of one floating dtype, device and shape."""
+    g = check_tensor(grad_out, "grad_out")
+    x = check_tensor(v, vname)
+    require_dtype(g, FLOATS, name)
+    dtype = same_dtype(g, x)
+    dev = same_device(g, x)
+    if g.shape != x.shape:
+        raise ShapeMismatchError(
+            f"{name}: grad_out has shape {g.shape} and {vname} has shape {x.shape}; they must "
+            f"have the same shape")
+    return g, x, dtype, dev
+
+
 def require_dtype(t: CudaTensor, allowed: Iterable[CudaDataType], op: str) -> None:
     allowed = tuple(allowed)
     if t.dtype not in allowed:
@@ -239,6 +255,14 @@ def remember_plan(m: Any, key: tuple, plan: Any) -> Any:
         plans.clear()
     plans[key] = plan
     return plan
+
+
+def plan_memory(m: Any, dev: int) -> Tuple[Any, Any, Any]:
+    """A per-call plan's (pool, alloc, direct), bound once when the plan is made: dev's
+    memory pool, its allocate_current (a result block in the current stream's order) and
+    backend.direct_launch (whether a PreparedLaunch may run directly now)."""
+    pool = m.backend.memory_pools[dev]
+    return pool, pool.allocate_current, m.backend.direct_launch
 
 
 def plan_pointer(t: Any, shape: Tuple[int, ...], dtype: CudaDataType, dev: int) -> Optional[int]:

@@ -213,6 +213,14 @@ def cross_entropy(m: Any, logits: CudaTensor, labels: CudaTensor, reduction: str
     return (out, stats) if stats is not None else out
 
 
+def _finish_launch(m: Any, dtype: CudaDataType, dev: int) -> Any:
+    """The one-block "finish" kernel's PreparedLaunch for logits of dtype on dev (the plans'
+    reduction of the row losses, or the mean's scale before the backward pass)."""
+    pfin = prepared_for(m, "finish", dtype, 0, dev)
+    return m.backend.prepare_launch(m.backend.get_kernel(pfin["kernel"], dev), (1, 1, 1),
+                                    (FINISH_BLOCK, 1, 1), 0, dev)
+
+
 def _fast_forward(m: Any, x: CudaTensor, ldt: CudaDataType, reduction: str, ignore_index: int,
                   check: bool, with_stats: bool) -> Any:
     """The per-call plan of cross_entropy for logits shaped like x and labels of dtype ldt:
@@ -224,14 +232,8 @@ def _fast_forward(m: Any, x: CudaTensor, ldt: CudaDataType, reduction: str, igno
     pf = prepared_for(m, "forward", dtype, C, dev)
     go = backend.prepare_launch(backend.get_kernel(pf["kernel"], dev), (grid(pf, N), 1, 1),
                                 (pf["threads"], 1, 1), 0, dev)
-    fin = None
-    if reduction != "none":
-        pfin = prepared_for(m, "finish", dtype, 0, dev)
-        fin = backend.prepare_launch(backend.get_kernel(pfin["kernel"], dev), (1, 1, 1),
-                                     (FINISH_BLOCK, 1, 1), 0, dev)
-    pool = backend.memory_pools[dev]
-    alloc = pool.allocate_current
-    direct = backend.direct_launch
+    fin = _finish_launch(m, dtype, dev) if reduction != "none" else None
+    pool, alloc, direct = common.plan_memory(m, dev)
     adt = acc_dtype(dtype)
     label64 = int(ldt is DT.INT64)
     kvec = C % (16 // dtype.itemsize) == 0
@@ -338,14 +340,8 @@ def _fast_backward(m: Any, x: CudaTensor, ldt: CudaDataType, reduction: str,
     pb = prepared_for(m, "stats" if with_stats else "backward", dtype, C, dev)
     go = backend.prepare_launch(backend.get_kernel(pb["kernel"], dev),
                                 (grid(pb, N, C, isz), 1, 1), (pb["threads"], 1, 1), 0, dev)
-    fin = None
-    if reduction == "mean":
-        pfin = prepared_for(m, "finish", dtype, 0, dev)
-        fin = backend.prepare_launch(backend.get_kernel(pfin["kernel"], dev), (1, 1, 1),
-                                     (FINISH_BLOCK, 1, 1), 0, dev)
-    pool = backend.memory_pools[dev]
-    alloc = pool.allocate_current
-    direct = backend.direct_launch
+    fin = _finish_launch(m, dtype, dev) if reduction == "mean" else None
+    pool, alloc, direct = common.plan_memory(m, dev)
     adt = acc_dtype(dtype)
     label64 = int(ldt is DT.INT64)
     kvec = C % (16 // isz) == 0

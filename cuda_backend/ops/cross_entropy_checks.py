@@ -50,19 +50,25 @@ def check_operands(name: str, logits: Any, labels: Any, reduction: Any, ignore_i
     return N, C, dev
 
 
+def _check_side(name: str, t: CudaTensor, what: str, want: CudaDataType, expected: str,
+                dev: int) -> None:
+    """A side tensor of the logits (grad_loss, row_stats): live, of dtype want (`expected`
+    says which in the error) and on the logits' device dev."""
+    t.check_alive()
+    if t.dtype is not want:
+        raise DTypeMismatchError(
+            f"{name}: {what} has dtype {t.dtype.name_str}, expected {expected}")
+    if t.device_id != dev:
+        raise DeviceMismatchError(
+            f"{name}: {what} is on cuda:{t.device_id}, the logits on cuda:{dev}")
+
+
 def check_grad(name: str, grad_loss: Any, reduction: str, N: int, dtype: CudaDataType,
                dev: int) -> Tuple[Optional[CudaTensor], float]:
     """(grad tensor or None, gmul): a Python number (any reduction), or a tensor of the
     logits' dtype and device: shape (N,) for "none", () or (1,) for "mean" and "sum"."""
     if isinstance(grad_loss, CudaTensor):
-        grad_loss.check_alive()
-        if grad_loss.dtype is not dtype:
-            raise DTypeMismatchError(
-                f"{name}: grad_loss has dtype {grad_loss.dtype.name_str}, expected the "
-                f"logits' {dtype.name_str}")
-        if grad_loss.device_id != dev:
-            raise DeviceMismatchError(
-                f"{name}: grad_loss is on cuda:{grad_loss.device_id}, the logits on cuda:{dev}")
+        _check_side(name, grad_loss, "grad_loss", dtype, f"the logits' {dtype.name_str}", dev)
         want = ((N,),) if reduction == "none" else ((), (1,))
         if grad_loss.shape not in want:
             raise ShapeMismatchError(
@@ -87,15 +93,9 @@ def check_row_stats(name: str, row_stats: Any, N: int, dtype: CudaDataType,
         raise InvalidArgumentError(
             f"{name}: row_stats must be None or the CudaTensor cross_entropy(..., "
             f"return_row_stats=True) returned, got {type(row_stats).__name__}")
-    row_stats.check_alive()
     want = acc_dtype(dtype)
-    if row_stats.dtype is not want:
-        raise DTypeMismatchError(
-            f"{name}: row_stats has dtype {row_stats.dtype.name_str}, expected "
-            f"{want.name_str} for {dtype.name_str} logits")
-    if row_stats.device_id != dev:
-        raise DeviceMismatchError(
-            f"{name}: row_stats is on cuda:{row_stats.device_id}, the logits on cuda:{dev}")
+    _check_side(name, row_stats, "row_stats", want,
+                f"{want.name_str} for {dtype.name_str} logits", dev)
     if row_stats.shape != (N, 2):
         raise ShapeMismatchError(
             f"{name}: row_stats has shape {row_stats.shape}, expected ({N}, 2) (each row's "

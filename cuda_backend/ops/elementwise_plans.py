@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Tuple
 
 from ..dtypes import CudaDataType
 from ..tensor import CudaTensor
+from . import common
 from .elementwise_kernels import (ALPHA_OPS, BLOCK_DIMS, COMMUTATIVE, DT, FILL_BLOCK, INT_RANGE,
                                   UNARY_OPS, device_cache, launch_grid, scalar_arg)
 
@@ -368,9 +369,8 @@ def _broadcast_plan(m: Any, res: CudaTensor, name: str, per_block: int,
     rest_scalar = rest[:2] + (0,) + rest[3:]
     grid = (launch_grid(n // vec if rest[2] else n, per_block), 1, 1)
     grid_scalar = (launch_grid(n, per_block), 1, 1)
-    pool = backend.memory_pools[dev]
-    alloc = pool.allocate_current    # stream None: direct() says no `with stream:` block
-    direct = backend.direct_launch
+    # (alloc's stream None: direct() says no `with stream:` block)
+    pool, alloc, direct = common.plan_memory(m, dev)
     drv_error = load_driver()[0].Error
     what = f"launch of kernel '{name}'"
 

@@ -64,14 +64,14 @@ from ..errors import (DTypeMismatchError, IndexOutOfRangeError, InvalidArgumentE
                       ShapeMismatchError)
 from ..tensor import CudaTensor
 from . import common
-from .indexing_bounds import (check_grid, checked_indices, checked_launch, host_indices,
+from .indexing_bounds import (checked_indices, checked_launch, host_indices, prepared_check,
                               raise_bounds, start_check)
-from .indexing_kernels import (BLOCK, CHECK_BLOCK, COMPARE_OPS, ELEMS, INDEX_DTYPES,
+from .indexing_kernels import (BLOCK, COMPARE_OPS, ELEMS, INDEX_DTYPES,
                                SCATTER_DTYPES, TEMPLATE, UNITS, check_dims, check_params,
                                compare_flat_params, compare_params, gather_params,
                                scatter_params, take_rows_params, where_params)
 from .indexing_take import gather, take  # noqa: F401  (ops' entries, as CudaMath calls them)
-from .shape import one_axis
+from .shape_layouts import one_axis
 from .shape_copy import MAX_DIMS, grid_blocks, record
 from .shape_layouts import collapse, contiguous_strides, dims_args, pad
 
@@ -266,9 +266,7 @@ def _flat_plan(m: Any, name: str, res: CudaTensor, dtype: CudaDataType) -> Any:
     n, nbytes = res.size, res.nbytes
     go = backend.prepare_launch(backend.get_kernel(name, dev), (grid_blocks(n, BLOCK), 1, 1),
                                 (BLOCK, 1, 1), 0, dev)
-    pool = backend.memory_pools[dev]
-    alloc = pool.allocate_current
-    direct = backend.direct_launch
+    pool, alloc, direct = common.plan_memory(m, dev)
     plan_pointer = common.plan_pointer
 
     def run(c: Any, a: Any, b: Any) -> Optional[CudaTensor]:
@@ -361,9 +359,7 @@ def _launch_plan(m: Any, name: str, res: CudaTensor, cond: Optional[CudaTensor],
     c_shape = cond.shape if cond is not None else None
     go = backend.prepare_launch(backend.get_kernel(name, dev), (grid_blocks(n, BLOCK), 1, 1),
                                 (BLOCK, 1, 1), 0, dev)
-    pool = backend.memory_pools[dev]
-    alloc = pool.allocate_current
-    direct = backend.direct_launch
+    pool, alloc, direct = common.plan_memory(m, dev)
     plan_pointer = common.plan_pointer
     BOOL = DT.BOOL
     seen: Dict[tuple, Any] = {}
@@ -402,6 +398,25 @@ def _launch_plan(m: Any, name: str, res: CudaTensor, cond: Optional[CudaTensor],
 
 
 # -- scatter_add --------------------------------------------------------------------------------
+def _host_scatter_add(m: Any, target: CudaTensor, idx: CudaTensor, src: CudaTensor, ax: int,
+                      size: int, check_bounds: bool) -> CudaTensor:
+    """scatter_add in fallback mode: np.add.at on the host copies (bad indices add nothing
+    and raise after the good ones were added, as the GPU path's check does)."""
+    j, bad = host_indices(idx.host_view, size, check_bounds, "scatter_add", ax)
+    vals = common.host_array(m, src)
+    if bad.any():
+        mask = bad.reshape((1,) * ax + idx.shape + (1,) * (target.ndim - ax - 1))
+        vals = np.where(mask, np.zeros((), vals.dtype), vals)
+    acc = common.host_array(m, target).copy()
+    with np.errstate(all="ignore"):
+        np.add.at(acc, cast(Any, (slice(None),) * ax + (j,)), vals)
+    from .elementwise_host import store_host
+    store_host(m, acc, target)
+    if check_bounds and bad.any():
+        raise_bounds("scatter_add", ax, size)
+    return target
+
+
 def scatter_add(m: Any, target: CudaTensor, indices: Any, src: CudaTensor, axis: int = 0,
                 check_bounds: bool = True) -> CudaTensor:
     """np.add.at(target, (:,) * axis + (indices,), src), in place; returns target."""
@@ -431,19 +446,7 @@ def scatter_add(m: Any, target: CudaTensor, indices: Any, src: CudaTensor, axis:
     if size == 0:
         raise IndexOutOfRangeError(f"scatter_add: cannot add into axis {ax} of size 0")
     if not m.gpu:
-        j, bad = host_indices(idx.host_view, size, check_bounds, "scatter_add", ax)
-        vals = common.host_array(m, src)
-        if bad.any():
-            mask = bad.reshape((1,) * ax + idx.shape + (1,) * (target.ndim - ax - 1))
-            vals = np.where(mask, np.zeros((), vals.dtype), vals)
-        acc = common.host_array(m, target).copy()
-        with np.errstate(all="ignore"):
-            np.add.at(acc, cast(Any, (slice(None),) * ax + (j,)), vals)
-        from .elementwise_host import store_host
-        store_host(m, acc, target)
-        if check_bounds and bad.any():
-            raise_bounds("scatter_add", ax, size)
-        return target
+        return _host_scatter_add(m, target, idx, src, ax, size, check_bounds)
     dev = target.device_id
     ts, ids = contiguous_strides(target.shape), contiguous_strides(idx.shape)
     k = idx.ndim
@@ -480,9 +483,7 @@ def _scatter_plan(m: Any, name: str, target: CudaTensor, idx: CudaTensor,
     size, n = shape[ax], math.prod(src_shape)
     go = backend.prepare_launch(backend.get_kernel(name, dev), (grid_blocks(n, BLOCK), 1, 1),
                                 (BLOCK, 1, 1), 0, dev)
-    checker = backend.prepare_launch(
-        backend.get_kernel(m.kernel(TEMPLATE, dev, **check_params(idx.dtype)).name, dev),
-        (check_grid(idx.size), 1, 1), (CHECK_BLOCK, 1, 1), 0, dev) if check_bounds else None
+    checker = prepared_check(m, idx, dev) if check_bounds else None
     direct = backend.direct_launch
     plan_pointer = common.plan_pointer
 

@@ -39,6 +39,15 @@ def check_grid(n: int) -> int:
     return max(1, min(-(-n // (CHECK_BLOCK * CHECK_UNROLL)), CHECK_MAX_BLOCKS))
 
 
+def prepared_check(m: Any, idx: CudaTensor, dev: int) -> Any:
+    """The check kernel's PreparedLaunch over indices like idx on dev (a plan's bounds check
+    before its main launch)."""
+    backend = m.backend
+    return backend.prepare_launch(
+        backend.get_kernel(m.kernel(TEMPLATE, dev, **check_params(idx.dtype)).name, dev),
+        (check_grid(idx.size), 1, 1), (CHECK_BLOCK, 1, 1), 0, dev)
+
+
 def refuse_capture(what: str, dev: int, check_bounds: bool) -> None:
     """GraphCaptureError when a bounds-checked call is made inside a capture (the host waits
     for its check); called before anything is allocated, so the capture's pool is untouched."""

@@ -12,14 +12,43 @@ import numpy as np
 from ..errors import IndexOutOfRangeError, InvalidArgumentError, ShapeMismatchError
 from ..tensor import CudaTensor, pool_tensor
 from . import common
-from .indexing_bounds import (check_grid, checked_indices, checked_launch, host_indices,
+from .indexing_bounds import (checked_indices, checked_launch, host_indices, prepared_check,
                               raise_bounds, refuse_capture, run_checked, start_check)
-from .indexing_kernels import (BLOCK, CHECK_BLOCK, ROW_BLOCK, ROW_BLOCKS_PER_SM, ROW_RESIDENT,
-                               ROW_UNROLL, TEMPLATE, UNITS, check_dims, check_params, gather_params,
-                               take_rows_params)
-from .shape import one_axis
+from .indexing_kernels import (BLOCK, ROW_BLOCK, ROW_BLOCKS_PER_SM, ROW_RESIDENT, ROW_UNROLL,
+                               TEMPLATE, UNITS, check_dims, gather_params, take_rows_params)
+from .shape_layouts import one_axis
 from .shape_copy import MAX_DIMS, grid_blocks, record
 from .shape_layouts import collapse, contiguous_strides, dims_args, fast_divisor, make_view, pad
+
+
+def _plan_key(what: str, x: CudaTensor, idx: CudaTensor, axis: Any,
+              check_bounds: Any) -> Optional[tuple]:
+    """The plan key of take or gather (`what`; ops/common.py remember_plan) for operands
+    like x and idx: shapes, dtypes, x's device, the axis and the bounds flag as given; None
+    where no plan applies (an axis that is not an int, a flag that is not a bool)."""
+    if type(axis) is not int or type(check_bounds) is not bool:
+        return None
+    return (what, x.shape, x.dtype, idx.shape, idx.dtype, x.device_id, axis, check_bounds)
+
+
+def _planned(m: Any, what: str, x: Any, indices: Any, axis: Any,
+             check_bounds: Any) -> Optional[CudaTensor]:
+    """take's or gather's result from its per-call plan, or None (the general path then
+    runs): no plan for these operands, or the plan declined (its run checks the rest)."""
+    if type(x) is not CudaTensor or type(indices) is not CudaTensor:
+        return None
+    key = _plan_key(what, x, indices, axis, check_bounds)
+    fast = m.plans.get(key) if key is not None else None
+    return fast(x, indices) if fast is not None else None
+
+
+def _operands(x: Any, indices: Any, what: str) -> Tuple[CudaTensor, CudaTensor]:
+    """take's or gather's (tensor, indices) after the operand checks: live tensors, integer
+    indices, one device."""
+    x = common.check_tensor(x, "tensor")
+    idx = checked_indices(indices, what)
+    common.same_device(x, idx)
+    return x, idx
 
 
 def _result(m: Any, what: str, x: CudaTensor, idx: CudaTensor, shape: Tuple[int, ...],
@@ -89,17 +118,10 @@ def take(m: Any, x: CudaTensor, indices: Any, axis: Optional[int] = 0,
          check_bounds: bool = True) -> CudaTensor:
     """np.take(x, indices, axis): out.shape = x.shape[:axis] + indices.shape +
     x.shape[axis+1:] (axis=None: from the flattened x). See the module doc for bounds."""
-    if type(x) is CudaTensor and type(indices) is CudaTensor and type(axis) is int and \
-            type(check_bounds) is bool:
-        fast = m.plans.get(("take", x.shape, x.dtype, indices.shape, indices.dtype,
-                            x.device_id, axis, check_bounds))
-        if fast is not None and m.backend.direct_launch(x.device_id):
-            res = fast(x, indices)
-            if res is not None:
-                return res
-    x = common.check_tensor(x, "tensor")
-    idx = checked_indices(indices, "take")
-    common.same_device(x, idx)
+    planned = _planned(m, "take", x, indices, axis, check_bounds)
+    if planned is not None:
+        return planned
+    x, idx = _operands(x, indices, "take")
     if axis is None:
         x = make_view(x, (x.size,))
         axis = 0
@@ -127,10 +149,9 @@ def take(m: Any, x: CudaTensor, indices: Any, axis: Optional[int] = 0,
     checked_launch(m, "take", idx, size, ax, check_bounds, out, True,
                    m.backend.launch_kernel, name, geo["grid"], out, x, idx, *geo["args"],
                    block_size=(ROW_BLOCK, 1, 1), device_id=dev)
-    if type(axis) is int and type(check_bounds) is bool:
-        key = ("take", x.shape, x.dtype, idx.shape, idx.dtype, dev, axis, check_bounds)
-        if key not in m.plans:
-            common.remember_plan(m, key, _take_plan(m, x, idx, ax, check_bounds))
+    key = _plan_key("take", x, idx, axis, check_bounds)
+    if key is not None and key not in m.plans:
+        common.remember_plan(m, key, _take_plan(m, x, idx, ax, check_bounds))
     return out
 
 
@@ -184,13 +205,9 @@ def _take_plan(m: Any, x: CudaTensor, idx: CudaTensor, ax: int, check_bounds: bo
     rows = backend.prepare_launch(
         backend.get_kernel(m.kernel(TEMPLATE, dev, **take_rows_params(unit, idx.dtype)).name,
                            dev), geo["grid"], (ROW_BLOCK, 1, 1), 0, dev)
-    checker = backend.prepare_launch(
-        backend.get_kernel(m.kernel(TEMPLATE, dev, **check_params(idx.dtype)).name, dev),
-        (check_grid(idx.size), 1, 1), (CHECK_BLOCK, 1, 1), 0, dev) if check_bounds else None
+    checker = prepared_check(m, idx, dev) if check_bounds else None
     args = geo["args"]
-    pool = backend.memory_pools[dev]
-    alloc = pool.allocate_current
-    direct = backend.direct_launch
+    pool, alloc, direct = common.plan_memory(m, dev)
 
     def run(x: CudaTensor, indices: Any) -> Optional[CudaTensor]:
         px, pi = x._ptr, indices._ptr
@@ -212,17 +229,10 @@ def gather(m: Any, x: CudaTensor, indices: Any, axis: Optional[int],
            check_bounds: bool = True) -> CudaTensor:
     """np.take_along_axis(x, indices, axis): indices has x's number of dims and broadcasts
     against x off the axis; out[..., i, ...] = x[..., indices[..., i, ...], ...]."""
-    if type(x) is CudaTensor and type(indices) is CudaTensor and type(axis) is int and \
-            type(check_bounds) is bool:
-        fast = m.plans.get(("gather", x.shape, x.dtype, indices.shape, indices.dtype,
-                            x.device_id, axis, check_bounds))
-        if fast is not None:
-            res = fast(x, indices)
-            if res is not None:
-                return res
-    x = common.check_tensor(x, "tensor")
-    idx = checked_indices(indices, "gather")
-    common.same_device(x, idx)
+    planned = _planned(m, "gather", x, indices, axis, check_bounds)
+    if planned is not None:
+        return planned
+    x, idx = _operands(x, indices, "gather")
     if axis is None:
         if idx.ndim != 1:
             raise ShapeMismatchError(f"gather with axis=None needs 1-d indices, got shape "
@@ -270,12 +280,9 @@ def gather(m: Any, x: CudaTensor, indices: Any, axis: Optional[int],
              for d in range(x.ndim)]
     layouts = gather_layouts(shape, s_src, s_idx, size, xs[ax], x.dtype.itemsize, "gather")
     _gather_launch(m, "gather", x, idx, out, layouts, size, check_bounds, ax)
-    if type(axis) is int and type(check_bounds) is bool:
-        key = ("gather", x.shape, x.dtype, idx.shape, idx.dtype, x.device_id, axis,
-               check_bounds)
-        if key not in m.plans:
-            common.remember_plan(m, key, _gather_plan(m, x, idx, shape, layouts, ax,
-                                                      check_bounds))
+    key = _plan_key("gather", x, idx, axis, check_bounds)
+    if key is not None and key not in m.plans:
+        common.remember_plan(m, key, _gather_plan(m, x, idx, shape, layouts, ax, check_bounds))
     return out
 
 
@@ -296,12 +303,8 @@ def _gather_plan(m: Any, x: CudaTensor, idx: CudaTensor, shape: Tuple[int, ...],
                                       (BLOCK, 1, 1), 0, dev), lay[1])
               for lay in layouts if lay is not None]
     by_vec.append(by_vec[-1])   # [mode 0, mode 1 or mode 0 again, ...]: by alignment
-    checker = backend.prepare_launch(
-        backend.get_kernel(m.kernel(TEMPLATE, dev, **check_params(idx.dtype)).name, dev),
-        (check_grid(idx.size), 1, 1), (CHECK_BLOCK, 1, 1), 0, dev) if check_bounds else None
-    pool = backend.memory_pools[dev]
-    alloc = pool.allocate_current
-    direct = backend.direct_launch
+    checker = prepared_check(m, idx, dev) if check_bounds else None
+    pool, alloc, direct = common.plan_memory(m, dev)
 
     def run(x: CudaTensor, indices: Any) -> Optional[CudaTensor]:
         px, pi = x._ptr, indices._ptr

@@ -163,6 +163,16 @@ def _layer(m: Any, x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor]
     return _reshaped(y, lead + (weight.shape[0],))
 
 
+def _bias_key(bias: Any) -> Any:
+    """bias's part of a plan key: None (no bias), the tensor's (shape, dtype, device), or
+    False where no plan applies (a bias that is neither None nor a CudaTensor)."""
+    if bias is None:
+        return None
+    if type(bias) is CudaTensor:
+        return (bias.shape, bias.dtype, bias.device_id)
+    return False
+
+
 def _linear_key(x: Any, weight: Any, bias: Any, precision: Any,
                 name: str = "fused_linear_gelu") -> Optional[tuple]:
     """The plan key of fused_linear_gelu or linear (`name`; ops/common.py remember_plan):
@@ -172,11 +182,8 @@ def _linear_key(x: Any, weight: Any, bias: Any, precision: Any,
     if type(x) is not CudaTensor or type(weight) is not CudaTensor or \
             not (precision is None or type(precision) is str):
         return None
-    if bias is None:
-        b = None
-    elif type(bias) is CudaTensor:
-        b = (bias.shape, bias.dtype, bias.device_id)
-    else:
+    b = _bias_key(bias)
+    if b is False:
         return None
     return (name, x.shape, weight.shape, x.dtype, weight.dtype, x.device_id,
             weight.device_id, b, precision)
@@ -257,11 +264,8 @@ def _sketched_key(x: Any, U: Any, V: Any, bias: Any) -> Optional[tuple]:
     applies, an operand is not a CudaTensor)."""
     if type(x) is not CudaTensor or type(U) is not CudaTensor or type(V) is not CudaTensor:
         return None
-    if bias is None:
-        b = None
-    elif type(bias) is CudaTensor:
-        b = (bias.shape, bias.dtype, bias.device_id)
-    else:
+    b = _bias_key(bias)
+    if b is False:
         return None
     return ("sketched_linear", x.shape, U.shape, V.shape, x.dtype, U.dtype, V.dtype,
             x.device_id, U.device_id, V.device_id, b)

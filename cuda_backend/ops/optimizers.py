@@ -20,7 +20,7 @@ count per parameter this way, PyTorch's `capturable=True`).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -300,6 +300,25 @@ def _count_pointer(state: Any, dev: int) -> Optional[int]:
     return count._ptr
 
 
+def _plan_step(state: Any, dev: int) -> Tuple[Optional[int], int]:
+    """For a plan: (state.step_count's pointer (_count_pointer: 0 without one), the step to
+    launch with: state.step, or 0 with a count, which the kernel reads instead); (None, 0)
+    where the general path must check them (no state.step, a count _count_pointer refuses,
+    or without a count a step that is not an int >= 0)."""
+    try:
+        step = state.step
+    except AttributeError:
+        return None, 0
+    pc = _count_pointer(state, dev)
+    if pc is None:
+        return None, 0
+    if pc:
+        return pc, 0
+    if type(step) is not int or step < 0:
+        return None, 0
+    return 0, step
+
+
 def _sgd_plan(m: Any, params: CudaTensor, has_buf: bool, kernel: Any) -> Any:
     """The per-call plan of sgd_update on params shaped like these (ops/common.py
     remember_plan): the operands and hyper-parameters checked as the general path would,
@@ -320,19 +339,16 @@ def _sgd_plan(m: Any, params: CudaTensor, has_buf: bool, kernel: Any) -> Any:
             if not _live(buf, shape, sdt, dev):
                 return False
             pb = buf._ptr
-        try:
-            lr, mom, wd = state.learning_rate, state.momentum, state.weight_decay
-            step, nesterov = state.step, state.nesterov
-        except AttributeError:
-            return False
-        pc = _count_pointer(state, dev)
+        pc, step = _plan_step(state, dev)   # (with a count: the kernel's first-step flag)
         if pc is None:
             return False
-        if pc:
-            step = 0    # (not read: the kernel takes the first-step flag from the count)
+        try:
+            lr, mom, wd = state.learning_rate, state.momentum, state.weight_decay
+            nesterov = state.nesterov
+        except AttributeError:
+            return False
         if type(lr) is not float or type(mom) is not float or type(wd) is not float or \
-                type(step) is not int or not (0.0 <= lr < _INF and 0.0 <= mom < _INF and
-                                              0.0 <= wd < _INF and step >= 0):
+                not (0.0 <= lr < _INF and 0.0 <= mom < _INF and 0.0 <= wd < _INF):
             return False
         nesterov = bool(nesterov)
         if nesterov and (not has_buf or mom <= 0.0):
@@ -426,21 +442,19 @@ def _adam_plan(m: Any, params: CudaTensor, kernel: Any) -> Any:
                 not _live(grads, shape, dtype, dev) or not _live(m_buf, shape, sdt, dev) or \
                 not _live(v_buf, shape, sdt, dev):
             return False
+        pc, step = _plan_step(state, dev)   # (with a count: the kernel's corrections)
+        if pc is None:
+            return False
         try:
             lr, beta1, beta2 = state.learning_rate, state.beta1, state.beta2
             eps, wd = state.epsilon, state.weight_decay
-            decoupled, step = state.decoupled, state.step
+            decoupled = state.decoupled
         except AttributeError:
             return False
-        pc = _count_pointer(state, dev)
-        if pc is None:
-            return False
-        if pc:
-            step = 0    # (the kernel computes the corrections from the device count)
         if type(lr) is not float or type(beta1) is not float or type(beta2) is not float or \
-                type(eps) is not float or type(wd) is not float or type(step) is not int or \
+                type(eps) is not float or type(wd) is not float or \
                 not (0.0 <= lr < _INF and 0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0 and
-                     0.0 <= eps < _INF and 0.0 <= wd < _INF and step >= 0):
+                     0.0 <= eps < _INF and 0.0 <= wd < _INF):
             return False
         t = step + 1
         bc1 = 1.0 - beta1 ** t

@@ -184,3 +184,14 @@ def make_view(x: CudaTensor, shape: Tuple[int, ...], offset: int = 0) -> CudaTen
     t._pool = x._pool           # its operators use x's backend; owns no block
     t.stream = x.stream
     return t
+
+
+def one_axis(axis: Any, ndim: int, what: str) -> int:
+    """axis as 0..ndim-1 (negative counts from the end); `what` names the op in errors."""
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise InvalidArgumentError(f"{what}: axis must be an int, got {axis!r}")
+    if not -ndim <= axis < ndim:
+        raise InvalidArgumentError(
+            f"{what}: axis {axis} is out of range for a tensor of {ndim} dimensions "
+            f"(valid: {-ndim}..{ndim - 1})")
+    return int(axis) % ndim

@@ -23,7 +23,6 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..dtypes import CudaDataType
-from ..errors import ShapeMismatchError
 from ..kernels import accumulator_type
 from ..tensor import CudaTensor, pool_tensor
 from . import common
@@ -151,15 +150,7 @@ def backward(m: Any, grad_out: CudaTensor, y: CudaTensor, log: bool = False) -> 
     its input, from the gradient of its output and the output y (same shape, dtype, device);
     a 0-d tensor is one row of one element."""
     name = "log_softmax_backward" if log else "softmax_backward"
-    g = common.check_tensor(grad_out, "grad_out")
-    yy = common.check_tensor(y, "y")
-    common.require_dtype(g, common.FLOATS, name)
-    dtype = common.same_dtype(g, yy)
-    dev = common.same_device(g, yy)
-    if g.shape != yy.shape:
-        raise ShapeMismatchError(
-            f"{name}: grad_out has shape {g.shape} and y has shape {yy.shape}; they must have "
-            f"the same shape")
+    g, yy, dtype, dev = common.grad_operands(grad_out, y, "y", name)
     if not m.gpu or g.size == 0:
         values = reference(common.host_array(m, g), common.host_array(m, yy), log) \
             if g.size else np.empty(g.shape, np.float32)
@@ -195,9 +186,7 @@ def _fast_plan(m: Any, p: Dict[str, Any], g: CudaTensor, log: bool) -> Any:
     vec = 16 // dtype.itemsize
     kernel = m.backend.get_kernel(p["kernel"], dev)
     go = m.backend.prepare_launch(kernel, (_grid(p, rows), 1, 1), (p["threads"], 1, 1), 0, dev)
-    pool = m.backend.memory_pools[dev]
-    alloc = pool.allocate_current
-    direct = m.backend.direct_launch
+    pool, alloc, direct = common.plan_memory(m, dev)
     group, flag, kvec = p["group"], int(bool(log)), K % vec == 0
 
     def run(g: CudaTensor, y: Any) -> Optional[CudaTensor]:
