@@ -478,6 +478,11 @@ _backend: Optional[CudaBackend] = None
 _backend_lock = threading.Lock()
 
 
+def is_process_backend(backend: Any) -> bool:
+    """Whether backend is the process-wide one get_cuda_backend() made (False before it)."""
+    return backend is not None and backend is _backend
+
+
 def get_cuda_backend(enable_profiling: bool = False) -> CudaBackend:
     """The process-wide backend; enable_profiling=True turns profiling on for it."""
     global _backend

@@ -40,9 +40,9 @@ class CudaMath:
         self.backend = backend or get_cuda_backend()
         self.generator = KernelGenerator(self.backend)
         self._autotuner: Any = None         # an autotune.Autotuner, made on first use
-        self._ew_binary_plans: dict = {}   # elementwise per-call plans (ops/elementwise.py)
-        self._ew_unary_plans: dict = {}
-        self._ew_scalar_plans: dict = {}
+        self.ew_binary_plans: dict = {}   # elementwise per-call plans (ops/elementwise.py)
+        self.ew_unary_plans: dict = {}
+        self.ew_scalar_plans: dict = {}
         self.plans: dict = {}   # per-call plans of the other ops: ops/common.py `plan_for`
         register_math(self.backend, self)   # the backend's tensors' operators use the first
 
@@ -175,7 +175,7 @@ class CudaMath:
         """a + b for same-shape tensors (the documented API); `add` broadcasts."""
         if type(a) is CudaTensor and type(b) is CudaTensor:
             # the common call: binary()'s plan, looked up here (one call less)
-            plan = self._ew_binary_plans.get(("add", a.dtype._name_, a.device_id))
+            plan = self.ew_binary_plans.get(("add", a.dtype._name_, a.device_id))
             if plan is not None:
                 res = plan(a, b)
                 if res is not None:
@@ -381,8 +381,8 @@ class CudaMath:
 def _math_for_backend(backend: CudaBackend) -> CudaMath:
     """The factory tensor operators call for a backend no CudaMath was made for yet: the
     process backend gets get_cuda_math()'s, any other a new CudaMath (each registers)."""
-    from . import backend as backend_module
-    if backend is backend_module._backend:
+    from .backend import is_process_backend
+    if is_process_backend(backend):
         return get_cuda_math()
     return CudaMath(backend)
 

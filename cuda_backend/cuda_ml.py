@@ -141,7 +141,7 @@ class CudaML(ActivationGradients, NormalizationOps, TrainingOps, LinearOps):
             # the common call: elementwise.unary()'s plan, looked up here (as gelu() does);
             # LEAKY_RELU and ELU pass alpha (a float) to it as a launch argument
             op = activation_type._value_
-            plan = self.math._ew_unary_plans.get((op, tensor.dtype._name_, tensor.device_id))
+            plan = self.math.ew_unary_plans.get((op, tensor.dtype._name_, tensor.device_id))
             if plan is not None:
                 if activation_type is ActivationType.LEAKY_RELU:
                     res = plan(tensor, 0.01 if alpha is None else alpha)
@@ -179,7 +179,7 @@ class CudaML(ActivationGradients, NormalizationOps, TrainingOps, LinearOps):
         if type(tensor) is CudaTensor:
             # the common call: elementwise.unary()'s plan, looked up here (as
             # CudaMath.vector_add does add's): no activation() layer, no Enum .value
-            plan = m._ew_unary_plans.get((op, tensor.dtype._name_, tensor.device_id))
+            plan = m.ew_unary_plans.get((op, tensor.dtype._name_, tensor.device_id))
             if plan is not None:
                 res = plan(tensor)
                 if res is not None:

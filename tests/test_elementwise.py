@@ -768,19 +768,19 @@ def test_plan_path_matches_numpy(m, dtype):
     rng = np.random.default_rng(8474)
     sv = stored(m, make(m, [2.5], dtype)[0])[0]     # 2.5 as the dtype holds it
     cases = [  # (plans, key op, call, reference)
-        (m._ew_binary_plans, "add", lambda a, b: m.vector_add(a, b), lambda x, y: x + y),
-        (m._ew_binary_plans, "multiply", lambda a, b: m.multiply(a, b), lambda x, y: x * y),
-        (m._ew_unary_plans, "relu", lambda a, b: m.relu(a), lambda x, y: ref_unary("relu", x)),
-        (m._ew_unary_plans, "sigmoid", lambda a, b: m.sigmoid(a),
+        (m.ew_binary_plans, "add", lambda a, b: m.vector_add(a, b), lambda x, y: x + y),
+        (m.ew_binary_plans, "multiply", lambda a, b: m.multiply(a, b), lambda x, y: x * y),
+        (m.ew_unary_plans, "relu", lambda a, b: m.relu(a), lambda x, y: ref_unary("relu", x)),
+        (m.ew_unary_plans, "sigmoid", lambda a, b: m.sigmoid(a),
          lambda x, y: ref_unary("sigmoid", x)),
-        (m._ew_unary_plans, "gelu", lambda a, b: ml.gelu(a), lambda x, y: ref_unary("gelu", x)),
-        (m._ew_unary_plans, "gelu_exact", lambda a, b: ml.gelu(a, approximate="none"),
+        (m.ew_unary_plans, "gelu", lambda a, b: ml.gelu(a), lambda x, y: ref_unary("gelu", x)),
+        (m.ew_unary_plans, "gelu_exact", lambda a, b: ml.gelu(a, approximate="none"),
          lambda x, y: ref_unary("gelu_exact", x)),
-        (m._ew_unary_plans, "silu", lambda a, b: ml.activation(a, ActivationType.SILU),
+        (m.ew_unary_plans, "silu", lambda a, b: ml.activation(a, ActivationType.SILU),
          lambda x, y: ref_unary("silu", x)),
     ]
     if dtype is not DT.BFLOAT16:   # (no scalar plan for bfloat16)
-        cases.append((m._ew_scalar_plans, "subtract", lambda a, b: m.subtract(2.5, a),
+        cases.append((m.ew_scalar_plans, "subtract", lambda a, b: m.subtract(2.5, a),
                       lambda x, y: sv - x))
     for size in (1, 7, 1023, 4097, 2**20 + 3):
         for plans, op, call, ref in cases:
@@ -845,11 +845,11 @@ def test_activation_fill_zeros_copy_plans_match_numpy(m, dtype):
             for kind, op, alphas in ((ActivationType.LEAKY_RELU, "leaky_relu", (None, 0.2, 0.05)),
                                      (ActivationType.ELU, "elu", (None, 1.3, 0.5))):
                 key = (op, dtype._name_, 0)
-                m._ew_unary_plans.pop(key, None)
+                m.ew_unary_plans.pop(key, None)
                 for i, alpha in enumerate(alphas):
                     t, xv = make(m, rand(rng, size, dtype, "wide"), dtype)
                     call = lambda: ml.activation(t, kind, alpha)
-                    out = call() if i == 0 else through_plan(m._ew_unary_plans, key, call)
+                    out = call() if i == 0 else through_plan(m.ew_unary_plans, key, call)
                     a = ew.UNARY_OPS[op][1]["alpha"] if alpha is None else alpha
                     av = stored(m, make(m, [a], dtype)[0])[0]     # alpha as the dtype holds it
                     check(stored(m, out), ref_unary(op, xv, av), dtype, op)

@@ -99,7 +99,7 @@ SCRIPT = script(STUBS, r'''
     x32 = m.from_numpy(np.arange(1024, dtype=np.float32))
     y32 = m.from_numpy(np.ones(1024, np.float32))
     odd = m.from_numpy(np.ones(1023, np.float32))
-    bp, up, sp = m._ew_binary_plans, m._ew_unary_plans, m._ew_scalar_plans
+    bp, up, sp = m.ew_binary_plans, m.ew_unary_plans, m.ew_scalar_plans
     same_as_general(lambda: m.add(x32, y32), bp, ("add", "FLOAT32", 0))
     same_as_general(lambda: m.subtract(odd, odd), bp, ("subtract", "FLOAT32", 0))
     same_as_general(lambda: m.vector_add(x32, y32), bp, ("add", "FLOAT32", 0))
@@ -127,7 +127,7 @@ SCRIPT = script(STUBS, r'''
     def bshape(*shape, dt=np.float32):
         return m.from_numpy(np.arange(int(np.prod(shape)), dtype=dt).reshape(shape) % 7 + 1)
     m.add(bshape(2, 8), bshape(8))
-    cp = m._ew_bcast_plans
+    cp = m.ew_bcast_plans
     rows, bias = bshape(32, 1024), bshape(1024)
     same_as_general(lambda: m.add(rows, bias), cp, ("add", (32, 1024), (1024,), "FLOAT32", 0))
     same_as_general(lambda: m.multiply(bias, rows), cp,
@@ -623,7 +623,7 @@ PLANS_SCRIPT = script(STUBS, r'''
 
     # gelu and activation(): the elementwise unary plan, without the general path's layers
     x = t((1023,))
-    up = m._ew_unary_plans
+    up = m.ew_unary_plans
     for call, op in ((lambda: ml.gelu(x), "gelu"), (lambda: ml.gelu(x, "none"), "gelu_exact"),
                      (lambda: ml.activation(x, ActivationType.GELU), "gelu"),
                      (lambda: ml.activation(x, ActivationType.SILU), "silu")):
@@ -1143,7 +1143,7 @@ COPY_FILL_SCRIPT = script(STUBS, r'''
         like_general(r2, r1_slots, check_init=r2.nbytes > 0)
 
     # -- leaky_relu / elu: the general path (alpha a NumPy float: no plan) against the plan
-    up = m._ew_unary_plans
+    up = m.ew_unary_plans
     ties = (1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8))      # bfloat16 rounding ties
     safe = (None, 0.2, -0.0, 0.0, 0.1, 1e-40, 1e-8, 65519.0, 3.0, -1.5) + ties
     edge = (3.0e38, 1e39, float("inf"), float("nan"))

@@ -85,11 +85,11 @@ def binary(m: Any, op: str, a: Any, b: Any, out: Optional[CudaTensor] = None) ->
         # operands of different shapes: the broadcast plan of the two shapes (out= too).
         try:
             if a.shape != b.shape:
-                plan = m._ew_bcast_plans.get((op, a.shape, b.shape, a.dtype._name_,
+                plan = m.ew_bcast_plans.get((op, a.shape, b.shape, a.dtype._name_,
                                               a.device_id))
                 res = None if plan is None else plan(a, b, out)
             elif out is None:
-                plan = m._ew_binary_plans.get((op, a.dtype._name_, a.device_id))
+                plan = m.ew_binary_plans.get((op, a.dtype._name_, a.device_id))
                 res = None if plan is None else plan(a, b)
             else:
                 res = None
@@ -101,7 +101,7 @@ def binary(m: Any, op: str, a: Any, b: Any, out: Optional[CudaTensor] = None) ->
         # tensor op Python scalar, either side: the scalar plan (it converts the scalar)
         t, sc, mode = (a, b, 1) if type(a) is CudaTensor else (b, a, 2)
         try:
-            plan = m._ew_scalar_plans.get((op, t.dtype._name_, t.device_id))
+            plan = m.ew_scalar_plans.get((op, t.dtype._name_, t.device_id))
         except AttributeError:
             plan = None
         if plan is not None and (type(sc) is float or type(sc) is int):
@@ -184,10 +184,10 @@ def _binary_launch(m: Any, cache: DeviceCache, op: str, dtype: CudaDataType, dev
     m.backend.launch_kernel(name, grid, *args, block_size=BLOCK_DIMS, device_id=dev)
     if out is None:
         if mode == 0:
-            remember_launch_plan(m, "_ew_binary_plans", (op, dtype._name_, dev), "binary", op,
+            remember_launch_plan(m, "ew_binary_plans", (op, dtype._name_, dev), "binary", op,
                                  dtype, dev)
         elif dtype is not DT.BFLOAT16:
-            remember_launch_plan(m, "_ew_scalar_plans", (op, dtype._name_, dev), "scalar", op,
+            remember_launch_plan(m, "ew_scalar_plans", (op, dtype._name_, dev), "scalar", op,
                                  dtype, dev)
     return res
 
@@ -200,7 +200,7 @@ def unary(m: Any, op: str, x: CudaTensor, out: Optional[CudaTensor] = None,
     if out is None and type(x) is CudaTensor:
         # Fast path, as in binary(); an op with a parameter passes a float one to its plan.
         try:
-            plan = m._ew_unary_plans.get((op, x.dtype._name_, x.device_id))
+            plan = m.ew_unary_plans.get((op, x.dtype._name_, x.device_id))
         except AttributeError:
             plan = None
         if plan is not None:
@@ -244,7 +244,7 @@ def unary(m: Any, op: str, x: CudaTensor, out: Optional[CudaTensor] = None,
     m.backend.launch_kernel(name, grid, res, x, n, alpha, block_size=BLOCK_DIMS,
                             device_id=dev)
     if out is None and (not params or op in ALPHA_OPS):
-        remember_launch_plan(m, "_ew_unary_plans", (op, x.dtype._name_, dev), "unary", op,
+        remember_launch_plan(m, "ew_unary_plans", (op, x.dtype._name_, dev), "unary", op,
                              x.dtype, dev)
     return res
 

@@ -337,10 +337,10 @@ def remember_broadcast_plan(m: Any, op: str, a: CudaTensor, b: CudaTensor, res: 
                             name: str, per_block: int, args: tuple) -> None:
     """After binary()'s general path broadcast a and b in one launch (`args`: its kernel
     arguments, made with every pointer 16-byte aligned; into a new tensor or out=): keep the
-    plan of that (op, shapes, dtype, device) in m._ew_bcast_plans."""
-    plans = m.__dict__.get("_ew_bcast_plans")
+    plan of that (op, shapes, dtype, device) in m.ew_bcast_plans."""
+    plans = m.__dict__.get("ew_bcast_plans")
     if plans is None:
-        plans = m.__dict__.setdefault("_ew_bcast_plans", {})
+        plans = m.__dict__.setdefault("ew_bcast_plans", {})
     if len(plans) >= MAX_BCAST_PLANS:
         plans.clear()
     key = (op, a.shape, b.shape, res.dtype._name_, res.device_id)
