@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple, Type
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
@@ -96,6 +96,32 @@ class PreparedLaunch:
             self.launch_fn(self.grid, self.block, self.pack(*args), self.shared_mem, None)
         except self._error as exc:
             raise driver_failure(self._what, exc, self.device_id) from None
+
+    def bind(self, leading: int, *rest: Any) -> Callable[..., None]:
+        """This launch with every argument after the first `leading` fixed to `rest`: a call
+        takes the leading ones (pointers) and packs only those, the rest's bytes packed once.
+        Falls back to packing everything where the leading arguments are not all pointers
+        (then the rest's alignment could depend on them); the bytes are PyCUDA's either way
+        (tests/test_host_path.py compares them)."""
+        fmt = self.kernel.arg_format
+        if fmt[:leading].strip("P") or len(fmt) != leading + len(rest):
+            full = self
+
+            def run_full(*lead: Any) -> None:
+                full(*lead, *rest)
+            return run_full
+        import struct
+        head = struct.Struct(fmt[:leading]).pack
+        tail = self.pack(*((0,) * leading), *rest)[struct.calcsize(fmt[:leading]):]
+        launch_fn, grid, block, shared = self.launch_fn, self.grid, self.block, self.shared_mem
+        error, what, dev = self._error, self._what, self.device_id
+
+        def run(*lead: Any) -> None:
+            try:
+                launch_fn(grid, block, head(*lead) + tail, shared, None)
+            except error as exc:
+                raise driver_failure(what, exc, dev) from None
+        return run
 
 
 class Launcher:

@@ -278,9 +278,10 @@ def cat_plan(m: Any, dev: int, launches: Sequence[CatLaunch], sources: Sequence[
     nbytes = size * dtype.itemsize
     da = dst_addr % 16
     checks = [(i, a % 16) for i, a in zip(sources, src_addrs)]
-    prepared = [(go, [sources[k] for k in pieces], one_off, args)
+    # each launch with its constant arguments packed once (PreparedLaunch.bind)
+    prepared = [(go.bind(1 + MAX_PIECES, *args), [sources[k] for k in pieces], one_off)
                 for go, pieces, one_off, args in prepare_cat(m, dev, launches)]
-    zeros = [(0,) * (MAX_PIECES - len(idx)) for _, idx, _, _ in prepared]
+    zeros = [(0,) * (MAX_PIECES - len(idx)) for _, idx, _ in prepared]
 
     def run(srcs: Any) -> Optional[CudaTensor]:
         for i, sa in checks:
@@ -294,8 +295,8 @@ def cat_plan(m: Any, dev: int, launches: Sequence[CatLaunch], sources: Sequence[
         if po % 16 != da:
             out.free()
             return None
-        for (go, idx, one_off, args), z in zip(prepared, zeros):
-            go(po + one_off, *[srcs[i]._ptr for i in idx], *z, *args)
+        for (go, idx, one_off), z in zip(prepared, zeros):
+            go(po + one_off, *[srcs[i]._ptr for i in idx], *z)
         return out
     return run
 
