@@ -99,20 +99,25 @@ class PreparedLaunch:
 
     def bind(self, leading: int, *rest: Any) -> Callable[..., None]:
         """This launch with every argument after the first `leading` fixed to `rest`: a call
-        takes the leading ones (pointers) and packs only those, the rest's bytes packed once.
-        Falls back to packing everything where the leading arguments are not all pointers
-        (then the rest's alignment could depend on them); the bytes are PyCUDA's either way
-        (tests/test_host_path.py compares them)."""
+        takes the leading ones and packs only those, the rest's bytes packed once. Where the
+        leading arguments' bytes are not a whole number of 8-byte words (the rest's alignment
+        would depend on them) or a sample does not pack to the same bytes as the whole, a
+        call packs everything; either way the bytes are PyCUDA's (tests/test_host_path.py
+        compares them with the general path's)."""
+        import struct
         fmt = self.kernel.arg_format
-        if fmt[:leading].strip("P") or len(fmt) != leading + len(rest):
-            full = self
-
+        full = self
+        lead_fmt = fmt[:leading]
+        ok = len(fmt) == leading + len(rest) and struct.calcsize(lead_fmt) % 8 == 0
+        if ok:
+            head = struct.Struct(lead_fmt).pack
+            sample = tuple(1.5 if c in _FLOAT_CODES else i + 1 for i, c in enumerate(lead_fmt))
+            tail = self.pack(*((0,) * leading), *rest)[struct.calcsize(lead_fmt):]
+            ok = head(*sample) + tail == self.pack(*sample, *rest)
+        if not ok:
             def run_full(*lead: Any) -> None:
                 full(*lead, *rest)
             return run_full
-        import struct
-        head = struct.Struct(fmt[:leading]).pack
-        tail = self.pack(*((0,) * leading), *rest)[struct.calcsize(fmt[:leading]):]
         launch_fn, grid, block, shared = self.launch_fn, self.grid, self.block, self.shared_mem
         error, what, dev = self._error, self._what, self.device_id
 

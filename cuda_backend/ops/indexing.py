@@ -354,7 +354,7 @@ def _launch_plan(m: Any, name: str, res: CudaTensor, cond: Optional[CudaTensor],
     b_shape = b.shape if isinstance(b, CudaTensor) else None
     c_shape = cond.shape if cond is not None else None
     go = backend.prepare_launch(backend.get_kernel(name, dev), (grid_blocks(n, BLOCK), 1, 1),
-                                (BLOCK, 1, 1), 0, dev)
+                                (BLOCK, 1, 1), 0, dev).bind(5 if cond is None else 6, *args)
     pool, alloc, direct = common.plan_memory(m, dev)
     plan_pointer = common.plan_pointer
     BOOL = DT.BOOL
@@ -386,8 +386,8 @@ def _launch_plan(m: Any, name: str, res: CudaTensor, cond: Optional[CudaTensor],
             return None
         out = pool_tensor(shape, rdt, dev, alloc(nbytes, None), pool, n, nbytes)
         if c_shape is None:
-            go(out._ptr, pa, pb, va, vb, *args)
+            go(out._ptr, pa, pb, va, vb)
         else:
-            go(out._ptr, pc, pa, pb, va, vb, *args)
+            go(out._ptr, pc, pa, pb, va, vb)
         return out
     return run
