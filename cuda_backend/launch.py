@@ -97,27 +97,36 @@ class PreparedLaunch:
         except self._error as exc:
             raise driver_failure(self._what, exc, self.device_id) from None
 
-    def bind(self, leading: int, *rest: Any) -> Callable[..., None]:
-        """This launch with every argument after the first `leading` fixed to `rest`: a call
-        takes the leading ones and packs only those, the rest's bytes packed once. Where the
-        leading arguments' bytes are not a whole number of 8-byte words (the rest's alignment
-        would depend on them) or a sample does not pack to the same bytes as the whole, a
-        call packs everything; either way the bytes are PyCUDA's (tests/test_host_path.py
-        compares them with the general path's)."""
+    def split_pack(self, leading: int, *rest: Any) -> Optional[Tuple[Callable[..., bytes],
+                                                                      bytes]]:
+        """(pack of the first `leading` arguments, the bytes of `rest` after them): the launch
+        buffer of (*lead, *rest) is pack(*lead) + bytes, the rest packed once. None where
+        the leading arguments' bytes are not a whole number of 8-byte words (the rest's
+        alignment would depend on them) or a sample does not pack to the same bytes as the
+        whole; the bytes are PyCUDA's (tests/test_host_path.py compares them with the
+        general path's)."""
         import struct
         fmt = self.kernel.arg_format
-        full = self
         lead_fmt = fmt[:leading]
-        ok = len(fmt) == leading + len(rest) and struct.calcsize(lead_fmt) % 8 == 0
-        if ok:
-            head = struct.Struct(lead_fmt).pack
-            sample = tuple(1.5 if c in _FLOAT_CODES else i + 1 for i, c in enumerate(lead_fmt))
-            tail = self.pack(*((0,) * leading), *rest)[struct.calcsize(lead_fmt):]
-            ok = head(*sample) + tail == self.pack(*sample, *rest)
-        if not ok:
+        if len(fmt) != leading + len(rest) or struct.calcsize(lead_fmt) % 8:
+            return None
+        head = struct.Struct(lead_fmt).pack
+        sample = tuple(1.5 if c in _FLOAT_CODES else i + 1 for i, c in enumerate(lead_fmt))
+        tail = self.pack(*((0,) * leading), *rest)[struct.calcsize(lead_fmt):]
+        return (head, tail) if head(*sample) + tail == self.pack(*sample, *rest) else None
+
+    def bind(self, leading: int, *rest: Any) -> Callable[..., None]:
+        """This launch with every argument after the first `leading` fixed to `rest`: a call
+        takes the leading ones and packs only those (split_pack), or everything where
+        split_pack cannot split."""
+        split = self.split_pack(leading, *rest)
+        if split is None:
+            full = self
+
             def run_full(*lead: Any) -> None:
                 full(*lead, *rest)
             return run_full
+        head, tail = split
         launch_fn, grid, block, shared = self.launch_fn, self.grid, self.block, self.shared_mem
         error, what, dev = self._error, self._what, self.device_id
 

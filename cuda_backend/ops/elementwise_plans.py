@@ -364,9 +364,17 @@ def _broadcast_plan(m: Any, res: CudaTensor, name: str, per_block: int,
     vec = 16 // dtype.itemsize
     prepared = backend.prepare_launch(backend.get_kernel(name, dev), (1, 1, 1), BLOCK_DIMS, 0,
                                       dev)
-    pack, launch, block = prepared.pack, prepared.launch_fn, prepared.block
+    launch, block = prepared.launch_fn, prepared.block
     rest = args[3:]
     rest_scalar = rest[:2] + (0,) + rest[3:]
+    # the arguments after the three pointers packed once per variant (PreparedLaunch.split_pack)
+    split, split_scalar = prepared.split_pack(3, *rest), prepared.split_pack(3, *rest_scalar)
+    if split is None or split_scalar is None:
+        full = prepared.pack
+        split = (lambda *p: full(*p, *rest), b"")
+        split_scalar = (lambda *p: full(*p, *rest_scalar), b"")
+    head, tail = split
+    head_scalar, tail_scalar = split_scalar
     grid = (launch_grid(n // vec if rest[2] else n, per_block), 1, 1)
     grid_scalar = (launch_grid(n, per_block), 1, 1)
     # (alloc's stream None: direct() says no `with stream:` block)
@@ -388,9 +396,9 @@ def _broadcast_plan(m: Any, res: CudaTensor, name: str, per_block: int,
             return None   # the general path's checks and errors
         po = out._ptr
         if (po | pa | pb) & 15:
-            buf, g = pack(po, pa, pb, *rest_scalar), grid_scalar
+            buf, g = head_scalar(po, pa, pb) + tail_scalar, grid_scalar
         else:
-            buf, g = pack(po, pa, pb, *rest), grid
+            buf, g = head(po, pa, pb) + tail, grid
         try:
             launch(g, block, buf, 0, None)
         except drv_error as exc:
