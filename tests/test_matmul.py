@@ -161,8 +161,10 @@ def test_tf32_only_for_float32():
 def test_template_variants_cover_every_candidate():
     variants = mm.template_variants()
     keys = {t: [tuple(sorted(p.items())) for p in sets] for t, sets in variants.items()}
-    # (the cluster kernel's variants are counted by test_cluster_variants_are_the_configs)
-    assert 20 <= sum(len(v) for t, v in keys.items() if t != mm.SKINNY_TEMPLATE) <= 96
+    # (the cluster kernel's variants are counted by test_cluster_variants_are_the_configs, the
+    # 16-bit wgmma kernel's by test_wgmma16_configs_render_for_sm_90a)
+    assert 20 <= sum(len(v) for t, v in keys.items()
+                     if t not in (mm.SKINNY_TEMPLATE, mm.WGMMA16_TEMPLATE)) <= 96
     from cuda_backend.kernels import dtype_params
     for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT32, "ieee"), (DT.FLOAT64, None),
                      (DT.FLOAT32, "tf32"), (DT.FLOAT16, None), (DT.BFLOAT16, None)):
@@ -170,6 +172,10 @@ def test_template_variants_cover_every_candidate():
         for cls in table:
             for vec in (True, False):
                 for cfg in mm.candidates(dt, prec, cls, vec):
+                    if cfg.get("wgmma16"):
+                        params = mm.wgmma16_params(dt, cfg)
+                        assert tuple(sorted(params.items())) in keys[mm.WGMMA16_TEMPLATE]
+                        continue
                     if cfg.get("wgmma"):
                         params = mm.wgmma_params(cfg)
                         assert tuple(sorted(params.items())) in keys[mm.WGMMA_TEMPLATE]
@@ -200,6 +206,11 @@ def test_configs_are_consistent():
             if cfg.get("wgmma"):
                 assert cfg["bm"] in (64, 128) and cfg["bn"] % 16 == 0 and cfg["bn"] <= 256
                 assert mm.wgmma_smem(cfg) <= 227 * 1024 and cfg["stages"] >= 2
+                continue
+            if cfg.get("wgmma16"):   # (the template's static_asserts; 228 KB per SM)
+                assert cfg["bm"] == 128 and cfg["bn"] in (128, 256) and cfg["stages"] >= 3
+                assert mm.wgmma_smem(cfg) <= 227 * 1024
+                assert (mm.wgmma_smem(cfg) + 1024) * cfg["min_blocks"] <= 228 * 1024
                 continue
             smem = cfg["stages"] * (cfg["bm"] + cfg["bn"]) * cfg["bk"] * dt.itemsize
             assert smem <= 227 * 1024
@@ -1425,4 +1436,382 @@ def test_gpu_cluster_public_and_plan_path(m, monkeypatch):
                 assert err <= bound, (cfg, (M, K, N), second, err)
                 res.free()
         mm.memo(m).pop(ckey, None)
+        m.plans.pop(key, None)
+
+
+# -- wgmma (Hopper) float16 / bfloat16: matmul_wgmma16.cu.j2 ------------------------------------
+W16 = [mm.W16_128x256_s4, mm.W16_128x128_s3]   # (all_configs' order)
+FAMS16 = {"fp16": DT.FLOAT16, "bf16": DT.BFLOAT16}
+
+
+def _w16_id(c):
+    return "bn{bn}_s{stages}_b{min_blocks}".format(**c)
+
+
+def test_wgmma16_configs_render_for_sm_90a():
+    """The 16-bit wgmma configs are candidates of float16 and bfloat16 only (matrix_multiply's
+    GEMM table; not the linear layer's, not the A-transposed GEMM's), listed once per dtype,
+    rendered without #error with the dtype's wgmma instruction, built for sm_90a."""
+    from cuda_backend.kernels import TEMPLATE_ARCH, KernelGenerator
+    gen = KernelGenerator(backend=object())
+    assert TEMPLATE_ARCH[mm.WGMMA16_TEMPLATE] == "sm_90a"
+    for dt in (DT.FLOAT16, DT.BFLOAT16):
+        assert [c for c in mm.all_configs(dt, None) if c.get("wgmma16")] == W16
+        assert not any(c.get("wgmma16") for vec in (True, False)
+                       for c in mm.linear_configs(dt, None, vec) + mm.tn_configs(dt, None, vec))
+        assert mm.WGMMA16_STANDIN in mm.linear_configs(dt, None, False)
+        assert mm.WGMMA16_STANDIN in mm.tn_configs(dt, None, False)
+    for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT32, "tf32"), (DT.FLOAT32, "ieee"),
+                     (DT.FLOAT64, None)):
+        assert not any(c.get("wgmma16") for c in mm.all_configs(dt, prec))
+    sets = mm.template_variants()[mm.WGMMA16_TEMPLATE]
+    assert sets == [mm.wgmma16_params(dt, c) for dt in (DT.FLOAT16, DT.BFLOAT16) for c in W16]
+    for params in sets:
+        _, src = gen.render_kernel(mm.WGMMA16_TEMPLATE, **params)
+        wt = "f16" if params["dtype"] == "float16" else "bf16"
+        assert f"m64n{params['bn']}k16.f32.{wt}.{wt}" in src and "#error" not in src
+        assert f"#define STAGES {params['stages']}" in src
+        assert f"__launch_bounds__(THREADS, {params['min_blocks']})" in src
+
+
+def test_wgmma16_default_order():
+    """Untuned (the first candidate): large shapes take 128x256 s4, medium ones and unaligned
+    operands 128x128 s3; skinny and small shapes keep mma.sync first."""
+    for dt in (DT.FLOAT16, DT.BFLOAT16):
+        assert mm.candidates(dt, None, "large", True)[0] == mm.W16_128x256_s4
+        assert mm.candidates(dt, None, "medium", True)[0] == mm.W16_128x128_s3
+        for cls in ("large", "medium"):
+            assert mm.candidates(dt, None, cls, False)[0] == mm.W16_128x128_s3
+        assert not mm.candidates(dt, None, "skinny", True)[0].get("wgmma16")
+        assert not any(c.get("wgmma16") for vec in (True, False)
+                       for c in mm.candidates(dt, None, "small", vec))
+
+
+def _w16_recorder(cc=HOPPER):
+    """A recording CudaMath whose autotuner picks the first wgmma16 candidate, if any."""
+    return _SkinnyRecorder(True, cc=cc, kind="wgmma16")
+
+
+@pytest.mark.parametrize("fam", list(FAMS16))
+@pytest.mark.parametrize("a_shape, b_shape", [
+    ((1023, 1000), (1000, 1025)),            # medium, N odd: B copied into padded rows
+    ((4096, 4096), (4096, 4096)),            # large, B read in place
+    ((3, 130, 296), (296, 200)),             # a batch, B broadcast (one plane), N % 8 == 0
+    ((3, 130, 296), (3, 296, 201)),          # a batch, B full (three padded planes)
+    ((4099, 8), (8, 1025))])                 # large, K = 8: one partial k-tile, N odd
+def test_matmul_wgmma16_candidates_and_launch(fam, a_shape, b_shape):
+    """On sm_90 the 16-bit GEMM times the wgmma16 configs beside the mma.sync ones where
+    K % 8 == 0; the chosen one launches its kernel over (tiles, 1, batch) with 256 threads,
+    wgmma_smem bytes and (A, B, C, M, N, K, lda, ldb, stride_a, stride_b); where N % 8 != 0,
+    B's planes are first copied into a pool block of rows padded to 8 (a strided copy, the
+    kernel's B then that block with ldb = wgmma16_ld(N))."""
+    dtype = FAMS16[fam]
+    m = _w16_recorder()
+    a, b = m.backend.empty(a_shape, dtype), m.backend.empty(b_shape, dtype)
+    out = mm.matmul(m, a, b)
+    p = mm.plan_shapes(a_shape, b_shape)
+    (cands,) = m.seen
+    cls = mm.shape_class(p, 132)
+    assert cands[0] == mm.candidates(dtype, None, cls, mm.is_vec_ok(a, b, out, p))[0]
+    w = [c for c in cands if c.get("wgmma16")]
+    assert w and all(c in W16 for c in w)
+    cfg = w[0]
+    m.launches.clear()
+    m.blocks.clear()
+    mm.matmul(m, a, b, out=out)
+    tiles = -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"])
+    gemm = [(k, g, s, v) for k, g, s, v in m.launches if "out_ctype" in k]
+    assert len(gemm) == 1
+    k, grid, smem, values = gemm[0]
+    assert k == mm.wgmma16_params(dtype, cfg) and smem == mm.wgmma_smem(cfg)
+    assert grid == (tiles, 1, p.batch) and m.blocks[-1] == (256, 1, 1)
+    direct = p.N % 8 == 0
+    ldb = p.N if direct else mm.wgmma16_ld(p.N)
+    sb = 0 if p.stride_b == 0 else p.K * ldb
+    assert values[0] == a.ptr and values[2] == out.ptr
+    assert values[3:] == [p.M, p.N, p.K, p.K, ldb, p.stride_a, sb]
+    if direct:
+        assert len(m.launches) == 1 and values[1] == b.ptr
+        return
+    (copy_k, _, _, copy_v), _ = m.launches
+    assert copy_k["kind"] == "gather" and copy_v[0] == b.ptr and copy_v[1] == values[1]
+
+
+@pytest.mark.parametrize("fam", list(FAMS16))
+def test_wgmma16_not_offered_where_it_cannot_run(fam):
+    """No wgmma16 candidate for K % 8 != 0, a misaligned A or output, a device other than
+    sm_90, or the layouts the kernel does not read: the linear layer (weight (N, K)),
+    matmul_nt, matmul_tn."""
+    dtype = FAMS16[fam]
+
+    def offered(m):
+        return any(c.get("wgmma16") for cands in m.seen for c in cands)
+
+    def shifted(m, shape):
+        base = m.backend.empty((int(np.prod(shape)) + 8,), dtype)
+        return CudaTensor(shape, dtype, 0, base.ptr + 2, owner=base)
+
+    m = _w16_recorder()
+    mm.matmul(m, m.backend.empty((1023, 1000), dtype), m.backend.empty((1000, 1025), dtype))
+    assert offered(m)                                         # (the control)
+    for cc, (M, K, N) in ((HOPPER, (1023, 1001, 1025)), (HOPPER, (1023, 996, 1024)),
+                          ((8, 0), (1023, 1000, 1024)), ((10, 0), (1023, 1000, 1024))):
+        m = _w16_recorder(cc)
+        mm.matmul(m, m.backend.empty((M, K), dtype), m.backend.empty((K, N), dtype))
+        assert m.seen and not offered(m), (cc, K)
+    # (one recorder per call: a second call of the same shapes and alignment class would
+    # take the first one's memoized choice, test_wgmma16_run_config_gives_way_to_the_standin)
+    m = _w16_recorder()
+    mm.matmul(m, shifted(m, (1023, 1000)), m.backend.empty((1000, 1024), dtype))
+    assert m.seen and not offered(m)
+    m = _w16_recorder()
+    mm.matmul(m, m.backend.empty((1023, 1000), dtype), m.backend.empty((1000, 1024), dtype),
+              out=shifted(m, (1023, 1024)))
+    assert m.seen and not offered(m)
+    for call in (lambda m, x, w: mm.linear(m, x, w, m.backend.empty((1024,), dtype), "bias"),
+                 lambda m, x, w: mm.matmul_nt(m, x, w),
+                 lambda m, x, w: mm.matmul_tn(m, m.backend.empty((1000, 1023), dtype),
+                                              m.backend.empty((1000, 1024), dtype))):
+        m = _w16_recorder()
+        call(m, m.backend.empty((1023, 1000), dtype), m.backend.empty((1024, 1000), dtype))
+        assert m.seen and not offered(m)
+
+
+@pytest.mark.parametrize("fam", list(FAMS16))
+def test_wgmma16_run_config_gives_way_to_the_standin(fam):
+    """run_config of a wgmma16 config on a call it cannot take (a memoized choice for this
+    shape and alignment class meeting other pointers, or another device) launches
+    WGMMA16_STANDIN's mma.sync kernel instead: never the wgmma16 kernel on bad operands."""
+    dtype = FAMS16[fam]
+    M, K, N = 131, 264, 133
+    p = mm.plan_shapes((M, K), (K, N))
+    for cc, a_off, o_off in ((HOPPER, 2, 0), (HOPPER, 0, 2), ((8, 0), 0, 0)):
+        m = _w16_recorder(cc)
+        base_a = m.backend.empty((M * K + 8,), dtype)
+        base_o = m.backend.empty((M * N + 8,), dtype)
+        a = CudaTensor((M, K), dtype, 0, base_a.ptr + a_off, owner=base_a)
+        out = CudaTensor((M, N), dtype, 0, base_o.ptr + o_off, owner=base_o)
+        b = m.backend.empty((K, N), dtype)
+        for cfg in W16:
+            m.launches.clear()
+            mm.run_config(m, mm.WGMMA16_TEMPLATE, cfg, a, b, out, p, dtype, False, 0)
+            assert [k for k, *_ in m.launches] == \
+                [mm.kernel_params(mm.MMA_TEMPLATE, dtype, mm.WGMMA16_STANDIN, False)]
+    m = _w16_recorder()   # (the control: aligned A and output run the wgmma16 kernel)
+    a, out = m.backend.empty((M, K), dtype), m.backend.empty((M, N), dtype)
+    mm.run_config(m, mm.WGMMA16_TEMPLATE, mm.W16_128x128_s3, a, m.backend.empty((K, N), dtype),
+                  out, p, dtype, False, 0)
+    assert m.launches[-1][0] == mm.wgmma16_params(dtype, mm.W16_128x128_s3)
+
+
+def test_wgmma16_pad_copy_layout_against_numpy():
+    """The strided copy of B that pad_b_launches plans, its launch arguments decoded and run
+    in NumPy (the gather kernel: out[sum c_k so_k] = in[sum c_k si_k], sizes and strides
+    innermost first): every plane's (K, N) lands in rows of wgmma16_ld(N), the rest of each
+    row untouched; element copies (mode 0), whatever B's address."""
+    import types
+    m = types.SimpleNamespace()
+    rng = np.random.default_rng(6120)
+    for planes, K, N in ((1, 8, 1), (1, 40, 129), (3, 296, 33), (2, 1000, 515), (4, 16, 8)):
+        p = mm.Plan(planes, 5, N, K, 5 * K, 0 if planes == 1 else K * N, (5, N))
+        ld = mm.wgmma16_ld(N)
+        assert ld % 8 == 0 and N <= ld < N + 8
+        for src_addr in (2, 16 * 7 + 6):
+            (launch,) = mm.pad_b_launches(m, 0, DT.FLOAT16, planes, p, src_addr, 1 << 20)
+            args = list(launch.args)
+            items, nd, mode = args[0], args[1], args[2]
+            assert mode == 0 and launch.params["kind"] == "gather"
+            sizes = [args[4 + 3 * k] for k in range(nd)][::-1]
+            si, so = args[28:28 + nd][::-1], args[36:36 + nd][::-1]
+            assert items == int(np.prod(sizes)) == planes * K * N
+            src = rng.standard_normal(planes * K * N)
+            dst = np.full(planes * K * ld, np.nan)
+            idx = np.indices(sizes).reshape(nd, -1)
+            dst[np.tensordot(so, idx, 1)] = src[np.tensordot(si, idx, 1)]
+            got = dst.reshape(planes, K, ld)
+            assert (got[:, :, :N] == src.reshape(planes, K, N)).all()
+            assert np.isnan(got[:, :, N:]).all()
+
+
+def test_wgmma16_plan_runner_launches():
+    """The per-call plan of a wgmma16 choice (mm.config_runner): B read in place (one
+    prepared launch, run_config's grid, threads, shared memory and arguments) where N % 8 == 0
+    and B's pointer is 16-byte aligned; else its padded copy in a pool block, then the kernel
+    on that block, the block released; A or the output misaligned: the stand-in's launch."""
+    import types
+    calls = []
+
+    class Pool:
+        def allocate_current(self, nbytes):
+            calls.append(("alloc", nbytes))
+            return 9 << 30
+
+        def release(self, block):
+            calls.append(("release", block))
+
+    class Backend:
+        memory_pools = {0: Pool()}
+
+        def get_device_info(self, dev):
+            return types.SimpleNamespace(multiprocessor_count=132, compute_capability=HOPPER,
+                                         max_grid_dims=(2**31 - 1, 65535, 65535))
+
+        def get_kernel(self, name, dev):
+            return name
+
+        def prepare_launch(self, kernel, grid, block, smem, dev):
+            return lambda *args: calls.append((kernel, grid, block, smem, args))
+
+    class Math:
+        backend = Backend()
+
+        def kernel(self, template, dev, **params):
+            return types.SimpleNamespace(name=template, num_regs=128)
+
+    for dtype in (DT.FLOAT16, DT.BFLOAT16):
+        for (batch, M, K, N, sb) in ((1, 1023, 1000, 1024, 0), (3, 130, 296, 33, 296 * 33),
+                                     (2, 257, 8, 515, 0)):
+            p = mm.Plan(batch, M, N, K, M * K, sb, (batch, M, N))
+            for cfg in W16:
+                tiles = -(-M // cfg["bm"]) * -(-N // cfg["bn"])
+                run = mm.config_runner(Math(), mm.WGMMA16_TEMPLATE, cfg, p, dtype, False, 0)
+                smem = mm.wgmma_smem(cfg)
+                for pb in (2 << 20, (2 << 20) + 2):
+                    calls.clear()
+                    run(1 << 20, pb, 3 << 20, 0)
+                    if N % 8 == 0 and pb % 16 == 0:
+                        assert calls == [(mm.WGMMA16_TEMPLATE, (tiles, 1, batch), (256, 1, 1),
+                                          smem, (1 << 20, pb, 3 << 20, M, N, K, K, N, M * K,
+                                                 sb))]
+                        continue
+                    ld = mm.wgmma16_ld(N)
+                    planes = 1 if sb == 0 else batch
+                    alloc, copy, gemm, release = calls
+                    assert alloc == ("alloc", planes * K * ld * 2)
+                    assert copy[0] == "strided_copy.cu.j2" and copy[4][:2] == (pb, 9 << 30)
+                    assert gemm == (mm.WGMMA16_TEMPLATE, (tiles, 1, batch), (256, 1, 1), smem,
+                                    (1 << 20, 9 << 30, 3 << 20, M, N, K, K, ld, M * K,
+                                     0 if sb == 0 else K * ld))
+                    assert release == ("release", 9 << 30)
+                for pa, pc in (((1 << 20) + 2, 3 << 20), (1 << 20, (3 << 20) + 2)):
+                    calls.clear()
+                    run(pa, 2 << 20, pc, 0)
+                    assert [c[0] for c in calls] == [mm.MMA_TEMPLATE]
+                    assert calls[0][4][:3] == (pa, 2 << 20, pc)
+
+
+def _need_wgmma16(m):
+    if not mm.has_wgmma(m.backend.get_device_info(m.backend.current_device)):
+        pytest.skip("wgmma needs a Hopper GPU (sm_90a)")
+
+
+def _check_wgmma16(m, out, ref, scale, K, dtype, what):
+    """The family's bound on ||out - ref|| / || |A| @ |B| || and the elementwise one of the
+    16-bit GEMM with float32 accumulation: each product of two 16-bit values is exact in
+    float32, each of the K - 1 additions errs by at most one float32 ulp of a partial sum
+    (<= S = |A| @ |B|: 2^-23 S, allowing a truncating tensor-core adder), the rounding to
+    the output dtype by u |C| (u = 2^-11 float16, 2^-8 bfloat16; |C| <= |ref| + K 2^-23 S),
+    and the float64 reference's own K 2^-52 S:
+        |out - ref| <= K 2^-23 S (1 + u) + u |ref| + K 2^-52 S."""
+    got = m.to_numpy(out).astype(np.float64)
+    bound = FAMILIES["fp16" if dtype is DT.FLOAT16 else "bf16"][2]
+    err = rel_err(got, ref, scale)
+    assert err <= bound, (what, err)
+    u = 2.0 ** -11 if dtype is DT.FLOAT16 else 2.0 ** -8
+    elem = K * 2.0 ** -23 * scale * (1 + u) + u * np.abs(ref) + K * 2.0 ** -52 * scale
+    worst = np.max(np.abs(got - ref) - elem)
+    assert worst <= 0, (what, float(np.max(np.abs(got - ref) / (elem + 1e-300))))
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMS16))
+@pytest.mark.parametrize("a_shape, b_shape", [
+    ((1, 8), (8, 1)), ((77, 40), (40, 129)), ((131, 264), (264, 136)),
+    ((3, 130, 296), (296, 33)), ((3, 130, 296), (3, 296, 200)), ((2, 257, 1000), (1000, 515)),
+    ((1023, 1000), (1000, 1025)), ((64, 4096), (4096, 72))],
+    ids=lambda s: "x".join(map(str, s)))
+def test_gpu_wgmma16_configs(m, fam, a_shape, b_shape):
+    """Every wgmma16 config through run_config into a poisoned output: M and N of no tile
+    width, N odd (B's padded copy), K = 8 x odd (partial k-tiles), batches with B broadcast
+    and full; within the family's bound and the 16-bit GEMM's elementwise one
+    (_check_wgmma16). The operands meet wgmma16_ok, so the kernel itself runs."""
+    _need_wgmma16(m)
+    dtype = FAMS16[fam]
+    rng = np.random.default_rng(4672)
+    dev = m.backend.current_device
+    a = to_dev(m, rand(rng, a_shape, dtype), dtype)
+    b = to_dev(m, rand(rng, b_shape, dtype), dtype)
+    ref, scale = reference(m, a, b)
+    p = mm.plan_shapes(a.shape, b.shape)
+    for cfg in W16:
+        out = poisoned(m, ref.shape, dtype)
+        assert mm.wgmma16_ok(dtype, a, out, p)
+        vec = mm.is_vec_ok(a, b, out, p)
+        mm.run_config(m, mm.WGMMA16_TEMPLATE, cfg, a, b, out, p, dtype, vec, dev)
+        _check_wgmma16(m, out, ref, scale, p.K, dtype, (cfg, a_shape, b_shape))
+        out.free()
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMS16))
+def test_gpu_wgmma16_batch_over_grid_z(m, fam):
+    """Every wgmma16 config on 70000 matrices (two launches over the grid's z), B full
+    (70000 padded planes) and broadcast, N = 6 and 8."""
+    _need_wgmma16(m)
+    dtype = FAMS16[fam]
+    rng = np.random.default_rng(70016)
+    dev = m.backend.current_device
+    for b_shape in ((70000, 8, 6), (8, 6), (70000, 16, 8)):
+        K = b_shape[-2]
+        a = to_dev(m, rand(rng, (70000, 3, K), dtype), dtype)
+        b = to_dev(m, rand(rng, b_shape, dtype), dtype)
+        ref, scale = reference(m, a, b)
+        p = mm.plan_shapes(a.shape, b.shape)
+        for cfg in W16:
+            out = poisoned(m, ref.shape, dtype)
+            mm.run_config(m, mm.WGMMA16_TEMPLATE, cfg, a, b, out, p, dtype,
+                          mm.is_vec_ok(a, b, out, p), dev)
+            _check_wgmma16(m, out, ref, scale, K, dtype, (cfg, b_shape))
+            out.free()
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMS16))
+def test_gpu_wgmma16_public_and_plan_path(m, fam, monkeypatch):
+    """matrix_multiply with each wgmma16 config memoized as the call's choice (both alignment
+    classes): the general path, then the per-call plan (run_config made to raise), aligned
+    (N % 8 == 0) and not (N odd: the padded copy); then A one element off its 16-byte
+    boundary, same shapes, the plan dropped first: the general path (run_config's stand-in)
+    and the plan (its runner's stand-in); all within the bounds."""
+    _need_wgmma16(m)
+    dtype = FAMS16[fam]
+    rng = np.random.default_rng(9786)
+    dev = m.backend.current_device
+    for (M, K, N) in ((1023, 1000, 1025), (300, 296, 512)):
+        av, bv = rand(rng, (M, K), dtype), rand(rng, (K, N), dtype)
+        a, b = to_dev(m, av, dtype), to_dev(m, bv, dtype)
+        ref, scale = reference(m, a, b)
+        base = m.create_tensor((M * K + 8,), dtype)
+        a_off = CudaTensor((M, K), dtype, base.device_id, base.ptr + dtype.itemsize, owner=base)
+        m.backend.copy_to_device(m.to_numpy(a) if dtype is not DT.BFLOAT16 else
+                                 to_bfloat16_bits(m.to_numpy(a)), a_off)
+        p = mm.plan_shapes(a.shape, b.shape)
+        key = ("matmul", a.shape, b.shape, dtype, dtype, dev, dev, None)
+        for cfg in W16:
+            for vec in (True, False):
+                mm.memo(m)[(p, dtype, None, dev, vec)] = (mm.WGMMA16_TEMPLATE, cfg)
+            m.plans.pop(key, None)
+            for x, second in ((a, False), (a, True), (a_off, False), (a_off, True)):
+                if x is a_off and not second:
+                    m.plans.pop(key, None)
+                poisoned(m, ref.shape, dtype).free()
+                with monkeypatch.context() as mp:
+                    if second:
+                        mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
+                    res = m.matrix_multiply(x, b)
+                assert key in m.plans
+                _check_wgmma16(m, res, ref, scale, K, dtype, (cfg, (M, K, N), second))
+                res.free()
+        for vec in (True, False):
+            mm.memo(m).pop((p, dtype, None, dev, vec), None)
         m.plans.pop(key, None)

@@ -17,6 +17,13 @@ The kernel families, all templated:
 - `matmul_wgmma.cu.j2`: TF32 on Hopper's warpgroup tensor cores (wgmma, sm_90a) for
   precision="tf32" where K is a multiple of 4: B is first transposed to (N, K) and rounded to
   TF32 (transpose.transpose_tf32) into a pool block, since wgmma reads a TF32 B only K-major.
+- `matmul_wgmma16.cu.j2`: float16 / bfloat16 on Hopper's wgmma (sm_90a), both operands from
+  shared memory, for matrix_multiply's plain GEMM (no epilogue, A not transposed) where K is
+  a multiple of 8 and A 16-byte aligned (wgmma16_ok); B is read in place where N % 8 == 0 and
+  it is 16-byte aligned, else first copied into rows padded to 8 (strided_copy.cu.j2, a pool
+  block). Timed beside the mma.sync configs (MMA_F16); a call it cannot take runs
+  WGMMA16_STANDIN instead. The linear layers (B given as (N, K)) and matmul_nt / matmul_tn
+  keep mma.sync: the kernel reads B only as (K, N) and A only as (M, K).
 - `matmul_skinny.cu.j2`: true FP32 for M <= 64 on devices with thread-block clusters (compute
   capability >= 9.0): split-K over the blocks of one cluster, whose partial tiles are summed
   through distributed shared memory in a fixed order, the epilogue applied there: one launch,
@@ -68,9 +75,10 @@ from .matmul_configs import (SCALAR_OK, all_configs, has_tn_kernel, linear_confi
 from .matmul_configs import candidates  # noqa: F401  (registry.CONTRACT of an autotuned family)
 from .matmul_fallback import fallback, linear_fallback
 from .matmul_kernels import (EPILOGUES, FILL_TEMPLATE, GRAD_EPILOGUE, MMA_TEMPLATE, REDUCE_BLOCK,
-                             SIMT_TEMPLATE, SKINNY_TEMPLATE, WGMMA_TEMPLATE, config_template,
-                             kernel_params, linear_params, splitk_epilogue_params,
-                             template_runs_on, wgmma_params)
+                             SIMT_TEMPLATE, SKINNY_TEMPLATE, WGMMA16_TEMPLATE, WGMMA_TEMPLATE,
+                             config_template, kernel_params, linear_params,
+                             splitk_epilogue_params, template_runs_on, wgmma16_params,
+                             wgmma_params)
 from .matmul_launch import cached_kernel, fill_zero, launch
 from .matmul_plans import remember
 from .matmul_shapes import Plan, plan_shapes
@@ -81,13 +89,14 @@ from .matmul_skinny import cluster_configs, cluster_params, skinny_configs, skin
 from .matmul_configs import (  # noqa: F401
     D_64x64x8, H_64x64x32, LINEAR_MMA_F32X3, LINEAR_SIMT_F32_KC, SIMT_F32, SIMT_F32_EXTRA,
     S_128x128x8_16x8, S_128x64x16_s3, S_128x64x8_q2, S_32x64x16, S_64x64x8, S_64x64x8_q2,
-    T_128x128x32, T_64x64x16, W_128x128_s3, W_64x128_s3, W_64x256_s4, X3_GEMM,
-    X_64x128x32_w32x64, family, gemm_family, tn_configs)
+    T_128x128x32, T_64x64x16, W16_128x128_s3, W16_128x256_s4, W_128x128_s3, W_64x128_s3,
+    W_64x256_s4, WGMMA16_STANDIN, X3_GEMM, X_64x128x32_w32x64, family, gemm_family, tn_configs)
 from .matmul_fallback import gelu_tanh, gelu_tanh_grad, round_tf32  # noqa: F401
 from .matmul_kernels import (  # noqa: F401
-    blocks_per_sm, has_clusters, has_wgmma, simt_params, simt_smem, tn_params, wgmma_ok,
-    wgmma_smem)
-from .matmul_launch import compile_kernel, memo, op_name, run_config  # noqa: F401
+    blocks_per_sm, has_clusters, has_wgmma, simt_params, simt_smem, tn_params, wgmma16_b_direct,
+    wgmma16_ld, wgmma16_ok, wgmma_ok, wgmma_smem)
+from .matmul_launch import (  # noqa: F401
+    compile_kernel, memo, op_name, pad_b_launches, run_config, wgmma16_usable)
 from .matmul_plans import config_runner  # noqa: F401
 from .matmul_shapes import is_vec_ok, shape_class, tune_key  # noqa: F401
 from .matmul_skinny import (  # noqa: F401
@@ -100,9 +109,10 @@ from .matmul_splitk import (  # noqa: F401
     x3_split_options, x3_split_time)
 
 DT = CudaDataType
-# the registry's contract: fill for K == 0, transpose.cu.j2 (ops/transpose.py) for wgmma's B
-TEMPLATES = (SIMT_TEMPLATE, MMA_TEMPLATE, WGMMA_TEMPLATE, SKINNY_TEMPLATE, FILL_TEMPLATE,
-             "transpose.cu.j2")
+# the registry's contract: fill for K == 0, transpose.cu.j2 (ops/transpose.py) for wgmma's B,
+# strided_copy.cu.j2 (ops/shape_copy.py) for the 16-bit wgmma's padded B
+TEMPLATES = (SIMT_TEMPLATE, MMA_TEMPLATE, WGMMA_TEMPLATE, WGMMA16_TEMPLATE, SKINNY_TEMPLATE,
+             FILL_TEMPLATE, "transpose.cu.j2", "strided_copy.cu.j2")
 
 
 def matmul(m: Any, a: CudaTensor, b: CudaTensor, precision: Optional[str] = None,
@@ -337,6 +347,7 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     simt: List[Dict[str, Any]] = []
     mma: List[Dict[str, Any]] = []
     wgmma: List[Dict[str, Any]] = []
+    wgmma16: List[Dict[str, Any]] = []
     for dt in (DT.FLOAT32, DT.FLOAT64):
         # (float32's default holds the x3 GEMM kernels too: mma, 16-byte loads only)
         for cfg in all_configs(dt, None):
@@ -348,6 +359,9 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
         simt.append({**dtype_params(dt), "kind": "splitk_reduce", "block_size": REDUCE_BLOCK})
     for dt, prec in ((DT.FLOAT32, "tf32"), (DT.FLOAT16, None), (DT.BFLOAT16, None)):
         for cfg in all_configs(dt, prec):
+            if cfg.get("wgmma16"):
+                wgmma16.append(wgmma16_params(dt, cfg))
+                continue
             if cfg.get("wgmma"):
                 wgmma.append(wgmma_params(cfg))
                 continue
@@ -376,7 +390,7 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
                for vec in (True, False) for cfg in cluster_configs(vec)
                for b_trans, epilogue in ((False, "none"), (True, "bias_gelu"))]
     return {SIMT_TEMPLATE: simt, MMA_TEMPLATE: mma, WGMMA_TEMPLATE: wgmma,
-            SKINNY_TEMPLATE: cluster}
+            WGMMA16_TEMPLATE: wgmma16, SKINNY_TEMPLATE: cluster}
 
 
 def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8,
@@ -391,9 +405,9 @@ def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8,
 
 def runs_here(m: Any, template: str, device_id: Optional[int] = None) -> bool:
     """The device (None: the current one) runs the template's kernels (template_runs_on);
-    False for the wgmma and cluster kernels where the backend has no device info (stand-ins,
-    fallback mode)."""
-    if template not in (WGMMA_TEMPLATE, SKINNY_TEMPLATE):
+    False for the wgmma (TF32, 16-bit) and cluster kernels where the backend has no device
+    info (stand-ins, fallback mode)."""
+    if template not in (WGMMA_TEMPLATE, WGMMA16_TEMPLATE, SKINNY_TEMPLATE):
         return True
     info = getattr(m.backend, "get_device_info", None)   # (absent on stand-in backends)
     if not m.gpu or info is None:

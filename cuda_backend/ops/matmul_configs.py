@@ -1,7 +1,7 @@
-"""Matmul tile configs: the measured tables (SIMT, mma.sync 16-bit and TF32, wgmma, 3xTF32, the
-linear layer's subsets) and which of them a call may choose from (`candidates`, per dtype,
-precision, shape class and alignment). The numbers behind each table are in its comments and
-perf/NOTES.md; perf/sweep_matmul.py times them all."""
+"""Matmul tile configs: the measured tables (SIMT, mma.sync 16-bit and TF32, wgmma TF32 and
+16-bit, 3xTF32, the linear layer's subsets) and which of them a call may choose from
+(`candidates`, per dtype, precision, shape class and alignment). The numbers behind each table
+are in its comments and perf/NOTES.md; perf/sweep_matmul.py times them all."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
@@ -30,6 +30,12 @@ def _wgmma(bm: int, bn: int, stages: int, min_blocks: int) -> Dict[str, Any]:
     """wgmma TF32 tile config (matmul_wgmma.cu.j2; bk is 32): bm / 64 warpgroups, each
     m64 x bn; the "wgmma" key names the template (config_template)."""
     return {"bm": bm, "bn": bn, "stages": stages, "min_blocks": min_blocks, "wgmma": True}
+
+
+def _wgmma16(bn: int, stages: int, min_blocks: int) -> Dict[str, Any]:
+    """16-bit wgmma tile config (matmul_wgmma16.cu.j2; bm 128, bk 64): two warpgroups, each
+    m64 x bn; the "wgmma16" key names the template (config_template)."""
+    return {"bm": 128, "bn": bn, "stages": stages, "min_blocks": min_blocks, "wgmma16": True}
 
 
 def _mma(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int,
@@ -114,10 +120,25 @@ H_256x128x32 = _mma(256, 128, 32, 64, 64, 3, 1)  # 256 threads, 72 KB
 H_128x256x64 = _mma(128, 256, 64, 64, 64, 3, 1)  # 256 threads, 144 KB
 H_128x128x32 = _mma(128, 128, 32, 64, 64, 4, 2)  # 128 threads, 64 KB
 H_64x64x32 = _mma(64, 64, 32, 32, 32, 4, 4)      # 128 threads, 32 KB
+# wgmma, 16-bit inputs (Hopper only; matrix_multiply's plain GEMM where K % 8 == 0 and A is
+# 16-byte aligned, wgmma16_ok; B is read in place where N % 8 == 0, else copied into rows
+# padded to 8): both operands from shared memory, float32 accumulation. Measured on an H100
+# against torch.matmul (cuBLAS), ratio = torch time / ours, float32 / 16-bit output (the
+# template rendered and timed on its own, CUDA events, L2 flushed before each call):
+#                         1023x1025x1000   4096^3        8192^3
+#   bf16 128x128 s3      1.84 / 1.96      0.66 / 0.64   0.68 / 0.60
+#   f16  128x128 s3      1.25 / 1.35      0.59 / 0.59   0.62 / 0.60
+#   f16  128x256 s4      1.19 / 1.25      0.68 / 0.66   0.72 / 0.64
+# (mma.sync: 0.58-0.60 at 8192^3, 0.13-0.14 at 1023x1025x997). Untuned (the autotuner off:
+# the first candidate) large shapes take 128x256 s4, medium and unaligned ones 128x128 s3.
+# Dynamic shared bytes in comments (wgmma_smem).
+W16_128x128_s3 = _wgmma16(128, 3, 2)     # 256 thr, 99328 B: 2 blocks per SM
+W16_128x256_s4 = _wgmma16(256, 4, 1)     # 256 thr, 197632 B
 MMA_F16 = {
-    "large": [H_256x128x64, H_256x128x32, H_128x256x64, H_128x128x32],
-    "medium": [H_128x128x32, H_64x64x32],
-    "skinny": [H_64x64x32, H_128x128x32],
+    "large": [W16_128x256_s4, W16_128x128_s3, H_256x128x64, H_256x128x32, H_128x256x64,
+              H_128x128x32],
+    "medium": [W16_128x128_s3, H_128x128x32, H_64x64x32],
+    "skinny": [H_64x64x32, H_128x128x32, W16_128x128_s3],
     "small": [H_64x64x32],
 }
 # mma.sync, TF32. B fragments are 16-byte shared loads (n permuted inside the warp tile)
@@ -179,9 +200,15 @@ L_128x64x16_kc = _simt(128, 64, 16, 8, 8, 4, 3, 2, 3, kc=2)      # 168 regs, 460
 # Configs also rendered for unaligned operands (element loads need more registers; the
 # rest would spill or gain nothing there: 16x8 on 128 threads spills 88 bytes, 8x8 on 256
 # threads with 2 blocks per SM 84).
+# (W16_128x128_s3: the 16-bit wgmma kernel takes N % 8 != 0 and a misaligned B through B's
+# padded copy; K % 8 and A's alignment it needs either way, matmul_launch.launch checks them.)
 SCALAR_OK = (S_128x256x8_16x8_q2, S_128x64x8_q2, S_64x128x8_q2, S_64x64x8_q2, S_32x64x16,
              D_128x64x8, D_64x64x8, D_32x64x8,
-             H_128x128x32, H_64x64x32, T_128x128x32, T_64x64x16)
+             H_128x128x32, H_64x64x32, T_128x128x32, T_64x64x16, W16_128x128_s3)
+# The config a 16-bit wgmma one gives way to where a call cannot take it (K % 8, A or the
+# output misaligned, no sm_90a, an epilogue or A given transposed): in every 16-bit table
+# (GEMM, linear layer, A-transposed) and rendered for both alignments.
+WGMMA16_STANDIN = H_128x128x32
 # The one-kernel linear layer (x @ Wᵀ with an epilogue) chooses from these subsets of the
 # GEMM tables: the best configs of each class, without split-K, few enough that rendering
 # them for every family keeps the variant list short.
@@ -333,11 +360,12 @@ def has_tn_kernel(dtype: CudaDataType, precision: Optional[str]) -> bool:
 def tn_configs(dtype: CudaDataType, precision: Optional[str],
                vec: bool) -> List[Dict[str, Any]]:
     """Every config the A-transposed GEMM may launch for a family and alignment: the GEMM's
-    own (no wgmma, no skinny); none where the family has no a_trans kernel."""
+    own (no wgmma, TF32 or 16-bit, no skinny); none where the family has no a_trans kernel."""
     if not has_tn_kernel(dtype, precision):
         return []
     out: List[Dict[str, Any]] = []
     for c in all_configs(dtype, precision):
-        if not c.get("wgmma") and (vec or c in SCALAR_OK) and c not in out:
+        if not (c.get("wgmma") or c.get("wgmma16")) and (vec or c in SCALAR_OK) and \
+                c not in out:
             out.append(c)
     return out

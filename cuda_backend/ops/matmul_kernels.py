@@ -1,7 +1,8 @@
-"""Matmul kernels: the templates (SIMT, mma.sync, wgmma, cluster), the template a tile config
-renders (`config_template`), the template parameters of each kernel kind, whether a device
-runs a template, and a config's launch resources (shared memory, resident blocks). Shared by
-the launches (matmul_launch.py, matmul_plans.py) and the variant list (ops/matmul.py)."""
+"""Matmul kernels: the templates (SIMT, mma.sync, wgmma TF32 and 16-bit, cluster), the template a
+tile config renders (`config_template`), the template parameters of each kernel kind, whether a
+device runs a template, which operands a kernel takes (`wgmma_ok`, `wgmma16_ok`), and a config's
+launch resources (shared memory, resident blocks). Shared by the launches (matmul_launch.py,
+matmul_plans.py) and the variant list (ops/matmul.py)."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
@@ -16,6 +17,9 @@ DT = CudaDataType
 SIMT_TEMPLATE = "matmul_simt.cu.j2"
 MMA_TEMPLATE = "matmul_mma.cu.j2"
 WGMMA_TEMPLATE = "matmul_wgmma.cu.j2"
+WGMMA16_TEMPLATE = "matmul_wgmma16.cu.j2"
+WGMMA16_THREADS = 256   # two warpgroups (bm 128) per block
+WGMMA16_LD = 8          # the 16-bit wgmma kernel's row strides: multiples of 8 elements
 SKINNY_TEMPLATE = "matmul_skinny.cu.j2"
 FILL_TEMPLATE = "fill.cu.j2"
 # the linear layer's epilogues (matmul.linear)
@@ -37,14 +41,17 @@ def simt_smem(cfg: Dict[str, Any], esize: int = 4, b_trans: bool = False) -> int
 
 
 def wgmma_smem(cfg: Dict[str, Any]) -> int:
-    """Dynamic shared memory of a wgmma config: the ring plus 1 KB to align it to 1024."""
+    """Dynamic shared memory of a wgmma config (TF32 or 16-bit: 128-byte rows of bm + bn per
+    ring slot): the ring plus 1 KB to align it to 1024."""
     return cfg["stages"] * (cfg["bm"] + cfg["bn"]) * 128 + 1024
 
 
 def config_template(cfg: Dict[str, Any], family_template: str) -> str:
     """The template a config renders: its family's, mma for a 3xTF32 config (x3), which
     sits in the float32 default lists (GEMM and linear layer) beside SIMT ones, wgmma for a
-    wgmma one, the cluster kernel for a cluster one."""
+    wgmma one (TF32 or 16-bit), the cluster kernel for a cluster one."""
+    if cfg.get("wgmma16"):
+        return WGMMA16_TEMPLATE
     if cfg.get("wgmma"):
         return WGMMA_TEMPLATE
     if cfg.get("cluster"):
@@ -68,7 +75,7 @@ def has_clusters(info: Any) -> bool:
 def template_runs_on(template: str, info: Any) -> bool:
     """The device can run the template's kernels (warm-ups skip the others): wgmma needs
     sm_90a, the cluster kernel compute capability >= 9.0; the rest run anywhere."""
-    if template == WGMMA_TEMPLATE:
+    if template in (WGMMA_TEMPLATE, WGMMA16_TEMPLATE):
         return has_wgmma(info)
     if template == SKINNY_TEMPLATE:
         return has_clusters(info)
@@ -79,6 +86,25 @@ def wgmma_ok(a: CudaTensor, p: Plan) -> bool:
     """The wgmma kernel's operand rules: K a multiple of 4, A 16-byte aligned (B is its own
     transposed copy, the output is stored with bounds checks)."""
     return p.K % 4 == 0 and a.ptr % 16 == 0
+
+
+def wgmma16_ok(dtype: CudaDataType, a: CudaTensor, out: CudaTensor, p: Plan) -> bool:
+    """The 16-bit wgmma kernel's operand rules, B aside (wgmma16_b_direct): float16 or
+    bfloat16, K a multiple of 8 and A 16-byte aligned (every 16-byte chunk of A's rows is a
+    cp.async source), the output 4-byte aligned (paired stores where N is even)."""
+    return dtype in (DT.FLOAT16, DT.BFLOAT16) and p.K % WGMMA16_LD == 0 and \
+        a.ptr % 16 == 0 and out.ptr % 4 == 0
+
+
+def wgmma16_b_direct(pb: int, p: Plan) -> bool:
+    """B (K, N) at address pb is read in place by the 16-bit wgmma kernel (N a multiple of 8,
+    16-byte aligned); otherwise it is first copied into rows padded to wgmma16_ld(N)."""
+    return p.N % WGMMA16_LD == 0 and pb % 16 == 0
+
+
+def wgmma16_ld(n: int) -> int:
+    """The row stride of B's padded copy: N rounded up to a multiple of 8 elements."""
+    return -(-n // WGMMA16_LD) * WGMMA16_LD
 
 
 def blocks_per_sm(cfg: Dict[str, int], regs: int = 0, info: Any = None, esize: int = 4,
@@ -150,6 +176,14 @@ def wgmma_params(cfg: Dict[str, Any]) -> Dict[str, Any]:
     """Template parameters of a wgmma config (float32 in and out)."""
     return {**dtype_params(DT.FLOAT32), "bm": cfg["bm"], "bn": cfg["bn"],
             "stages": cfg["stages"], "min_blocks": cfg["min_blocks"]}
+
+
+def wgmma16_params(dtype: CudaDataType, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Template parameters of a 16-bit wgmma config: float16 / bfloat16 in and out (float32
+    accumulation), no epilogue."""
+    return {**dtype_params(dtype), "out_ctype": dtype.c_type, "epilogue": "none",
+            "bm": cfg["bm"], "bn": cfg["bn"], "stages": cfg["stages"],
+            "min_blocks": cfg["min_blocks"]}
 
 
 def splitk_epilogue_params(dtype: CudaDataType, epilogue: str) -> Dict[str, Any]:

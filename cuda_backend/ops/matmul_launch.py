@@ -1,6 +1,6 @@
 """Matmul launches, the general path: the per-CudaMath memo of compiled kernels and chosen configs,
 the autotuned choice of a call's config (`launch`), and `run_config`, which launches one
-config over the whole problem (split-K and its reduce, batch chunks, the wgmma B copy, the
+config over the whole problem (split-K and its reduce, batch chunks, the wgmma B copies, the
 skinny and cluster kernels). matmul_plans.py replays the same launches as PreparedLaunches."""
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from ..errors import InvalidArgumentError
 from ..kernels import dtype_params
 from ..tensor import CudaTensor
 from . import common
-from .matmul_configs import candidates, gemm_family
+from .matmul_configs import WGMMA16_STANDIN, candidates, gemm_family
 from .matmul_kernels import (FILL_TEMPLATE, GRAD_EPILOGUE, MMA_TEMPLATE, REDUCE_BLOCK,
-                             SIMT_TEMPLATE, SKINNY_TEMPLATE, WGMMA_TEMPLATE, blocks_per_sm,
-                             config_template, has_clusters, has_wgmma, kernel_params, simt_smem,
-                             splitk_epilogue_params, splitk_reduce_params, takes_k_chunk,
-                             wgmma_ok, wgmma_params, wgmma_smem)
+                             SIMT_TEMPLATE, SKINNY_TEMPLATE, WGMMA16_TEMPLATE, WGMMA16_THREADS,
+                             WGMMA_TEMPLATE, blocks_per_sm, config_template, has_clusters,
+                             has_wgmma, kernel_params, simt_smem, splitk_epilogue_params,
+                             splitk_reduce_params, takes_k_chunk, wgmma16_b_direct, wgmma16_ld,
+                             wgmma16_ok, wgmma16_params, wgmma_ok, wgmma_params, wgmma_smem)
 from .matmul_shapes import Plan, is_vec_ok, shape_class, tune_key
 from .matmul_skinny import (cluster_candidates, cluster_chunk, cluster_params, cluster_smem,
                             cluster_threads, cluster_tiles, skinny_candidates, skinny_chunk,
@@ -82,7 +83,8 @@ def launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
            grad: Optional[CudaTensor] = None) -> bool:
     """Launch the call's (autotuned) config; returns vec (the plan's alignment class).
     a_trans: A given as (K, M) (the GEMM's configs, split-K included; no wgmma, no skinny).
-    The float32 default's GEMM candidates are (config, split) pairs of x3 and SIMT configs."""
+    The float32 default's GEMM candidates are (config, split) pairs of x3 and SIMT configs;
+    16-bit ones include the wgmma16 configs where the call can take them (wgmma16_usable)."""
     vec = is_vec_ok(a, b, out, p, a_trans)
     cache = memo(m)
     key = config_key(p, dtype, prec, dev, vec, epilogue, a_trans)
@@ -93,9 +95,12 @@ def launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
         is_linear = epilogue is not None
         template, _ = gemm_family(dtype, prec)
         cands = candidates(dtype, prec, cls, vec, linear=is_linear)
-        if a_trans or not (has_wgmma(m.backend.get_device_info(dev)) and wgmma_ok(a, p)):
+        info = m.backend.get_device_info(dev)
+        if a_trans or not (has_wgmma(info) and wgmma_ok(a, p)):
             cands = [c for c in cands if not c.get("wgmma")] or \
                 [c for c in gemm_family(dtype, prec)[1]["small"] if not c.get("wgmma")]
+        if not wgmma16_usable(info, dtype, a, out, p, epilogue, a_trans):
+            cands = [c for c in cands if not c.get("wgmma16")] or [WGMMA16_STANDIN]
         if template == SIMT_TEMPLATE and not is_linear:
             # (config, split) pairs: split-K counts are measured, not only modelled
             info = m.backend.get_device_info(dev)
@@ -131,6 +136,14 @@ def launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
     run_config(m, hit[0], hit[1], a, b, out, p, dtype, vec, dev, epilogue=epilogue, bias=bias,
                a_trans=a_trans, grad=grad)
     return vec
+
+
+def wgmma16_usable(info: Any, dtype: CudaDataType, a: Any, out: Any, p: Plan,
+                   epilogue: Optional[str] = None, a_trans: bool = False) -> bool:
+    """A call the 16-bit wgmma kernel takes: an sm_90a device, the plain GEMM (no epilogue,
+    A not transposed) and the operand rules of wgmma16_ok (B is copied where it must be)."""
+    return epilogue is None and not a_trans and has_wgmma(info) and \
+        wgmma16_ok(dtype, a, out, p)
 
 
 def op_name(template: str, dtype: CudaDataType, prec: Optional[str], linear: bool) -> str:
@@ -180,6 +193,15 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
     if tiles > info.max_grid_dims[0]:
         raise InvalidArgumentError(f"matmul output {p.M}x{p.N} needs too many tiles ({tiles})")
     template = config_template(cfg, template)   # (an x3 config given with the family's)
+    if template == WGMMA16_TEMPLATE:
+        if not wgmma16_usable(info, dtype, a, out, p, epilogue, a_trans):
+            # (a config memoized for this shape and alignment class; these pointers or this
+            # device it cannot take: the mma.sync stand-in, never a wrong result)
+            run_config(m, MMA_TEMPLATE, WGMMA16_STANDIN, a, b, out, p, dtype, vec, dev,
+                       epilogue=epilogue, bias=bias, a_trans=a_trans, grad=grad)
+            return
+        _run_wgmma16(m, cfg, a, b, out, p, dtype, dev, max_z)
+        return
     if template == WGMMA_TEMPLATE:
         _run_wgmma(m, cfg, a, b, out, p, dev, max_z)
         return
@@ -300,6 +322,55 @@ def _run_wgmma(m: Any, cfg: Dict[str, Any], a: CudaTensor, b: CudaTensor, out: C
                                   shared_mem=wgmma_smem(cfg), device_id=dev)
     finally:
         bt.free()
+
+
+def pad_b_launches(m: Any, dev: int, dtype: CudaDataType, planes: int, p: Plan, src_addr: int,
+                   dst_addr: int) -> list:
+    """The strided copies (ops/shape_copy.py) of B's planes (K, N) into rows of wgmma16_ld(N)
+    elements: (planes x K, N) rows, the padding columns left unwritten (the kernel reads
+    only N of each row)."""
+    from . import shape_copy
+    ld = wgmma16_ld(p.N)
+    return shape_copy.plan_copy(m, dev, dtype, (planes, p.K, p.N), (p.K * p.N, p.N, 1),
+                                (p.K * ld, ld, 1), src_addr, dst_addr)
+
+
+def _run_wgmma16(m: Any, cfg: Dict[str, Any], a: CudaTensor, b: CudaTensor, out: CudaTensor,
+                 p: Plan, dtype: CudaDataType, dev: int, max_z: int) -> None:
+    """The 16-bit wgmma kernel over every batch chunk: (A, B, C, M, N, K, lda, ldb, stride_a,
+    stride_b), B read in place (wgmma16_b_direct) or from its padded copy in a pool block,
+    which goes back to the pool after the launches (later work on the stream is ordered
+    after them)."""
+    backend = m.backend
+    esize = dtype.itemsize
+    planes = 1 if p.stride_b == 0 else p.batch
+    direct = wgmma16_b_direct(b.ptr, p)
+    ldb = p.N if direct else wgmma16_ld(p.N)
+    bp = None if direct else backend.empty((planes * p.K * ldb,), dtype, dev)
+    try:
+        src = b
+        if bp is not None:
+            for launch_ in pad_b_launches(m, dev, dtype, planes, p, b.ptr, bp.ptr):
+                kname = cached_kernel(m, launch_.template, dev, launch_.params).name
+                backend.launch_kernel(kname, launch_.grid,
+                                      b if launch_.src_off == 0 else b.ptr + launch_.src_off,
+                                      bp if launch_.dst_off == 0 else bp.ptr + launch_.dst_off,
+                                      *launch_.args, block_size=launch_.block, device_id=dev)
+            src = bp
+        kernel = cached_kernel(m, WGMMA16_TEMPLATE, dev, wgmma16_params(dtype, cfg))
+        tiles = -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"])
+        stride_b = 0 if p.stride_b == 0 else p.K * ldb
+        for b0 in range(0, p.batch, max_z):
+            nb = min(max_z, p.batch - b0)
+            pa = a if b0 == 0 else a.ptr + b0 * p.stride_a * esize
+            pb = src if b0 == 0 else src.ptr + b0 * stride_b * esize
+            pc = out if b0 == 0 else out.ptr + b0 * p.M * p.N * esize
+            backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, p.M, p.N, p.K, p.K,
+                                  ldb, p.stride_a, stride_b, block_size=(WGMMA16_THREADS, 1, 1),
+                                  shared_mem=wgmma_smem(cfg), device_id=dev)
+    finally:
+        if bp is not None:
+            bp.free()
 
 
 def _offsets(a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan, b0: int,

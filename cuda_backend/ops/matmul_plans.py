@@ -1,7 +1,7 @@
 """Matmul per-call plans (ops/common.py remember_plan): the launches `run_config` makes for a
 call's memoized config, prepared once (PreparedLaunch) and replayed by later calls of the same
-shapes with the operands' pointers; the split-K workspace and wgmma's B copy come from the
-pool per call."""
+shapes with the operands' pointers; the split-K workspace and the wgmma kernels' B copies come
+from the pool per call."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
@@ -9,10 +9,13 @@ from typing import Any, Dict, Optional, Tuple
 from ..dtypes import CudaDataType
 from ..tensor import CudaTensor
 from . import common
-from .matmul_kernels import (GRAD_EPILOGUE, REDUCE_BLOCK, SIMT_TEMPLATE, WGMMA_TEMPLATE,
-                             config_template, splitk_reduce_params, wgmma_params, wgmma_smem)
-from .matmul_launch import (cached_kernel, cluster_setup, config_key, memo, skinny_setup,
-                            tiled_kernel)
+from .matmul_configs import WGMMA16_STANDIN
+from .matmul_kernels import (GRAD_EPILOGUE, MMA_TEMPLATE, REDUCE_BLOCK, SIMT_TEMPLATE,
+                             WGMMA16_LD, WGMMA16_TEMPLATE, WGMMA16_THREADS, WGMMA_TEMPLATE,
+                             config_template, has_wgmma, splitk_reduce_params, wgmma16_ld,
+                             wgmma16_params, wgmma_params, wgmma_smem)
+from .matmul_launch import (cached_kernel, cluster_setup, config_key, memo, pad_b_launches,
+                            skinny_setup, tiled_kernel)
 from .matmul_shapes import Plan
 from .matmul_splitk import split_chunk
 
@@ -104,6 +107,8 @@ def config_runner(m: Any, template: str, cfg: Dict[str, Any], p: Plan, dtype: Cu
         cfg = dict(cfg)
         splits = max(1, min(cfg.pop("split"), max_z // max(1, p.batch)))
     template = config_template(cfg, template)
+    if template == WGMMA16_TEMPLATE:
+        return _wgmma16_runner(m, cfg, p, dtype, vec, dev, info, epilogue, a_trans)
     if template == WGMMA_TEMPLATE:
         return _wgmma_runner(m, cfg, p, dev, max_z)
     tiles = -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"])
@@ -234,6 +239,68 @@ def _wgmma_runner(m: Any, cfg: Dict[str, Any], p: Plan, dev: int, max_z: int) ->
                 go(pa + oa, pbt + obt, pc + oc, *tail)
         finally:
             release(block)   # as bt.free(): the pool is stream-ordered
+    return run
+
+
+def _wgmma16_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, vec: bool,
+                    dev: int, info: Any, epilogue: Optional[str], a_trans: bool) -> Any:
+    """_run_wgmma16's launches: B's padded copy into a pool block where B cannot be read in
+    place (N % 8, or per call its pointer), the kernel over the batch chunks, the block given
+    back; per call, pointers the kernel cannot take (A not 16-byte aligned, the output not
+    4-byte aligned) run WGMMA16_STANDIN's runner instead, as run_config does."""
+    if epilogue is not None or a_trans or not has_wgmma(info) or p.K % WGMMA16_LD or \
+            dtype.itemsize != 2:
+        return config_runner(m, MMA_TEMPLATE, WGMMA16_STANDIN, p, dtype, vec, dev, epilogue,
+                             a_trans)
+    made: list = []   # the stand-in's runner, made on first use
+
+    def standin(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
+        if not made:
+            made.append(config_runner(m, MMA_TEMPLATE, WGMMA16_STANDIN, p, dtype, vec, dev))
+        made[0](pa, pb, pc, pbias, pg)
+    backend = m.backend
+    prep, get = backend.prepare_launch, backend.get_kernel
+    M, N, K, sa, esize = p.M, p.N, p.K, p.stride_a, dtype.itemsize
+    max_z = info.max_grid_dims[2]
+    planes = 1 if p.stride_b == 0 else p.batch
+    ld = wgmma16_ld(N)
+    kernel = get(cached_kernel(m, WGMMA16_TEMPLATE, dev, wgmma16_params(dtype, cfg)).name, dev)
+    tiles = -(-M // cfg["bm"]) * -(-N // cfg["bn"])
+
+    def chunks(ldb: int) -> list:
+        stride_b = 0 if p.stride_b == 0 else K * ldb
+        return [(prep(kernel, (tiles, 1, nb), (WGMMA16_THREADS, 1, 1), wgmma_smem(cfg), dev),
+                 b0 * sa * esize, b0 * stride_b * esize, b0 * M * N * esize,
+                 (M, N, K, K, ldb, sa, stride_b))
+                for b0, nb in ((b0, min(max_z, p.batch - b0)) for b0 in range(0, p.batch, max_z))]
+    direct = chunks(N) if N % WGMMA16_LD == 0 else None
+    padded = chunks(ld)
+    # (a copy runs only where N % 8 or B's pointer is off: element copies, whose launches
+    # do not depend on the addresses)
+    copies = [(prep(get(cached_kernel(m, c.template, dev, c.params).name, dev), c.grid,
+                    c.block, 0, dev), c.src_off, c.dst_off, c.args)
+              for c in pad_b_launches(m, dev, dtype, planes, p, 2, 0)]
+    pbytes = planes * K * ld * esize
+    pool = backend.memory_pools[dev]
+    alloc, release = pool.allocate_current, pool.release
+
+    def run(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
+        if pa & 15 or pc & 3:
+            standin(pa, pb, pc, pbias, pg)
+            return
+        if direct is not None and not pb & 15:
+            for go, oa, ob, oc, tail in direct:
+                go(pa + oa, pb + ob, pc + oc, *tail)
+            return
+        block = alloc(pbytes)
+        try:
+            pp = int(block)
+            for go, so, do, args in copies:
+                go(pb + so, pp + do, *args)
+            for go, oa, ob, oc, tail in padded:
+                go(pa + oa, pp + ob, pc + oc, *tail)
+        finally:
+            release(block)   # as the general path's free(): the pool is stream-ordered
     return run
 
 
