@@ -55,19 +55,22 @@ def _operands(a: Any, b: Any, op: str) -> Tuple[Any, Any]:
 
 
 class Add(Function):
+    """a + b; Sub, a - b, shares its forward (the op named by `op`, the operands' shapes
+    saved for unbroadcast)."""
+
+    op = "add"
+
     def forward(self, a: Any, b: Any) -> CudaTensor:
         self.save(getattr(a, "shape", None), getattr(b, "shape", None))
-        return apis()[0].add(a, b)
+        return getattr(apis()[0], self.op)(a, b)
 
     def backward(self, g: CudaTensor) -> tuple:
         m = apis()[0]
         return tuple(unbroadcast(m, g, s) for s in self.saved if s is not None)
 
 
-class Sub(Function):
-    def forward(self, a: Any, b: Any) -> CudaTensor:
-        self.save(getattr(a, "shape", None), getattr(b, "shape", None))
-        return apis()[0].subtract(a, b)
+class Sub(Add):
+    op = "subtract"
 
     def backward(self, g: CudaTensor) -> tuple:
         m = apis()[0]
@@ -139,34 +142,6 @@ class Neg(Function):
         return apis()[0].negative(g)
 
 
-class Exp(Function):
-    def forward(self, x: CudaTensor) -> CudaTensor:
-        y = apis()[0].exp(x)
-        self.save(y)
-        return y
-
-    def backward(self, g: CudaTensor) -> CudaTensor:
-        return apis()[0].multiply(g, self.saved[0])
-
-
-class Log(Function):
-    def forward(self, x: CudaTensor) -> CudaTensor:
-        self.save(x)
-        return apis()[0].log(x)
-
-    def backward(self, g: CudaTensor) -> CudaTensor:
-        return apis()[0].divide(g, self.saved[0])
-
-
-class Relu(Function):
-    def forward(self, x: CudaTensor) -> CudaTensor:
-        self.save(x)
-        return apis()[0].relu(x)
-
-    def backward(self, g: CudaTensor) -> CudaTensor:
-        return apis()[1].relu_backward(g, self.saved[0])
-
-
 class Gelu(Function):
     def forward(self, x: CudaTensor, approximate: str = "tanh") -> CudaTensor:
         self.save(x, approximate)
@@ -176,76 +151,97 @@ class Gelu(Function):
         return apis()[1].gelu_backward(g, *self.saved)
 
 
-class Sigmoid(Function):
+class Unary(Function):
+    """y = CudaMath.<op>(x), whose gradient CudaML.<op>_backward(g, v) takes v, the output y
+    (saves_output) or the input x."""
+
+    op = ""
+    saves_output = True
+
     def forward(self, x: CudaTensor) -> CudaTensor:
-        y = apis()[0].sigmoid(x)
-        self.save(y)
+        y = getattr(apis()[0], self.op)(x)
+        self.save(y if self.saves_output else x)
         return y
 
     def backward(self, g: CudaTensor) -> CudaTensor:
-        return apis()[1].sigmoid_backward(g, self.saved[0])
+        return getattr(apis()[1], self.op + "_backward")(g, self.saved[0])
 
 
-class Tanh(Function):
-    def forward(self, x: CudaTensor) -> CudaTensor:
-        y = apis()[0].tanh(x)
-        self.save(y)
-        return y
+class Exp(Unary):
+    op = "exp"
 
     def backward(self, g: CudaTensor) -> CudaTensor:
-        return apis()[1].tanh_backward(g, self.saved[0])
+        return apis()[0].multiply(g, self.saved[0])
 
 
-class Softmax(Function):
+class Log(Unary):
+    op, saves_output = "log", False
+
+    def backward(self, g: CudaTensor) -> CudaTensor:
+        return apis()[0].divide(g, self.saved[0])
+
+
+class Relu(Unary):
+    op, saves_output = "relu", False
+
+
+class Sigmoid(Unary):
+    op = "sigmoid"
+
+
+class Tanh(Unary):
+    op = "tanh"
+
+
+class Softmax(Unary):
     """Over the last axis."""
 
-    def forward(self, x: CudaTensor) -> CudaTensor:
-        y = apis()[0].softmax(x)
-        self.save(y)
-        return y
-
-    def backward(self, g: CudaTensor) -> CudaTensor:
-        return apis()[1].softmax_backward(g, self.saved[0])
+    op = "softmax"
 
 
-class LogSoftmax(Function):
+class LogSoftmax(Unary):
     """Over the last axis."""
 
-    def forward(self, x: CudaTensor) -> CudaTensor:
-        y = apis()[0].log_softmax(x)
-        self.save(y)
-        return y
-
-    def backward(self, g: CudaTensor) -> CudaTensor:
-        return apis()[1].log_softmax_backward(g, self.saved[0])
+    op = "log_softmax"
 
 
 # -- shapes and reductions --------------------------------------------------------------------
-class Reshape(Function):
-    def forward(self, x: CudaTensor, shape: Any) -> CudaTensor:
-        self.save(x.shape)
-        return apis()[0].reshape(x, shape)
+class Reversible(Function):
+    """y = CudaMath.<op>(x, arg), whose gradient is <op>(g, undo(x, arg)): the argument that
+    takes y's shape or dtype back to x's."""
+
+    op = ""
+
+    def undo(self, x: CudaTensor, arg: Any) -> Any:
+        raise NotImplementedError
+
+    def forward(self, x: CudaTensor, arg: Any) -> CudaTensor:
+        self.save(self.undo(x, arg))
+        return getattr(apis()[0], self.op)(x, arg)
 
     def backward(self, g: CudaTensor) -> CudaTensor:
-        return apis()[0].reshape(g, self.saved[0])
+        return getattr(apis()[0], self.op)(g, self.saved[0])
 
 
-class Permute(Function):
-    def forward(self, x: CudaTensor, axes: Tuple[int, ...]) -> CudaTensor:
-        self.save(tuple(int(i) for i in np.argsort(axes)))   # the inverse permutation
-        return apis()[0].permute(x, axes)
+class Reshape(Reversible):
+    op = "reshape"
 
-    def backward(self, g: CudaTensor) -> CudaTensor:
-        return apis()[0].permute(g, self.saved[0])
+    def undo(self, x: CudaTensor, shape: Any) -> Tuple[int, ...]:
+        return x.shape
 
 
-class Astype(Function):
-    def forward(self, x: CudaTensor, dtype: CudaDataType) -> CudaTensor:
-        self.save(x.dtype)
-        return apis()[0].astype(x, dtype)
+class Permute(Reversible):
+    op = "permute"
 
-    def backward(self, g: CudaTensor) -> CudaTensor:
-        return apis()[0].astype(g, self.saved[0])
+    def undo(self, x: CudaTensor, axes: Tuple[int, ...]) -> Tuple[int, ...]:
+        return tuple(int(i) for i in np.argsort(axes))   # the inverse permutation
+
+
+class Astype(Reversible):
+    op = "astype"
+
+    def undo(self, x: CudaTensor, dtype: CudaDataType) -> CudaDataType:
+        return x.dtype
 
 
 class Sum(Function):

@@ -22,9 +22,10 @@ import numpy as np
 from . import __version__
 from .devices import CudaDeviceInfo
 from .driver import pycuda_version
-from .dtypes import CudaDataType
+from .dtypes import CudaDataType, from_host_dtype
 from .errors import DTypeMismatchError, InvalidArgumentError, InvalidPointerError, TransferError
 from .memory import MemoryPool
+from .process_wide import ProcessWide
 from .profiling import Profiler, write_json_atomic
 from .runtime import FALLBACK_MESSAGE, load_runtime
 from .tensor import CudaTensor, normalize_shape
@@ -98,6 +99,18 @@ class CudaBackend:
     def synchronize(self, device_id: Optional[int] = None) -> None:
         """Wait for all work on one device, or on every device that was used."""
         self._runtime.synchronize(None if device_id is None else self._validate(device_id))
+
+    def error_slot(self, key: Any, make_error: Callable[[int], BaseException]) -> int:
+        """The device pointer of a checking kernel's error slot: an int32 pair in mapped host
+        memory that a kernel sets ([1, detail]) when its check fails; make_error(detail) is
+        the typed error then raised by the next synchronizing call (device_errors.py)."""
+        return self._runtime.error_slot(key, make_error)
+
+    def raise_device_errors(self) -> None:
+        """Raise what checking kernels found since the last synchronizing call (the typed
+        error of the first failed check), else nothing; synchronize and the copies to the host
+        call it."""
+        self._runtime.raise_device_errors()
 
     def create_stream(self, device_id: Optional[int] = None) -> Any:
         """A new PyCUDA Stream on the device."""
@@ -230,6 +243,7 @@ class CudaBackend:
                 type(host_array) is np.ndarray and self.direct_launch(device_ptr.device_id):
             ms = self.transfers.direct_dtoh(device_ptr, host_array)   # as copy_to_device
             if ms is not None:
+                self._runtime.raise_device_errors()
                 return ms
         if not isinstance(host_array, np.ndarray):
             raise TransferError(
@@ -341,15 +355,7 @@ class CudaBackend:
     def to_device(self, array: Any, device_id: Optional[int] = None) -> CudaTensor:
         """A new tensor holding a copy of a host array (bfloat16 needs a CudaTensor dtype)."""
         host = host_contiguous(array)
-        memo = self.__dict__.get("_host_dtypes")     # host dtype -> CudaDataType.from_any's
-        dtype = None if memo is None else memo.get(host.dtype)
-        if dtype is None:
-            dtype = CudaDataType.from_any(host.dtype)
-            if memo is None:
-                memo = self.__dict__.setdefault("_host_dtypes", {})
-            if len(memo) < 64:
-                memo[host.dtype] = dtype
-        t = self.empty(host.shape, dtype, device_id)
+        t = self.empty(host.shape, from_host_dtype(host.dtype), device_id)
         if t.nbytes:
             self.copy_to_device(host, t)
         return t
@@ -474,23 +480,17 @@ def _check_same(host: np.ndarray, tensor: CudaTensor, what: str) -> None:
             f"the tensor of shape {tensor.shape} ({tensor.size} elements)")
 
 
-_backend: Optional[CudaBackend] = None
-_backend_lock = threading.Lock()
+_backend = ProcessWide(CudaBackend)
 
 
 def is_process_backend(backend: Any) -> bool:
     """Whether backend is the process-wide one get_cuda_backend() made (False before it)."""
-    return backend is not None and backend is _backend
+    return backend is not None and backend is _backend.value
 
 
 def get_cuda_backend(enable_profiling: bool = False) -> CudaBackend:
     """The process-wide backend; enable_profiling=True turns profiling on for it."""
-    global _backend
-    if _backend is None:
-        with _backend_lock:
-            if _backend is None:
-                _backend = CudaBackend(enable_profiling=enable_profiling)
-                return _backend
-    if enable_profiling and not _backend.enable_profiling:
-        _backend.enable_profiling = True
-    return _backend
+    backend: CudaBackend = _backend.get(enable_profiling)
+    if enable_profiling and not backend.enable_profiling:
+        backend.enable_profiling = True
+    return backend

@@ -6,15 +6,15 @@ renders its template in `templates/`.
 """
 from __future__ import annotations
 
-import threading
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .backend import CudaBackend, get_cuda_backend
 from .dlpack_import import from_dlpack as dlpack_import
-from .dtypes import CudaDataType
+from .dtypes import CudaDataType, from_host_dtype
 from .errors import InvalidArgumentError
+from .process_wide import ProcessWide
 from .kernels import KernelGenerator
 from .ops import common
 from .ops import elementwise as ew
@@ -31,6 +31,39 @@ from .transfers import bf16_from_host
 Operand = Union[CudaTensor, int, float]
 _BF16 = CudaDataType.BFLOAT16   # (an Enum member's class attribute lookup costs ~0.3 us)
 Axis = Union[None, int, Tuple[int, ...]]
+
+
+# -- CudaMath's one-line methods, one per op of a family (tables in the class) ---------------
+def _binary(op: str) -> Callable[[CudaMath, Operand, Operand], CudaTensor]:
+    def method(self: CudaMath, a: Operand, b: Operand) -> CudaTensor:
+        return ew.binary(self, op, a, b)
+    return common.named_method(method, "CudaMath", op,
+                               f"{op}(a, b) elementwise with NumPy broadcasting; a and b "
+                               f"tensors of one dtype or scalars (ops/elementwise.py).")
+
+
+def _unary(op: str) -> Callable[[CudaMath, CudaTensor], CudaTensor]:
+    def method(self: CudaMath, x: CudaTensor) -> CudaTensor:
+        return ew.unary(self, op, x)
+    return common.named_method(method, "CudaMath", op,
+                               f"{op}(x) elementwise (ops/elementwise.py).")
+
+
+def _reduce(op: str) -> Callable[[CudaMath, CudaTensor, Axis, bool], CudaTensor]:
+    def method(self: CudaMath, tensor: CudaTensor, axis: Axis = None,
+               keepdims: bool = False) -> CudaTensor:
+        return red.reduce(self, op, tensor, axis, keepdims)
+    return common.named_method(method, "CudaMath", f"reduce_{op}",
+                               f"The {op} over the flattened tensor or the axes given "
+                               f"(ops/reduction.py).")
+
+
+def _compare(op: str, doc: str = "") -> Callable[[CudaMath, Operand, Operand], CudaTensor]:
+    def method(self: CudaMath, a: Operand, b: Operand) -> CudaTensor:
+        return ix.compare(self, op, a, b)
+    return common.named_method(method, "CudaMath", op,
+                               doc or f"{op}(a, b) elementwise with NumPy broadcasting: a "
+                                      f"bool tensor (ops/indexing.py).")
 
 
 class CudaMath:
@@ -77,17 +110,8 @@ class CudaMath:
         if bits:
             return bf16_from_host(self, array, dtype, device_id, bits=True)
         if type(array) is np.ndarray and dtype is None:
-            # the common call: the array's dtype, looked up in a per-instance memo of
-            # CudaDataType.from_any (which scans the members)
-            a = array
-            memo = self.__dict__.get("_host_dtypes")
-            target = None if memo is None else memo.get(a.dtype)
-            if target is None:
-                target = CudaDataType.from_any(a.dtype)
-                if memo is None:
-                    memo = self.__dict__.setdefault("_host_dtypes", {})
-                if len(memo) < 64:
-                    memo[a.dtype] = target
+            a = array     # the common call: the array's dtype, remembered
+            target = from_host_dtype(a.dtype)
         else:
             try:
                 a = np.asarray(array)
@@ -190,67 +214,14 @@ class CudaMath:
                 f"(use add() for broadcasting)")
         return ew.binary(self, "add", a, b)
 
-    def add(self, a: Operand, b: Operand) -> CudaTensor:
-        return ew.binary(self, "add", a, b)
-
-    def subtract(self, a: Operand, b: Operand) -> CudaTensor:
-        return ew.binary(self, "subtract", a, b)
-
-    def multiply(self, a: Operand, b: Operand) -> CudaTensor:
-        return ew.binary(self, "multiply", a, b)
-
-    def divide(self, a: Operand, b: Operand) -> CudaTensor:
-        return ew.binary(self, "divide", a, b)
-
-    def maximum(self, a: Operand, b: Operand) -> CudaTensor:
-        return ew.binary(self, "maximum", a, b)
-
-    def minimum(self, a: Operand, b: Operand) -> CudaTensor:
-        return ew.binary(self, "minimum", a, b)
-
-    def power(self, a: Operand, b: Operand) -> CudaTensor:
-        return ew.binary(self, "power", a, b)
-
-    def exp(self, x: CudaTensor) -> CudaTensor:
-        return ew.unary(self, "exp", x)
-
-    def log(self, x: CudaTensor) -> CudaTensor:
-        return ew.unary(self, "log", x)
-
-    def sqrt(self, x: CudaTensor) -> CudaTensor:
-        return ew.unary(self, "sqrt", x)
-
-    def abs(self, x: CudaTensor) -> CudaTensor:
-        return ew.unary(self, "abs", x)
-
-    def tanh(self, x: CudaTensor) -> CudaTensor:
-        return ew.unary(self, "tanh", x)
-
-    def negative(self, x: CudaTensor) -> CudaTensor:
-        return ew.unary(self, "negative", x)
-
-    def relu(self, x: CudaTensor) -> CudaTensor:
-        return ew.unary(self, "relu", x)
-
-    def sigmoid(self, x: CudaTensor) -> CudaTensor:
-        return ew.unary(self, "sigmoid", x)
+    add, subtract, multiply, divide, maximum, minimum, power = map(_binary, (
+        "add", "subtract", "multiply", "divide", "maximum", "minimum", "power"))
+    exp, log, sqrt, abs, tanh, negative, relu, sigmoid = map(_unary, (
+        "exp", "log", "sqrt", "abs", "tanh", "negative", "relu", "sigmoid"))
 
     # -- reductions ---------------------------------------------------------------------
-    def reduce_sum(self, tensor: CudaTensor, axis: Axis = None,
-                   keepdims: bool = False) -> CudaTensor:
-        return red.reduce(self, "sum", tensor, axis, keepdims)
-
-    def reduce_max(self, tensor: CudaTensor, axis: Axis = None,
-                   keepdims: bool = False) -> CudaTensor:
-        return red.reduce(self, "max", tensor, axis, keepdims)
-
-    def reduce_min(self, tensor: CudaTensor, axis: Axis = None,
-                   keepdims: bool = False) -> CudaTensor:
-        return red.reduce(self, "min", tensor, axis, keepdims)
-
-    def reduce_mean(self, tensor: CudaTensor, axis: Axis = None,
-                    keepdims: bool = False) -> CudaTensor:
-        return red.reduce(self, "mean", tensor, axis, keepdims)
+    reduce_sum, reduce_max, reduce_min, reduce_mean = map(_reduce, (
+        "sum", "max", "min", "mean"))
 
     def argmax(self, tensor: CudaTensor, axis: Optional[int] = None,
                keepdims: bool = False) -> CudaTensor:
@@ -326,24 +297,9 @@ class CudaMath:
         return sh.astype(self, tensor, dtype)
 
     # -- comparisons and indexing (ops/indexing.py) ---------------------------------------
-    def equal(self, a: Operand, b: Operand) -> CudaTensor:
-        """a == b elementwise with broadcasting: a bool tensor."""
-        return ix.compare(self, "equal", a, b)
-
-    def not_equal(self, a: Operand, b: Operand) -> CudaTensor:
-        return ix.compare(self, "not_equal", a, b)
-
-    def less(self, a: Operand, b: Operand) -> CudaTensor:
-        return ix.compare(self, "less", a, b)
-
-    def less_equal(self, a: Operand, b: Operand) -> CudaTensor:
-        return ix.compare(self, "less_equal", a, b)
-
-    def greater(self, a: Operand, b: Operand) -> CudaTensor:
-        return ix.compare(self, "greater", a, b)
-
-    def greater_equal(self, a: Operand, b: Operand) -> CudaTensor:
-        return ix.compare(self, "greater_equal", a, b)
+    equal = _compare("equal", "a == b elementwise with broadcasting: a bool tensor.")
+    not_equal, less, less_equal, greater, greater_equal = map(_compare, (
+        "not_equal", "less", "less_equal", "greater", "greater_equal"))
 
     def where(self, cond: CudaTensor, a: Operand, b: Operand) -> CudaTensor:
         """np.where(cond, a, b): cond a bool tensor; a, b tensors of one dtype or scalars."""
@@ -389,15 +345,9 @@ def _math_for_backend(backend: CudaBackend) -> CudaMath:
 
 set_math_factory(_math_for_backend)
 
-_math: Optional[CudaMath] = None
-_math_lock = threading.Lock()
+_math = ProcessWide(lambda: CudaMath(get_cuda_backend()))
 
 
 def get_cuda_math() -> CudaMath:
     """The CudaMath instance for the process-wide backend."""
-    global _math
-    if _math is None:
-        with _math_lock:
-            if _math is None:
-                _math = CudaMath(get_cuda_backend())
-    return _math
+    return _math.get()

@@ -13,9 +13,8 @@ steps), cuda_ml_linear.py (linear layers, GEMM gradients, attention).
 from __future__ import annotations
 
 import enum
-import threading
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
@@ -25,6 +24,8 @@ from .cuda_ml_linear import LinearOps
 from .cuda_ml_normalization import NormalizationOps
 from .cuda_ml_training import TrainingOps
 from .errors import InvalidArgumentError
+from .process_wide import ProcessWide
+from .ops.common import LazyOp
 from .tensor import CudaTensor
 
 Pair = Union[int, Tuple[int, int]]
@@ -88,13 +89,6 @@ class OptimizerState:
 class CudaML(ActivationGradients, NormalizationOps, TrainingOps, LinearOps):
     """Neural-network operations over CudaMath tensors."""
 
-    # the ops, bound once on first use by the methods below (absent until then)
-    _op_conv2d: ClassVar[Any]
-    _op_conv2d_backward: ClassVar[Any]
-    _op_unary: ClassVar[Any]
-    _op_pool2d: ClassVar[Any]
-    _op_pool2d_backward: ClassVar[Any]
-
     def __init__(self, math: Optional[CudaMath] = None) -> None:
         self.math = math or get_cuda_math()
 
@@ -103,6 +97,8 @@ class CudaML(ActivationGradients, NormalizationOps, TrainingOps, LinearOps):
         return self.math.backend
 
     # -- convolution ---------------------------------------------------------------------
+    _op_conv2d = LazyOp("conv2d", "conv2d")
+
     def conv2d(self, input: CudaTensor, kernel: CudaTensor, config: ConvolutionConfig,
                bias: Optional[CudaTensor] = None, precision: Optional[str] = None) -> CudaTensor:
         """2-D cross-correlation, NCHW ⊛ KCRS -> NKPQ, with stride/padding/dilation/groups.
@@ -110,12 +106,9 @@ class CudaML(ActivationGradients, NormalizationOps, TrainingOps, LinearOps):
         float32 is float32-accurate by default (CUDA cores or 3xTF32 tensor cores, the
         autotuner's pick); precision="ieee" keeps CUDA cores, "tf32" opts into TF32.
         """
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = CudaML._op_conv2d
-        except AttributeError:
-            from .ops.conv2d import conv2d as op
-            CudaML._op_conv2d = staticmethod(op)
-        return op(self.math, input, kernel, config, bias, precision)
+        return self._op_conv2d(self.math, input, kernel, config, bias, precision)
+
+    _op_conv2d_backward = LazyOp("conv2d_backward", "conv2d_backward")
 
     def conv2d_backward(self, grad_out: CudaTensor, input: CudaTensor, kernel: CudaTensor,
                         config: ConvolutionConfig, has_bias: bool = False,
@@ -125,14 +118,12 @@ class CudaML(ActivationGradients, NormalizationOps, TrainingOps, LinearOps):
         every stride/padding/dilation/groups the forward takes. float32 is float32-accurate
         by default (the stride-1 input gradient may use 3xTF32 tensor cores, "ieee" keeps
         CUDA cores); precision="tf32" lets it use TF32 tensor cores."""
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = CudaML._op_conv2d_backward
-        except AttributeError:
-            from .ops.conv2d_backward import conv2d_backward as op
-            CudaML._op_conv2d_backward = staticmethod(op)
-        return op(self.math, grad_out, input, kernel, config, has_bias, precision)
+        return self._op_conv2d_backward(self.math, grad_out, input, kernel, config, has_bias,
+                                        precision)
 
     # -- activations ----------------------------------------------------------------------
+    _op_unary = LazyOp("elementwise", "unary")
+
     def activation(self, tensor: CudaTensor, activation_type: ActivationType,
                    alpha: Optional[float] = None) -> CudaTensor:
         """Elementwise activation; alpha applies to LEAKY_RELU (0.01) and ELU (1.0)."""
@@ -162,12 +153,7 @@ class CudaML(ActivationGradients, NormalizationOps, TrainingOps, LinearOps):
             params["alpha"] = 0.01 if alpha is None else float(alpha)
         elif activation_type is ActivationType.ELU:
             params["alpha"] = 1.0 if alpha is None else float(alpha)
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            unary = CudaML._op_unary
-        except AttributeError:
-            from .ops.elementwise import unary
-            CudaML._op_unary = staticmethod(unary)
-        return unary(self.math, activation_type._value_, tensor, **params)
+        return self._op_unary(self.math, activation_type._value_, tensor, **params)
 
     def gelu(self, tensor: CudaTensor, approximate: str = "tanh") -> CudaTensor:
         """GELU; approximate="tanh" (default) or "none" for the exact erf form."""
@@ -184,33 +170,22 @@ class CudaML(ActivationGradients, NormalizationOps, TrainingOps, LinearOps):
                 res = plan(tensor)
                 if res is not None:
                     return res
-        try:
-            unary = CudaML._op_unary
-        except AttributeError:
-            from .ops.elementwise import unary
-            CudaML._op_unary = staticmethod(unary)
-        return unary(m, op, tensor)
+        return self._op_unary(m, op, tensor)
 
     # -- pooling ------------------------------------------------------------------------
+    _op_pool2d = LazyOp("pooling", "pool2d")
+
     def max_pool2d(self, tensor: CudaTensor, pool_size: Pair, stride: Optional[Pair] = None,
                    padding: Pair = (0, 0)) -> CudaTensor:
         """Max over windows of an NCHW tensor (stride defaults to pool_size)."""
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = CudaML._op_pool2d
-        except AttributeError:
-            from .ops.pooling import pool2d as op
-            CudaML._op_pool2d = staticmethod(op)
-        return op(self.math, "max", tensor, pool_size, stride, padding)
+        return self._op_pool2d(self.math, "max", tensor, pool_size, stride, padding)
 
     def avg_pool2d(self, tensor: CudaTensor, pool_size: Pair, stride: Optional[Pair] = None,
                    padding: Pair = (0, 0)) -> CudaTensor:
         """Mean over windows (padding counted in the divisor, as PyTorch's default)."""
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = CudaML._op_pool2d
-        except AttributeError:
-            from .ops.pooling import pool2d as op
-            CudaML._op_pool2d = staticmethod(op)
-        return op(self.math, "avg", tensor, pool_size, stride, padding)
+        return self._op_pool2d(self.math, "avg", tensor, pool_size, stride, padding)
+
+    _op_pool2d_backward = LazyOp("pooling_backward", "pool2d_backward")
 
     def max_pool2d_backward(self, grad_out: CudaTensor, input: CudaTensor, pool_size: Pair,
                             stride: Optional[Pair] = None,
@@ -218,12 +193,8 @@ class CudaML(ActivationGradients, NormalizationOps, TrainingOps, LinearOps):
         """d max_pool2d(input, ...) / d input times grad_out: each window's gradient goes to
         the element the forward picked (first maximum, last NaN, as PyTorch's indices);
         input is the forward's, grad_out of its output shape. Deterministic (no atomics)."""
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = CudaML._op_pool2d_backward
-        except AttributeError:
-            from .ops.pooling_backward import pool2d_backward as op
-            CudaML._op_pool2d_backward = staticmethod(op)
-        return op(self.math, "max", grad_out, input, pool_size, stride, padding)
+        return self._op_pool2d_backward(self.math, "max", grad_out, input, pool_size, stride,
+                                        padding)
 
     def avg_pool2d_backward(self, grad_out: CudaTensor, input: CudaTensor, pool_size: Pair,
                             stride: Optional[Pair] = None,
@@ -231,23 +202,13 @@ class CudaML(ActivationGradients, NormalizationOps, TrainingOps, LinearOps):
         """d avg_pool2d(input, ...) / d input times grad_out: grad_out / (kh * kw) to every
         element of each window (padding counted, as the forward); input gives the shape,
         dtype and device only."""
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = CudaML._op_pool2d_backward
-        except AttributeError:
-            from .ops.pooling_backward import pool2d_backward as op
-            CudaML._op_pool2d_backward = staticmethod(op)
-        return op(self.math, "avg", grad_out, input, pool_size, stride, padding)
+        return self._op_pool2d_backward(self.math, "avg", grad_out, input, pool_size, stride,
+                                        padding)
 
 
-_ml: Optional[CudaML] = None
-_ml_lock = threading.Lock()
+_ml = ProcessWide(lambda: CudaML(get_cuda_math()))
 
 
 def get_cuda_ml() -> CudaML:
     """The CudaML instance for the process-wide backend."""
-    global _ml
-    if _ml is None:
-        with _ml_lock:
-            if _ml is None:
-                _ml = CudaML(get_cuda_math())
-    return _ml
+    return _ml.get()

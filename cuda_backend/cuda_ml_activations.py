@@ -5,9 +5,10 @@ per-call plan of (op, dtype, device) that the first general call makes. Also the
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from .errors import InvalidArgumentError
+from .ops.common import LazyOp
 from .tensor import CudaTensor
 
 if TYPE_CHECKING:
@@ -27,8 +28,8 @@ class ActivationGradients:
     """CudaML's activation gradients (a mixin: CudaML holds `math`)."""
 
     math: CudaMath
-    # the ops, bound once on first use by the methods below (absent until then)
-    _op_act_backward: ClassVar[Any]
+
+    _op_act_backward = LazyOp("activation_backward", "backward")
 
     def _activation_backward(self, op: str, grad_out: CudaTensor, v: CudaTensor,
                              alpha: Any = None) -> CudaTensor:
@@ -40,12 +41,7 @@ class ActivationGradients:
                 res = plan(grad_out, v, alpha)
                 if res is not None:
                     return res
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op_fn = ActivationGradients._op_act_backward
-        except AttributeError:
-            from .ops.activation_backward import backward as op_fn
-            ActivationGradients._op_act_backward = staticmethod(op_fn)
-        return op_fn(m, op, grad_out, v, alpha)
+        return self._op_act_backward(m, op, grad_out, v, alpha)
 
     def relu_backward(self, grad_out: CudaTensor, x: CudaTensor) -> CudaTensor:
         """d relu(x) / dx * grad_out: grad_out where x > 0, else 0 (0 at x == 0, as

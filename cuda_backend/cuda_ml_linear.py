@@ -5,8 +5,9 @@ its gradient (ops/attention.py, ops/attention_backward.py).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Optional, Tuple, Union
 
+from .ops.common import LazyOp
 from .tensor import CudaTensor
 
 if TYPE_CHECKING:
@@ -17,15 +18,6 @@ class LinearOps:
     """CudaML's linear layers, GEMM gradients and attention (a mixin: CudaML holds `math`)."""
 
     math: CudaMath
-    # the ops, bound once on first use by the methods below (absent until then)
-    _op_linear: ClassVar[Any]
-    _op_linear_backward: ClassVar[Any]
-    _op_fused_linear_gelu_backward: ClassVar[Any]
-    _op_matmul_backward: ClassVar[Any]
-    _op_flash_attention: ClassVar[Any]
-    _op_flash_attention_backward: ClassVar[Any]
-    _op_flash_attention_packed: ClassVar[Any]
-    _op_flash_attention_packed_backward: ClassVar[Any]
 
     # -- layers ---------------------------------------------------------------------------
     def fused_linear_gelu(self, x: CudaTensor, weight: CudaTensor,
@@ -57,30 +49,26 @@ class LinearOps:
         from .ops import linear
         return linear.fused_linear_gelu(m, x, weight, bias, precision)
 
+    _op_linear = LazyOp("linear", "linear")
+
     def linear(self, x: CudaTensor, weight: CudaTensor, bias: Optional[CudaTensor] = None,
                precision: Optional[str] = None) -> CudaTensor:
         """x Wᵀ + b in one kernel (the bias added in its store stage); weight is
         (out_features, in_features), x (..., in_features). Precision as fused_linear_gelu."""
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = LinearOps._op_linear
-        except AttributeError:
-            from .ops.linear import linear as op
-            LinearOps._op_linear = staticmethod(op)
-        return op(self.math, x, weight, bias, precision)
+        return self._op_linear(self.math, x, weight, bias, precision)
 
     # -- GEMM gradients (ops/matmul_backward.py) -------------------------------------------
+    _op_linear_backward = LazyOp("matmul_backward", "linear_backward")
+
     def linear_backward(self, grad_out: CudaTensor, x: CudaTensor, weight: CudaTensor,
                         has_bias: bool = True, precision: Optional[str] = None) -> Any:
         """The gradients of linear(x, weight, bias): (grad_x = grad_out W, grad_weight =
         grad_outᵀ x, grad_bias = grad_out's column sums, or None with has_bias=False), no
         transposed copy. float32 as matrix_multiply (3xTF32 or CUDA cores, the faster;
         "ieee": CUDA cores only); precision="tf32" uses TF32."""
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = LinearOps._op_linear_backward
-        except AttributeError:
-            from .ops.matmul_backward import linear_backward as op
-            LinearOps._op_linear_backward = staticmethod(op)
-        return op(self.math, grad_out, x, weight, has_bias, precision)
+        return self._op_linear_backward(self.math, grad_out, x, weight, has_bias, precision)
+
+    _op_fused_linear_gelu_backward = LazyOp("matmul_backward", "fused_linear_gelu_backward")
 
     def fused_linear_gelu_backward(self, grad_out: CudaTensor, x: CudaTensor,
                                    weight: CudaTensor, bias: Optional[CudaTensor] = None,
@@ -88,12 +76,9 @@ class LinearOps:
         """The gradients of fused_linear_gelu(x, weight, bias): (grad_x, grad_weight,
         grad_bias or None), through dZ = grad_out * GELU'(x Wᵀ + b) from one recompute whose
         epilogue applies the derivative (no pre-activation stored)."""
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = LinearOps._op_fused_linear_gelu_backward
-        except AttributeError:
-            from .ops.matmul_backward import fused_linear_gelu_backward as op
-            LinearOps._op_fused_linear_gelu_backward = staticmethod(op)
-        return op(self.math, grad_out, x, weight, bias, precision)
+        return self._op_fused_linear_gelu_backward(self.math, grad_out, x, weight, bias, precision)
+
+    _op_matmul_backward = LazyOp("matmul_backward", "matmul_backward")
 
     def matmul_backward(self, grad_out: CudaTensor, a: CudaTensor, b: CudaTensor,
                         precision: Optional[str] = None) -> Any:
@@ -101,12 +86,9 @@ class LinearOps:
         aᵀ grad_out), of a's and b's shapes (a broadcast batch summed), no transposed copy.
         float32 as matrix_multiply (3xTF32 or CUDA cores, the faster; "ieee": CUDA cores
         only); precision="tf32" uses TF32."""
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = LinearOps._op_matmul_backward
-        except AttributeError:
-            from .ops.matmul_backward import matmul_backward as op
-            LinearOps._op_matmul_backward = staticmethod(op)
-        return op(self.math, grad_out, a, b, precision)
+        return self._op_matmul_backward(self.math, grad_out, a, b, precision)
+
+    _op_flash_attention = LazyOp("attention", "flash_attention")
 
     def flash_attention(self, q: CudaTensor, k: CudaTensor, v: CudaTensor,
                         scale: Optional[float] = None, causal: bool = False,
@@ -116,12 +98,7 @@ class LinearOps:
         of each row's sum of exp(scale q·k) (-inf without keys), for flash_attention_backward."""
         m = self.math
         if return_lse is not False:   # ops/attention.py looks up its plan ("flash_attention_lse")
-            try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-                op = LinearOps._op_flash_attention
-            except AttributeError:
-                from .ops.attention import flash_attention as op
-                LinearOps._op_flash_attention = staticmethod(op)
-            return op(m, q, k, v, scale, causal, return_lse=return_lse)
+            return self._op_flash_attention(m, q, k, v, scale, causal, return_lse=return_lse)
         if type(causal) is bool and (scale is None or type(scale) is float) and \
                 type(q) is CudaTensor and type(k) is CudaTensor and type(v) is CudaTensor:
             # the plan of ops/attention.py flash_attention (same key), looked up here too so
@@ -136,6 +113,8 @@ class LinearOps:
                     return res
         from .ops import attention
         return attention.flash_attention(m, q, k, v, scale, causal)
+
+    _op_flash_attention_backward = LazyOp("attention_backward", "flash_attention_backward")
 
     def flash_attention_backward(self, grad_out: CudaTensor, q: CudaTensor, k: CudaTensor,
                                  v: CudaTensor, out: CudaTensor, lse: CudaTensor,
@@ -155,12 +134,9 @@ class LinearOps:
                 res = fast(grad_out, q, k, v, out, lse, scale)
                 if res is not None:
                     return res
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = LinearOps._op_flash_attention_backward
-        except AttributeError:
-            from .ops.attention_backward import flash_attention_backward as op
-            LinearOps._op_flash_attention_backward = staticmethod(op)
-        return op(m, grad_out, q, k, v, out, lse, scale, causal)
+        return self._op_flash_attention_backward(m, grad_out, q, k, v, out, lse, scale, causal)
+
+    _op_flash_attention_packed = LazyOp("attention_packed", "flash_attention_packed")
 
     def flash_attention_packed(self, qkv: CudaTensor, heads: int,
                                scale: Optional[float] = None, causal: bool = False,
@@ -168,12 +144,10 @@ class LinearOps:
         """flash_attention of the q, k, v packed in a fused projection qkv (batch, seq,
         3 * heads * head_dim), read in place (no permute copies): out (batch, seq, heads *
         head_dim); return_lse=True gives (out, lse), lse float32 (batch, heads, seq)."""
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = LinearOps._op_flash_attention_packed
-        except AttributeError:
-            from .ops.attention_packed import flash_attention_packed as op
-            LinearOps._op_flash_attention_packed = staticmethod(op)
-        return op(self.math, qkv, heads, scale, causal, return_lse)
+        return self._op_flash_attention_packed(self.math, qkv, heads, scale, causal, return_lse)
+
+    _op_flash_attention_packed_backward = LazyOp("attention_packed",
+                                                 "flash_attention_packed_backward")
 
     def flash_attention_packed_backward(self, grad_out: CudaTensor, qkv: CudaTensor,
                                         out: CudaTensor, lse: CudaTensor, heads: int,
@@ -181,12 +155,8 @@ class LinearOps:
                                         causal: bool = False) -> CudaTensor:
         """grad of qkv (batch, seq, 3 * heads * head_dim) for flash_attention_packed's output
         gradient grad_out (batch, seq, heads * head_dim), from its out and lse."""
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = LinearOps._op_flash_attention_packed_backward
-        except AttributeError:
-            from .ops.attention_packed import flash_attention_packed_backward as op
-            LinearOps._op_flash_attention_packed_backward = staticmethod(op)
-        return op(self.math, grad_out, qkv, out, lse, heads, scale, causal)
+        return self._op_flash_attention_packed_backward(self.math, grad_out, qkv, out, lse, heads,
+                                                        scale, causal)
 
     def sketched_linear(self, x: CudaTensor, U: CudaTensor, V: CudaTensor,
                         bias: Optional[CudaTensor] = None) -> CudaTensor:

@@ -4,8 +4,9 @@
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+from .ops.common import LazyOp
 from .tensor import CudaTensor
 
 if TYPE_CHECKING:
@@ -17,15 +18,10 @@ class TrainingOps:
     """CudaML's loss, dropout and optimizer steps (a mixin: CudaML holds `math`)."""
 
     math: CudaMath
-    # the ops, bound once on first use by the methods below (absent until then)
-    _op_cross_entropy: ClassVar[Any]
-    _op_cross_entropy_backward: ClassVar[Any]
-    _op_dropout: ClassVar[Any]
-    _op_dropout_backward: ClassVar[Any]
-    _op_sgd_update: ClassVar[Any]
-    _op_adam_update: ClassVar[Any]
 
     # -- losses ---------------------------------------------------------------------------
+    _op_cross_entropy = LazyOp("cross_entropy", "cross_entropy")
+
     def cross_entropy(self, logits: CudaTensor, labels: CudaTensor, reduction: str = "mean",
                       ignore_index: int = -100, check_labels: bool = True,
                       return_row_stats: bool = False) -> Any:
@@ -38,13 +34,10 @@ class TrainingOps:
         return_row_stats=True returns (loss, row_stats): each row's max and sum of
         exp(x - max), (N, 2), for cross_entropy_backward(..., row_stats=) to read the
         logits once."""
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = TrainingOps._op_cross_entropy
-        except AttributeError:
-            from .ops.cross_entropy import cross_entropy as op
-            TrainingOps._op_cross_entropy = staticmethod(op)
-        return op(self.math, logits, labels, reduction, ignore_index, check_labels,
-                  return_row_stats)
+        return self._op_cross_entropy(self.math, logits, labels, reduction, ignore_index,
+                                      check_labels, return_row_stats)
+
+    _op_cross_entropy_backward = LazyOp("cross_entropy", "cross_entropy_backward")
 
     def cross_entropy_backward(self, logits: CudaTensor, labels: CudaTensor,
                                grad_loss: Any = 1.0, reduction: str = "mean",
@@ -55,15 +48,12 @@ class TrainingOps:
         a number, or a tensor (shape () or (1,) for "mean"/"sum", (N,) for "none").
         Labels are checked as in cross_entropy. row_stats: the forward's (see
         cross_entropy's return_row_stats) for these logits: one read of them, not two."""
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = TrainingOps._op_cross_entropy_backward
-        except AttributeError:
-            from .ops.cross_entropy import cross_entropy_backward as op
-            TrainingOps._op_cross_entropy_backward = staticmethod(op)
-        return op(self.math, logits, labels, grad_loss, reduction, ignore_index, check_labels,
-                  row_stats)
+        return self._op_cross_entropy_backward(self.math, logits, labels, grad_loss, reduction,
+                                               ignore_index, check_labels, row_stats)
 
     # -- regularization -------------------------------------------------------------------
+    _op_dropout = LazyOp("dropout", "dropout")
+
     def dropout(self, tensor: CudaTensor, keep_prob: float = 0.5, seed: Optional[int] = None,
                 return_mask: bool = False) -> Any:
         """Zero each element with probability 1-keep_prob and scale the rest by 1/keep_prob.
@@ -71,41 +61,27 @@ class TrainingOps:
         Counter-based RNG: the same seed gives the same mask. Returns the output, or
         (output, mask) with return_mask=True (mask is uint8).
         """
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = TrainingOps._op_dropout
-        except AttributeError:
-            from .ops.dropout import dropout as op
-            TrainingOps._op_dropout = staticmethod(op)
-        return op(self.math, tensor, keep_prob, seed, return_mask)
+        return self._op_dropout(self.math, tensor, keep_prob, seed, return_mask)
+
+    _op_dropout_backward = LazyOp("dropout", "dropout_backward")
 
     def dropout_backward(self, grad_out: CudaTensor, keep_prob: float, seed: int) -> CudaTensor:
         """grad_out times the mask `dropout(x, keep_prob, seed)` drew, divided by keep_prob:
         the mask regenerated from the seed (element i of grad_out pairs with element i of
         x, so grad_out has x's element count)."""
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = TrainingOps._op_dropout_backward
-        except AttributeError:
-            from .ops.dropout import dropout_backward as op
-            TrainingOps._op_dropout_backward = staticmethod(op)
-        return op(self.math, grad_out, keep_prob, seed)
+        return self._op_dropout_backward(self.math, grad_out, keep_prob, seed)
 
     # -- optimizers -----------------------------------------------------------------------
+    _op_sgd_update = LazyOp("optimizers", "sgd_update")
+
     def sgd_update(self, params: CudaTensor, gradients: CudaTensor,
                    momentum: Optional[CudaTensor], optimizer_state: OptimizerState) -> None:
         """One fused SGD step in place (momentum buffer optional; Nesterov and weight decay)."""
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = TrainingOps._op_sgd_update
-        except AttributeError:
-            from .ops.optimizers import sgd_update as op
-            TrainingOps._op_sgd_update = staticmethod(op)
-        op(self.math, params, gradients, momentum, optimizer_state)
+        self._op_sgd_update(self.math, params, gradients, momentum, optimizer_state)
+
+    _op_adam_update = LazyOp("optimizers", "adam_update")
 
     def adam_update(self, params: CudaTensor, gradients: CudaTensor, m_buffer: CudaTensor,
                     v_buffer: CudaTensor, optimizer_state: OptimizerState) -> None:
         """One fused Adam/AdamW step in place, with bias correction; advances state.step."""
-        try:  # the op, bound once: a per-call `from .ops import` costs ~0.5 us
-            op = TrainingOps._op_adam_update
-        except AttributeError:
-            from .ops.optimizers import adam_update as op
-            TrainingOps._op_adam_update = staticmethod(op)
-        op(self.math, params, gradients, m_buffer, v_buffer, optimizer_state)
+        self._op_adam_update(self.math, params, gradients, m_buffer, v_buffer, optimizer_state)

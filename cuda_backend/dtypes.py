@@ -149,6 +149,21 @@ def _equal_member(other: Union[str, np.dtype, type]) -> Any:
     return hit
 
 
+_HOST: dict = {}   # host arrays' NumPy dtypes -> member, as from_any gives it
+
+
+def from_host_dtype(dt: np.dtype) -> CudaDataType:
+    """CudaDataType.from_any(dt) for a host array's dtype, remembered (from_any scans the
+    members; a process meets few host dtypes, at most 64 are kept): the host-to-device
+    copies' per-call lookup."""
+    hit = _HOST.get(dt)
+    if hit is None:
+        hit = CudaDataType.from_any(dt)
+        if len(_HOST) < 64:
+            _HOST[dt] = hit
+    return hit
+
+
 def to_bfloat16_bits(array: np.ndarray) -> np.ndarray:
     """float32 (or anything castable) -> uint16 bfloat16 bit patterns, round to nearest even."""
     a = np.ascontiguousarray(array, dtype=np.float32)

@@ -20,6 +20,7 @@ import jinja2
 
 from .dtypes import CudaDataType
 from .errors import InvalidArgumentError
+from .process_wide import ProcessWide
 
 # Every parameter set the package renders, by template: the CI renders and compiles all.
 _FLOAT_TYPES = [CudaDataType.FLOAT32, CudaDataType.FLOAT64, CudaDataType.FLOAT16,
@@ -223,15 +224,9 @@ class KernelGenerator:
         return backend.get_device_info(backend.current_device if device_id is None else device_id)
 
 
-_generator: Optional[KernelGenerator] = None
-_generator_lock = threading.Lock()
+_generator = ProcessWide(KernelGenerator)
 
 
 def get_kernel_generator() -> KernelGenerator:
     """The process-wide kernel generator."""
-    global _generator
-    if _generator is None:
-        with _generator_lock:
-            if _generator is None:
-                _generator = KernelGenerator()
-    return _generator
+    return _generator.get()

@@ -91,29 +91,18 @@ class MemoryPool(StreamOrder):
         self._hits = 0
         self._misses = 0
         self._oom_retries = 0
-        self._peak = self._active_total()
-        self._base_blocks = self._active_blocks_total() - self._deferred_blocks
+        self._peak = self._total("active_bytes")
+        self._base_blocks = self._total("active_blocks") - self._deferred_blocks
         self._managed = self._pool.managed_bytes
         self._large_managed = self._large.managed_bytes if self._large is not None else 0
 
     # -- the two pools' counters together ------------------------------------------
-    def _active_total(self) -> int:
+    def _total(self, counter: str) -> int:
+        """The pool's counter (active_bytes, managed_bytes, held_blocks, active_blocks) plus
+        the large-block pool's, where there is one."""
         large = self._large
-        return int(self._pool.active_bytes) + (large.active_bytes if large is not None else 0)
-
-    def _managed_total(self) -> int:
-        large = self._large
-        return int(self._pool.managed_bytes) + (large.managed_bytes if large is not None
-                                                else 0)
-
-    def _held_blocks_total(self) -> int:
-        large = self._large
-        return int(self._pool.held_blocks) + (large.held_blocks if large is not None else 0)
-
-    def _active_blocks_total(self) -> int:
-        large = self._large
-        return int(self._pool.active_blocks) + (large.active_blocks if large is not None
-                                                else 0)
+        return int(getattr(self._pool, counter)) + (0 if large is None else
+                                                     getattr(large, counter))
 
     # -- allocation -----------------------------------------------------------------
     def allocate(self, nbytes: int, stream: Any = _CURRENT) -> Any:
@@ -265,13 +254,13 @@ class MemoryPool(StreamOrder):
 
     def _check_limit(self, nbytes: int) -> None:
         size = self._alloc_size(nbytes)
-        if self._managed_total() + size <= self._limit:
+        if self._total("managed_bytes") + size <= self._limit:
             return
         self._flush_deferred()
         self._free_held()
-        if self._active_total() + size > self._limit:
+        if self._total("active_bytes") + size > self._limit:
             raise CudaOutOfMemoryError(
-                nbytes, self.device_id, self._active_total(), self.free_bytes(),
+                nbytes, self.device_id, self._total("active_bytes"), self.free_bytes(),
                 self._limit,
                 reason=f"it would exceed the pool limit of {self._limit} bytes "
                        f"(set with set_limit)")
@@ -326,18 +315,18 @@ class MemoryPool(StreamOrder):
 
     def used_bytes(self) -> int:
         self._settle()
-        return self._active_total() - self._deferred_bytes
+        return self._total("active_bytes") - self._deferred_bytes
 
     def total_bytes(self) -> int:
-        return self._managed_total()
+        return self._total("managed_bytes")
 
     def free_bytes(self) -> int:
         self._settle()
-        return self._managed_total() - self._active_total() + self._deferred_bytes
+        return self._total("managed_bytes") - self._total("active_bytes") + self._deferred_bytes
 
     def n_free_blocks(self) -> int:
         self._settle()
-        return self._held_blocks_total() + self._deferred_blocks
+        return self._total("held_blocks") + self._deferred_blocks
 
     def free_all_blocks(self) -> None:
         """Return every cached (unused) block to the driver, after the stream work that
@@ -369,23 +358,23 @@ class MemoryPool(StreamOrder):
         return self._limit
 
     def reset_peak_stats(self) -> None:
-        self._peak = self._active_total()
+        self._peak = self._total("active_bytes")
 
     def get_stats(self) -> Dict[str, int]:
         """The documented API's keys plus cache and hit statistics. Blocks waiting in stream-ordered
         free lists count as cached, not active."""
         self._settle()
         count = self._hits + self._misses
-        active_blocks = self._active_blocks_total() - self._deferred_blocks
+        active_blocks = self._total("active_blocks") - self._deferred_blocks
         return {
             "total_allocated": self._total_requested,
-            "active_memory": self._active_total() - self._deferred_bytes,
+            "active_memory": self._total("active_bytes") - self._deferred_bytes,
             "peak_allocated": int(self._peak),
             "allocation_count": count,
             "active_blocks": active_blocks,
             "cached_bytes": self.free_bytes(),
             "free_count": max(count - (active_blocks - self._base_blocks), 0),
-            "n_free_blocks": self._held_blocks_total() + self._deferred_blocks,
+            "n_free_blocks": self._total("held_blocks") + self._deferred_blocks,
             "hits": self._hits,
             "misses": self._misses,
             "oom_retries": self._oom_retries,

@@ -61,6 +61,8 @@ _EW = ("elementwise.cu.j2",)
 _FILL = ("fill.cu.j2",)
 _REDUCE = ("reduce.cu.j2", "reduce_axis.cu.j2")
 _MM = ("matmul_simt.cu.j2", "matmul_mma.cu.j2", "matmul_skinny.cu.j2")
+# the 16-bit wgmma GEMM (sm_90a) and the strided copy that pads its B's rows (ops/shape_copy.py)
+_WGMMA16 = ("matmul_wgmma16.cu.j2", "strided_copy.cu.j2")
 _CONV = ("conv2d_simt.cu.j2", "conv2d_mma.cu.j2", "conv2d_prep.cu.j2", "conv2d_direct.cu.j2")
 _T_EW = "tests/test_elementwise.py"
 _STRIDED = ("strided_copy.cu.j2",)
@@ -94,15 +96,13 @@ _ENTRIES: List[OpEntry] = [
     # CudaMath: reductions
     *[_math(op, "reduction", _REDUCE, "tests/test_reduce.py", f"vector/{op}", f"matrix/{op}")
       for op in ("reduce_sum", "reduce_max", "reduce_min", "reduce_mean", "argmax")],
-    _math("softmax", "softmax", ("softmax.cu.j2",), "tests/test_softmax.py",
-          "matrix/softmax"),
-    _math("log_softmax", "softmax", ("softmax.cu.j2",), "tests/test_softmax.py",
-          "matrix/log_softmax"),
+    *[_math(op, "softmax", ("softmax.cu.j2",), "tests/test_softmax.py", f"matrix/{op}")
+      for op in ("softmax", "log_softmax")],
     # CudaMath: matrices (matmul: fill.cu.j2 for K == 0, transpose.cu.j2 for wgmma's B)
     _math("matrix_transpose", "transpose", ("transpose.cu.j2",), "tests/test_transpose.py",
           "matrix/matrix_transpose"),
     _math("matrix_multiply", "matmul", _MM + ("matmul_wgmma.cu.j2",) + _FILL +
-          ("transpose.cu.j2",), "tests/test_matmul.py", "matrix/matrix_multiply"),
+          ("transpose.cu.j2",) + _WGMMA16, "tests/test_matmul.py", "matrix/matrix_multiply"),
     # CudaMath: shapes (views: no kernel; permute's plain 2-D transposes: transpose.cu.j2)
     _math("reshape", "shape", (), _T_SHAPE, "matrix/reshape"),
     _math("view", "shape", (), _T_SHAPE, "matrix/view"),
@@ -156,7 +156,7 @@ _ENTRIES: List[OpEntry] = [
     # transpose.cu.j2 for TF32's transposed A, the reductions for bias and batch sums
     _ml("linear", "linear", _MM, "tests/test_matmul_backward.py", "ml/linear"),
     *[_ml(op, "matmul_backward", _MM + ("matmul_wgmma.cu.j2",) + _FILL + ("transpose.cu.j2",)
-          + _REDUCE, "tests/test_matmul_backward.py", f"ml/{op}")
+          + _REDUCE + _WGMMA16, "tests/test_matmul_backward.py", f"ml/{op}")
       for op in ("matmul_backward", "linear_backward", "fused_linear_gelu_backward")],
     *[_ml(f"{kind}_pool2d_backward", "pooling_backward", ("pool2d_backward.cu.j2",),
           "tests/test_pooling_backward.py", f"ml/{kind}_pool2d_backward")

@@ -91,6 +91,14 @@ class Runtime(ABC):
     def synchronize(self, device_id: Optional[int]) -> None:
         """Wait for one device (a valid id) or, with None, every device that was used."""
 
+    def error_slot(self, key: Any, make_error: Any) -> int:
+        """The device pointer of a checking kernel's error slot (device_errors.py)."""
+        raise NotImplementedError("device-side checks run only on a GPU")
+
+    def raise_device_errors(self) -> None:
+        """Raise what checking kernels found since the last call (device_errors.py); the host
+        runtime's checks raise at once, so nothing is pending here."""
+
     @abstractmethod
     def wait_for_foreign_stream(self, handle: int, device_id: int) -> None:
         """Order this thread's stream on device_id after another library's stream."""

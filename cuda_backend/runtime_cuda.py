@@ -13,6 +13,7 @@ import numpy as np
 
 from .compiler import KernelCompiler
 from .contexts import ContextManager as DeviceContexts
+from .device_errors import DeviceErrors
 from .devices import CudaDeviceInfo, enumerate_devices
 from .driver import stream_wait_stream
 from .dtypes import CudaDataType
@@ -63,6 +64,9 @@ class CudaRuntime(Runtime):
         self.transfers = TransferEngine(drv, contexts, self.pinned)
         self.compiler = KernelCompiler(drv, contexts, devices)
         self.launcher = Launcher(drv, self.compiler, contexts, devices)
+        self.errors = DeviceErrors(drv)
+        self.error_slot = self.errors.slot                  # type: ignore[method-assign]
+        self.raise_device_errors = self.errors.raise_pending  # type: ignore[method-assign]
         # the per-call paths, one call deep (instance attributes over the parts' methods)
         self.validate = contexts.validate
         self.current_device = contexts.current_device
@@ -98,6 +102,7 @@ class CudaRuntime(Runtime):
                     self.drv.Context.synchronize()
                 except self.drv.Error as exc:
                     raise driver_failure(f"synchronize of device {dev}", exc, dev) from None
+        self.errors.raise_pending()
 
     def wait_for_foreign_stream(self, handle: int, device_id: int) -> None:
         current = current_pycuda_stream(device_id)
@@ -131,8 +136,10 @@ class CudaRuntime(Runtime):
     def copy_from_device(self, target: np.ndarray, ptr: int, dev: int,
                          capacity: Optional[int], stream: Any) -> float:
         no_capture(dev, "a synchronous copy to the host (copy_from_device, to_numpy)")
-        return self.transfers.from_device(target, ptr, dev, resolve_stream(stream, dev),
-                                          capacity)
+        ms = self.transfers.from_device(target, ptr, dev, resolve_stream(stream, dev),
+                                        capacity)
+        self.errors.raise_pending()
+        return ms
 
     def check_pinned(self, host: np.ndarray, what: str) -> None:
         if not is_pinned(host):

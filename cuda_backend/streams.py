@@ -62,6 +62,7 @@ class Event:
 
     def synchronize(self) -> None:
         self.pycuda_event.synchronize()
+        self._backend.raise_device_errors()
 
     def query(self) -> bool:
         return self.pycuda_event.query()
@@ -94,6 +95,7 @@ class Stream:
                 "records work, nothing runs until graph.replay()")
         with self._backend.activate(self.device_id):
             self.pycuda_stream.synchronize()
+        self._backend.raise_device_errors()
 
     def query(self) -> bool:
         return self.pycuda_stream.is_done()

@@ -154,6 +154,24 @@ def install_fake_pycuda(sm_count: int = 132) -> None:
     drv.memcpy_htod_async = drv.memcpy_dtoh_async = drv.memcpy_dtod_async = lambda *a: None
     drv.memset_d32_async = lambda *a: None
 
+    class _HostPointer:   # the base of a mapped page-locked array (device_errors.py)
+        def get_device_pointer(self) -> int:
+            return 0x6000000
+
+    class _Mapped:
+        """A host array with PyCUDA's `.base.get_device_pointer()` (numpy imported late:
+        the stubs go in before anything else)."""
+
+        def __new__(cls, shape: tuple, dtype: object, mem_flags: int = 0) -> object:
+            import numpy
+
+            class _MappedArray(numpy.ndarray):
+                base = _HostPointer()
+            return numpy.zeros(shape, dtype).view(_MappedArray)
+
+    drv.host_alloc_flags = types.SimpleNamespace(PORTABLE=1, DEVICEMAP=2)
+    drv.pagelocked_zeros = _Mapped
+
     class _Allocation:
         def __init__(self, n: int) -> None:
             self.n = n

@@ -773,7 +773,7 @@ STUB_SCRIPT = script(STUBS, r'''
         for r in call():
             r.free()
         m.plans.pop(key, None)
-        active = pool._active_blocks_total()
+        active = pool._total("active_blocks")
         launches.clear()
         r1 = call()
         assert key in m.plans, key
@@ -792,7 +792,7 @@ STUB_SCRIPT = script(STUBS, r'''
         assert [(r.shape, r.dtype) for r in r2] == meta
         for r in r2:
             r.free()
-        assert pool._active_blocks_total() == active, "a temporary was not given back"
+        assert pool._total("active_blocks") == active, "a temporary was not given back"
 
     f32, f16, bf16 = np.float32, np.float16, DT.BFLOAT16
     for shape_q, shape_k, dt, scale, causal in (

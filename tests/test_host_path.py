@@ -272,7 +272,7 @@ GEMM_SCRIPT = script(STUBS, r'''
         temporaries back in the pool."""
         call().free()
         m.plans.pop(key, None)
-        active = pool._active_blocks_total()
+        active = pool._total("active_blocks")
         launches.clear()
         r1 = call()
         assert key in m.plans, key
@@ -281,7 +281,7 @@ GEMM_SCRIPT = script(STUBS, r'''
         ref = slots(r1)
         for k in ("_block", "_owner", "_pool"):   # (the general result may be a view)
             del ref[k]
-        assert pool._active_blocks_total() == active + 1      # temporaries given back
+        assert pool._total("active_blocks") == active + 1      # temporaries given back
         r1.free()
         launches.clear()
         general_path_off()
@@ -294,7 +294,7 @@ GEMM_SCRIPT = script(STUBS, r'''
         assert got.pop("_owner") is None and got.pop("_block") is not None
         assert got.pop("_pool") is pool
         assert got == ref, (got, ref)
-        assert pool._active_blocks_total() == active + 1
+        assert pool._total("active_blocks") == active + 1
         return r2
 
     # -- matmul: each family and launch shape

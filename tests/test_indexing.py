@@ -387,23 +387,30 @@ TAKE_STUB_SCRIPT = r'''
     launches.clear()
     m.take(V, I, axis=0).free()
     assert [len(a[2]) for a in launches] == [CHECK, ROWS]
-    # a set flag raises from the general path and from the plan, and frees the result
-    fill[0] = 1
-    before = pool.get_stats()["active_blocks"]
+    # a slot the check kernel set: the call returned, the next synchronizing call raises
+    # (once), whether it is synchronize or a copy to the host
     for _ in range(2):
-        with pytest.raises(IndexOutOfRangeError, match="take: an index is out of bounds"):
-            m.take(E, I, axis=0)
-        assert pool.get_stats()["active_blocks"] == before
+        r = m.take(E, I, axis=0)
+        device_sets("take", 0, E.shape[0])
+        with pytest.raises(IndexOutOfRangeError,
+                           match="take: an index is out of bounds.*next synchronizing call"):
+            b.synchronize()
+        r.free()
+        b.synchronize()
     x = m.from_numpy(np.ones((3, 4), np.float32))
+    r = m.gather(x, m.from_numpy(np.zeros((3, 1), np.int32)), axis=1)
+    device_sets("gather", 1, 4)
     with pytest.raises(IndexOutOfRangeError, match="gather"):
-        m.gather(x, m.from_numpy(np.zeros((3, 1), np.int32)), axis=1)
+        m.to_numpy(r)
     t, j, src = m.zeros((3, 2)), m.from_numpy(np.zeros(2, np.int64)), m.zeros((2, 2))
     launches.clear()
+    m.scatter_add(t, j, src)
+    assert len(launches) == 2                 # the check, then the adds
+    device_sets("scatter_add", 0, 3)
     with pytest.raises(IndexOutOfRangeError, match="scatter_add"):
-        m.scatter_add(t, j, src)
-    assert len(launches) == 2                 # the check, then the adds (queued before)
-    fill[0] = 0
+        b.synchronize()
     m.take(E, I, axis=0).free()
+    b.synchronize()
     print("OK")
 '''
 
@@ -411,10 +418,20 @@ PINNED_STUB = r'''
     class FakeHostAllocation:     # transfers.is_pinned looks for this name among the bases
         def __init__(self, a):
             self.a, self.__array_interface__ = a, a.__array_interface__
-    fill = [0]                    # what the "copied" bounds flags hold
     sys.modules["pycuda.driver"].Event.__init__ = lambda self, flags=0: None   # (flags too)
     sys.modules["pycuda.tools"].PageLockedMemoryPool.allocate = \
-        lambda self, shape, dtype: np.asarray(FakeHostAllocation(np.full(shape, fill[0], dtype)))
+        lambda self, shape, dtype: np.asarray(FakeHostAllocation(np.zeros(shape, dtype)))
+    mapped = []                   # the error slots' mapped host array (device_errors.py)
+    _zeros = sys.modules["pycuda.driver"].pagelocked_zeros
+    sys.modules["pycuda.driver"].pagelocked_zeros = \
+        lambda *a, **k: mapped.append(_zeros(*a, **k)) or mapped[-1]
+
+    def device_sets(what, ax, size):
+        """What the check kernel does for a bad index: set the slot of (what, ax, size)."""
+        from cuda_backend.ops.indexing_bounds import bounds_slot
+        ptr = bounds_slot(m, what, ax, size)
+        slots_ = mapped[0]
+        slots_.reshape(-1)[(ptr - slots_.base.get_device_pointer()) // 4] = 1
 '''
 
 
@@ -516,16 +533,17 @@ GATHER_SCATTER_STUB_SCRIPT = r"""
     dead_x.free()
     with pytest.raises(TensorFreedError):
         m.gather(dead_x, m.from_numpy(np.zeros((64, 3), np.int64)), 1, False)
-    # a set flag raises from both plans (the gather's result freed)
-    fill[0] = 1
-    before = pool.get_stats()["active_blocks"]
+    # a slot set behind either plan raises from the next synchronizing call
     for _ in range(2):
+        r = m.gather(h, j243, -1)
+        device_sets("gather", 2, 5)
+        r.free()
         with pytest.raises(IndexOutOfRangeError, match="gather: an index is out of bounds"):
-            m.gather(h, j243, -1)
-        assert pool.get_stats()["active_blocks"] == before
+            b.synchronize()
+        m.scatter_add(t3, j22, s3, 1)
+        device_sets("scatter_add", 1, 5)
         with pytest.raises(IndexOutOfRangeError, match="scatter_add"):
-            m.scatter_add(t3, j22, s3, 1)
-    fill[0] = 0
+            b.synchronize()
     s = b.stream()             # (last: the stub's events cannot settle stream-ordered frees)
     launches.clear()
     with s:

@@ -1,8 +1,8 @@
 """Helpers every op module uses: operand checks, precision names, broadcasting, launch sizing,
-host fallback."""
+host fallback; and how CudaMath's and CudaML's methods reach their ops (LazyOp, named_method)."""
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
@@ -327,3 +327,37 @@ class TicketCounters:
                 m.backend.memset_async(t, 0, stream)    # an async memset: capturable
                 per[key] = t
             return t
+
+
+# -- the public methods' binding to their op --------------------------------------------------
+class LazyOp:
+    """A class attribute standing for the op function ops/<module>.<name>, which CudaML's
+    methods call: the first access imports it and puts it on the class in this descriptor's
+    place (a staticmethod), so later calls cost a class attribute lookup where a per-call
+    `from .ops import` would cost ~0.5 us, and importing cuda_ml imports no op module."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module = module
+        self.name = name
+
+    def __set_name__(self, owner: type, attr: str) -> None:
+        self.owner = owner
+        self.attr = attr
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        import importlib
+        fn = getattr(importlib.import_module(f".{self.module}", __package__), self.name)
+        setattr(self.owner, self.attr, staticmethod(fn))
+        return fn
+
+
+Method = TypeVar("Method", bound=Callable)
+
+
+def named_method(fn: Method, owner: str, name: str, doc: str) -> Method:
+    """fn, a method that a factory made for the class `owner` (one per op of a table), named
+    owner.name as help() and tracebacks show it, and documented by doc."""
+    fn.__name__ = name
+    fn.__qualname__ = f"{owner}.{name}"
+    fn.__doc__ = doc
+    return fn

@@ -20,15 +20,14 @@ for float64), labels int32 or int64:
   by the count for "mean".
 
 Labels out of range: a label outside [0, C) that is not ignore_index is an error
-(InvalidArgumentError naming the first such row and its label), as NumPy indexing and
-PyTorch raise. The kernels report such rows through a device flag (an int32 pair zeroed by
-an 8-byte asynchronous memset before the launch); after the launch the host reads it back
-with a synchronizing 8-byte device-to-host copy. The cost: the call waits for its kernels
-(it is no longer asynchronous: the host cannot queue more work behind it), one memset and
-one small copy more per call (about what a small to_numpy costs; not yet measured for this
-op), and the call cannot be captured in a CUDA graph (a synchronous copy). check_labels=False
-skips the flag, the memset and the wait: such rows then give a NaN loss (and a NaN gradient
-row), so a "mean" or "sum" turns NaN. Fallback mode computes `reference` in float64 and
+(InvalidArgumentError naming such a row), as NumPy indexing and PyTorch raise. The kernels
+find it and set the call's error slot (cuda_backend/device_errors.py: page-locked host memory
+mapped into the device); the call returns at once and the next synchronizing call
+(synchronize, to_numpy, item, ...) raises, as PyTorch's device-side checks do; in fallback
+mode the call itself raises. Nothing waits, so the check costs nothing on the device and the
+checked call can be queued behind others. check_labels=False skips it: such rows then give a
+NaN loss (and a NaN gradient row), so a "mean" or "sum" turns NaN. Fallback mode computes
+`reference` in float64 and
 rounds once.
 """
 from __future__ import annotations
@@ -41,8 +40,8 @@ from ..dtypes import CudaDataType
 from ..errors import InvalidArgumentError
 from ..tensor import CudaTensor, pool_tensor
 from . import common
-from .cross_entropy_checks import (check_flag, check_grad, check_operands, check_row_stats,
-                                   host_check_labels, new_flag)
+from .cross_entropy_checks import (check_grad, check_operands, check_row_stats,
+                                   host_check_labels, label_slot)
 from .cross_entropy_plans import (BWD_BLOCK_CONFIGS, BWD_WARP_NV, FINISH_BLOCK,
                                   FWD_BLOCKS, MAX_GRID, STATS_NV, TEMPLATE, acc_dtype,
                                   backward_candidates, forward_candidates, grid,
@@ -186,7 +185,7 @@ def cross_entropy(m: Any, logits: CudaTensor, labels: CudaTensor, reduction: str
         return _host_forward(m, logits, labels, reduction, ignore_index, check_labels,
                              return_row_stats)
     pf = prepared_for(m, "forward", dtype, C, dev)
-    flag = new_flag(m, dev) if check_labels else None
+    flag = label_slot(m, name, C, ignore_index) if check_labels else 0
     stats = m.backend.empty((N, 2), acc_dtype(dtype), dev) if return_row_stats else None
     if reduction == "none":
         out = m.backend.empty((N,), dtype, dev)
@@ -195,15 +194,12 @@ def cross_entropy(m: Any, logits: CudaTensor, labels: CudaTensor, reduction: str
         buf = m.backend.empty((N,), acc_dtype(dtype), dev)
         out = m.backend.empty((), dtype, dev)
     launch_forward(m, pf, logits, labels, buf if buf is not None else out, buf is not None,
-                   flag if flag is not None else 0, stats if stats is not None else 0,
-                   ignore_index)
+                   flag, stats if stats is not None else 0, ignore_index)
     if buf is not None:
         pfin = prepared_for(m, "finish", dtype, 0, dev)
         launch_finish(m, pfin, buf, labels, N, ignore_index, reduction == "mean", 0, out, 0,
                       0.0, 0, dev)
         buf.free()   # stream-ordered: reused only after the finish kernel
-    if flag is not None:
-        check_flag(m, flag, name, labels, C, ignore_index, (out, stats))
     key = ("cross_entropy", logits.shape, dtype, labels.dtype, dev, reduction, ignore_index,
            bool(check_labels), bool(return_row_stats))
     if key not in m.plans:
@@ -239,14 +235,13 @@ def _fast_forward(m: Any, x: CudaTensor, ldt: CudaDataType, reduction: str, igno
     kvec = C % (16 // dtype.itemsize) == 0
     group, mean = pf["group"], int(reduction == "mean")
     isz, asz = dtype.itemsize, adt.itemsize
+    pflag = label_slot(m, "cross_entropy", C, ignore_index) if check else 0
 
     def run(x: CudaTensor, labels: CudaTensor) -> Any:
         px, pl = x._ptr, labels._ptr
         if px is None or pl is None or labels.shape != (N,) or labels.device_id != dev or \
                 not direct(dev):
             return None
-        flag = new_flag(m, dev) if check else None
-        pflag = flag._ptr if flag is not None else 0
         stats = pool_tensor((N, 2), adt, dev, alloc(2 * N * asz), pool, 2 * N, 2 * N * asz) \
             if with_stats else None
         pstats = stats._ptr if stats is not None else 0
@@ -260,8 +255,6 @@ def _fast_forward(m: Any, x: CudaTensor, ldt: CudaDataType, reduction: str, igno
             go(px, pl, label64, buf._ptr, 1, pflag, pstats, N, C, ignore_index, group, vec_ok)
             fin(buf._ptr, pl, label64, N, ignore_index, mean, 0, out._ptr, 0, 0.0, 0)
             buf.free()
-        if flag is not None:    # (check)
-            check_flag(m, flag, "cross_entropy", labels, C, ignore_index, (out, stats))
         return (out, stats) if stats is not None else out
     return run
 
@@ -301,9 +294,8 @@ def cross_entropy_backward(m: Any, logits: CudaTensor, labels: CudaTensor,
     pb = prepared_for(m, "stats" if use_stats else "backward", dtype, C, dev)
     if use_stats and N * stats_chunks(pb, C, dtype.itemsize) > MAX_GRID:
         pb, use_stats = prepared_for(m, "backward", dtype, C, dev), False
-    flag = new_flag(m, dev) if check_labels else None
+    pflag = label_slot(m, name, C, ignore_index) if check_labels else 0
     dx = m.backend.empty((N, C), dtype, dev)
-    pflag = flag if flag is not None else 0
     pstats = stats if use_stats else None
     if reduction == "mean":
         scale = m.backend.empty((1,), acc_dtype(dtype), dev)
@@ -316,8 +308,6 @@ def cross_entropy_backward(m: Any, logits: CudaTensor, labels: CudaTensor,
     else:
         launch_backward(m, pb, logits, labels, dx, grad if grad is not None else 0,
                         1 if reduction == "none" else 0, gmul, 0, pflag, ignore_index, pstats)
-    if flag is not None:
-        check_flag(m, flag, name, labels, C, ignore_index, (dx,))
     if grad is None and use_stats == (stats is not None):
         key = ("cross_entropy_backward", logits.shape, dtype, labels.dtype, dev, reduction,
                ignore_index, bool(check_labels), use_stats)
@@ -347,6 +337,7 @@ def _fast_backward(m: Any, x: CudaTensor, ldt: CudaDataType, reduction: str,
     kvec = C % (16 // isz) == 0
     last = stats_chunks(pb, C, isz) if with_stats else pb["group"]
     size, nbytes = N * C, N * C * isz
+    pflag = label_slot(m, "cross_entropy_backward", C, ignore_index) if check else 0
 
     def run(x: CudaTensor, labels: CudaTensor, gmul: float,
             row_stats: Optional[CudaTensor]) -> Optional[CudaTensor]:
@@ -355,8 +346,6 @@ def _fast_backward(m: Any, x: CudaTensor, ldt: CudaDataType, reduction: str,
         if px is None or pl is None or ps is None or labels.shape != (N,) or \
                 labels.device_id != dev or not direct(dev):
             return None
-        flag = new_flag(m, dev) if check else None
-        pflag = flag._ptr if flag is not None else 0
         dx = pool_tensor((N, C), dtype, dev, alloc(nbytes), pool, size, nbytes)
         pd = dx._ptr
         vec_ok = int(kvec and not ((px | pd) & 15))
@@ -369,7 +358,5 @@ def _fast_backward(m: Any, x: CudaTensor, ldt: CudaDataType, reduction: str,
             sc.free()
         else:
             go(px, pl, label64, pd, 0, 0, gmul, 0, pflag, N, C, ignore_index, *mid, vec_ok)
-        if flag is not None:    # (check)
-            check_flag(m, flag, "cross_entropy_backward", labels, C, ignore_index, (dx,))
         return dx
     return run

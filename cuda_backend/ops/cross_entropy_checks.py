@@ -7,6 +7,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from ..device_errors import LATER
 from ..dtypes import CudaDataType
 from ..errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
                       ShapeMismatchError)
@@ -120,28 +121,12 @@ def host_check_labels(name: str, lab: np.ndarray, C: int, ignore_index: int) -> 
                               ignore_index)
 
 
-def new_flag(m: Any, dev: int) -> CudaTensor:
-    """An int32 (2,) device flag, zeroed on the current stream (an async memset)."""
-    f = m.backend.empty((2,), DT.INT32, dev)
-    m.backend.memset_async(f, 0)
-    return f
-
-
-def check_flag(m: Any, flag: CudaTensor, name: str, labels: CudaTensor, C: int,
-               ignore_index: int, results: Tuple[Any, ...]) -> None:
-    """Read the flag back (waits for the kernels), free it; when a row was flagged, free
-    results and raise naming the first such row and its label."""
-    h = np.zeros(2, np.int32)
-    try:
-        m.backend.copy_from_device(flag, h)
-    finally:
-        flag.free()
-    count = int(h[0])
-    if not count:
-        return
-    for t in results:
-        if t is not None:
-            t.free()
-    row = ~int(h[1].view(np.uint32)) & 0xFFFFFFFF
-    label = int(common.host_array(m, labels)[row])
-    raise bad_label_error(name, row, label, count, C, ignore_index)
+def label_slot(m: Any, name: str, C: int, ignore_index: int) -> int:
+    """The device pointer of the error slot (device_errors.py) the kernels of name set for a
+    label outside [0, C) that is not ignore_index (the slot's detail: the row); the next
+    synchronizing call raises InvalidArgumentError."""
+    def make_error(row: int) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"{name}: the label in row {row} is out of range [0, {C}) and is not ignore_index "
+            f"({ignore_index}){LATER}")
+    return m.backend.error_slot(("labels", name, C, ignore_index), make_error)

@@ -45,25 +45,22 @@ NP_BINARY: Dict[str, Callable] = {
     "maximum": np.maximum, "minimum": np.minimum, "power": np.power,
 }
 
+# the unary ops that are one NumPy function; np_unary writes the others out
+NP_UNARY: Dict[str, Callable] = {
+    "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "abs": np.abs, "tanh": np.tanh,
+    "negative": np.negative,
+}
+
 _erfc = np.frompyfunc(math.erfc, 1, 1)
 
 
 def np_unary(op: str, x: np.ndarray, alpha: float) -> np.ndarray:
     """The unary ops in NumPy, with the formulas the kernels use."""
+    plain = NP_UNARY.get(op)
+    if plain is not None:
+        return plain(x)
     t = x.dtype.type
     one = t(1)
-    if op == "exp":
-        return np.exp(x)
-    if op == "log":
-        return np.log(x)
-    if op == "sqrt":
-        return np.sqrt(x)
-    if op == "abs":
-        return np.abs(x)
-    if op == "tanh":
-        return np.tanh(x)
-    if op == "negative":
-        return np.negative(x)
     if op == "relu":
         return np.where(x < 0, t(0), x)
     if op == "sigmoid":

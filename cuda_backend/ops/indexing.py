@@ -35,22 +35,16 @@ check_bounds=False 19-21 us (0.80-0.90 of copy); check_bounds=True 3-5 us more (
 kernel over 64 KiB of indices and the flag copy, in front of the row copy).
 
 Bounds: an index outside [-size, size) of the axis writes 0 (take, gather) or adds nothing
-(scatter_add). With check_bounds=True (the default) it raises IndexOutOfRangeError (an
-IndexError, as NumPy) from the call itself, which needs the host to see the device's
-indices: a small "check" kernel reads the indices first (1024 indices per block and step, at
-most 512 blocks, one flag word each, written whether set or not: nothing to zero first), an
-asynchronous copy brings the
-words to page-locked host memory and an event marks it; the main kernel is queued behind it
-and the host waits for that event only. So the wait is not a round trip behind the copy of
-the data: the host is back while the main kernel runs (it can queue the next work), and the
-device's cost is the check kernel and a tiny copy (a few us) in front of the main kernel.
-Raising later ("at the next synchronizing call") would cost nothing on the device but move
-the error away from the call that caused it (and tests/test_bad_input.py expects it from
-take); a device-side assert (PyTorch's) kills the context. check_bounds=False skips all of
-it: no wait, capturable in a CUDA graph (check_bounds=True raises GraphCaptureError while
-capturing), and out-of-range indices give zeros / no add, silently. After an
-IndexOutOfRangeError from scatter_add, target holds the adds of the in-range indices (the
-kernel was queued; stream order makes them visible).
+(scatter_add). With check_bounds=True (the default) it is an IndexOutOfRangeError (an
+IndexError, as NumPy), found on the device and raised by the next synchronizing call
+(synchronize, to_numpy, item, a stream's or event's synchronize), as PyTorch's device-side
+checks do but without losing the context: a small "check" kernel (1024 indices per block and
+step, at most 512 blocks) in front of the main kernel sets the call's error slot in mapped
+host memory (cuda_backend/device_errors.py). Nothing waits, so the calls stay asynchronous
+and the device's cost is the check kernel (a few us). In fallback mode the call itself
+raises. check_bounds=False skips the check: capturable in a CUDA graph (check_bounds=True
+raises GraphCaptureError while capturing), and out-of-range indices give zeros / no add,
+silently. After the error from scatter_add, target holds the adds of the in-range indices.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The bounds check of take, gather and scatter_add (ops/indexing.py's module doc,
-"Bounds"): the indices' checks, the device-side check kernel read back through page-locked
-memory (`BoundsCheck`), the launch of a main kernel behind it (`checked_launch`), and the
-fallback's host-side equivalent (`host_indices`, `raise_bounds`).
+"Bounds"): the indices' checks, the device-side check kernel that sets an error slot
+(`launch_check`, cuda_backend/device_errors.py), the launch of a main kernel behind it
+(`checked_launch`), and the fallback's host-side equivalent (`host_indices`, `raise_bounds`).
 """
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from ..device_errors import LATER
 from ..errors import (DTypeMismatchError, GraphCaptureError, IndexOutOfRangeError,
-                      InvalidArgumentError, driver_failure)
+                      InvalidArgumentError)
 from ..tensor import CudaTensor
 from . import common
 from .indexing_kernels import (CHECK_BLOCK, CHECK_MAX_BLOCKS, CHECK_UNROLL, DT, INDEX_DTYPES,
@@ -59,72 +60,28 @@ def refuse_capture(what: str, dev: int, check_bounds: bool) -> None:
                 f"waits for its bounds check); pass check_bounds=False inside the capture")
 
 
-class BoundsCheck:
-    """The bounds check of one call, before its main kernel (see the module doc): the check
-    kernel writes a flag word per block, an asynchronous copy brings them to page-locked host
-    memory and an event marks the copy; the caller then queues its main kernel and calls
-    finish(), which waits for the event only (not for the main kernel) and raises."""
+def bounds_slot(m: Any, what: str, ax: int, size: int) -> int:
+    """The device pointer of the error slot (device_errors.py) of what's bounds check over an
+    axis ax of this size: the check kernel sets it, the next synchronizing call raises."""
+    message = _bounds_message(what, ax, size) + LATER
+    return m.backend.error_slot(("bounds", what, ax, size),
+                                lambda detail: IndexOutOfRangeError(message))
 
-    __slots__ = ("host", "event", "device_id", "_error")
 
-    def __init__(self, m: Any, idx: CudaTensor, size: int, what: str,
+def launch_check(m: Any, idx: CudaTensor, size: int, what: str, ax: int,
                  prepared: Any = None) -> None:
-        from ..driver import load_driver
-        from ..streams import current_stream
-        dev = self.device_id = idx.device_id
-        refuse_capture(what, dev, True)
-        backend = m.backend
-        n = idx.size
-        grid = check_grid(n)
-        self._error = load_driver()[0].Error
-        self.event = backend.event(dev, timing=False)
-        self.host = backend.pinned_empty((grid,), np.int32)
-        flags = backend.empty((grid,), DT.INT32, dev)
-        try:
-            if prepared is not None:   # a per-call plan's launch of the check over n indices
-                prepared(flags._ptr, idx._ptr, n, size)
-            else:
-                name = m.kernel(TEMPLATE, dev, **check_params(idx.dtype)).name
-                backend.launch_kernel(name, (grid, 1, 1), flags, idx, n, size,
-                                      block_size=(CHECK_BLOCK, 1, 1), device_id=dev)
-            backend.copy_from_device_async(flags, self.host, None, dev)
-            self.event.record(current_stream(dev))
-        finally:
-            flags.free()   # stream-ordered: reused only after the copy
-
-    def abandon(self) -> None:
-        """Wait for the copy without checking (the call failed before finish): the host
-        buffer goes back to its pool only once nothing writes into it."""
-        try:
-            self.event.synchronize()
-        except self._error:
-            pass
-
-    def finish(self, what: str, ax: int, size: int, out: Optional[CudaTensor] = None) -> None:
-        """Wait for the flags (the main kernel may still run); raise IndexOutOfRangeError
-        when one is set, out freed first."""
-        try:
-            self.event.synchronize()
-        except self._error as exc:
-            raise driver_failure(f"{what}: the bounds check", exc, self.device_id) from None
-        if self.host.any():
-            if out is not None:
-                out.free()
-            raise IndexOutOfRangeError(_bounds_message(what, ax, size))
-
-
-def start_check(m: Any, idx: CudaTensor, size: int, what: str, check_bounds: bool,
-                out: Optional[CudaTensor] = None, prepared: Any = None) -> Optional[BoundsCheck]:
-    """A started BoundsCheck when asked for (None otherwise); out is freed when it cannot
-    start (e.g. GraphCaptureError)."""
-    if not check_bounds:
-        return None
-    try:
-        return BoundsCheck(m, idx, size, what, prepared)
-    except BaseException:
-        if out is not None:
-            out.free()
-        raise
+    """Queue the check of idx against [-size, size) on the current stream (prepared: a
+    per-call plan's launch of the check kernel over indices like idx); nothing waits for it."""
+    dev = idx.device_id
+    refuse_capture(what, dev, True)
+    slot = bounds_slot(m, what, ax, size)
+    n = idx.size
+    if prepared is not None:
+        prepared(slot, idx._ptr, n, size)
+        return
+    name = m.kernel(TEMPLATE, dev, **check_params(idx.dtype)).name
+    m.backend.launch_kernel(name, (check_grid(n), 1, 1), slot, idx, n, size,
+                            block_size=(CHECK_BLOCK, 1, 1), device_id=dev)
 
 
 def host_indices(idx: np.ndarray, size: int, check_bounds: bool, what: str,
@@ -140,29 +97,22 @@ def raise_bounds(what: str, ax: int, size: int) -> None:
     raise IndexOutOfRangeError(_bounds_message(what, ax, size))
 
 
-def checked_launch(m: Any, what: str, idx: CudaTensor, size: int, ax: int,
-                   check_bounds: bool, out: Optional[CudaTensor], free_out: bool,
-                   launch: Any, *args: Any, **kwargs: Any) -> None:
-    """launch(*args, **kwargs) queued behind the bounds check of idx when check_bounds
-    (start_check), then the check's finish (IndexOutOfRangeError, out freed first); when the
-    launch raises, the check is abandoned and out freed if free_out."""
-    check = start_check(m, idx, size, what, check_bounds, out)
-    run_checked(check, what, ax, size, out, free_out, launch, *args, **kwargs)
-
-
-def run_checked(check: Optional[BoundsCheck], what: str, ax: int, size: int,
-                out: Optional[CudaTensor], free_out: bool, launch: Any, *args: Any,
-                **kwargs: Any) -> None:
-    """launch(*args, **kwargs) behind a started check (or None), then the check's finish;
-    when the launch raises, the check is abandoned and out freed if free_out (the general
-    paths through checked_launch, the per-call plans with their prepared check)."""
+def checked_launch(m: Any, what: str, idx: CudaTensor, size: int, ax: int, check: Any,
+                   out: Optional[CudaTensor], free_out: bool, launch: Any, *args: Any,
+                   **kwargs: Any) -> None:
+    """launch(*args, **kwargs) queued behind the bounds check of idx (launch_check) when
+    check is True or a plan's prepared check (None or False: no check); out freed when the
+    check cannot be queued, and when the launch raises if free_out."""
+    if check is not None and check is not False:
+        try:
+            launch_check(m, idx, size, what, ax, None if check is True else check)
+        except BaseException:
+            if out is not None:
+                out.free()
+            raise
     try:
         launch(*args, **kwargs)
     except BaseException:
-        if check is not None:
-            check.abandon()
         if free_out and out is not None:
             out.free()
         raise
-    if check is not None:
-        check.finish(what, ax, size, out)

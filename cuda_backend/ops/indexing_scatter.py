@@ -14,7 +14,7 @@ from ..errors import IndexOutOfRangeError, InvalidArgumentError, ShapeMismatchEr
 from ..tensor import CudaTensor
 from . import common
 from .indexing_bounds import (checked_indices, checked_launch, host_indices, prepared_check,
-                              raise_bounds, start_check)
+                              raise_bounds)
 from .indexing_kernels import (BLOCK, SCATTER_DTYPES, TEMPLATE, check_dims, scatter_params)
 from .shape_copy import MAX_DIMS, grid_blocks, record
 from .shape_layouts import collapse, contiguous_strides, dims_args, one_axis, pad
@@ -117,14 +117,7 @@ def _scatter_plan(m: Any, name: str, target: CudaTensor, idx: CudaTensor,
         if pt is None or ps is None or pi is None or indices.device_id != dev or \
                 indices.stream is not None or not direct(dev):
             return False
-        check = start_check(m, indices, size, "scatter_add", check_bounds, None, checker)
-        try:
-            go(pt, ps, pi, *args)
-        except BaseException:
-            if check is not None:
-                check.abandon()
-            raise
-        if check is not None:
-            check.finish("scatter_add", ax, size)
+        checked_launch(m, "scatter_add", indices, size, ax, checker, None, False, go, pt, ps, pi,
+                       *args)
         return True
     return run

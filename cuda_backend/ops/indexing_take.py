@@ -13,7 +13,7 @@ from ..errors import IndexOutOfRangeError, InvalidArgumentError, ShapeMismatchEr
 from ..tensor import CudaTensor, pool_tensor
 from . import common
 from .indexing_bounds import (checked_indices, checked_launch, host_indices, prepared_check,
-                              raise_bounds, refuse_capture, run_checked, start_check)
+                              raise_bounds, refuse_capture)
 from .indexing_kernels import (BLOCK, ROW_BLOCK, ROW_BLOCKS_PER_SM, ROW_RESIDENT, ROW_UNROLL,
                                TEMPLATE, UNITS, check_dims, gather_params, take_rows_params)
 from .shape_layouts import one_axis
@@ -219,8 +219,8 @@ def _take_plan(m: Any, x: CudaTensor, idx: CudaTensor, ax: int, check_bounds: bo
         if out._ptr % unit:
             out.free()
             return None
-        check = start_check(m, indices, size, "take", check_bounds, out, checker)
-        run_checked(check, "take", ax, size, out, True, rows, out._ptr, px, pi, *args)
+        checked_launch(m, "take", indices, size, ax, checker, out, True, rows, out._ptr, px, pi,
+                       *args)
         return out
     return run
 
@@ -315,7 +315,6 @@ def _gather_plan(m: Any, x: CudaTensor, idx: CudaTensor, shape: Tuple[int, ...],
         out = pool_tensor(shape, dtype, dev, alloc(nbytes, None), pool, n_out, nbytes)
         po = out._ptr
         go, args = by_vec[0 if (px | po) % 16 else 1]
-        check = start_check(m, indices, size, "gather", check_bounds, out, checker)
-        run_checked(check, "gather", ax, size, out, True, go, po, px, pi, *args)
+        checked_launch(m, "gather", indices, size, ax, checker, out, True, go, po, px, pi, *args)
         return out
     return run

@@ -22,6 +22,7 @@ from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..kernels import dtype_params
 from ..tensor import CudaTensor, pool_tensor
 from . import common
+from .reduction import host_result
 
 TEMPLATE = "transpose.cu.j2"
 TEMPLATES = (TEMPLATE,)
@@ -145,11 +146,8 @@ def transpose(m: Any, x: CudaTensor, out: Optional[CudaTensor] = None) -> CudaTe
                 f"({x.dtype.name_str})")
         common.same_device(x, out)
     if not m.gpu:
-        values = np.swapaxes(common.host_array(m, x), -1, -2)
-        if out is None:
-            return common.from_host(m, values, x.dtype, x.device_id)
-        m.backend.copy_to_device(_host_bits(values, x.dtype), out)
-        return out
+        return host_result(m, np.swapaxes(common.host_array(m, x), -1, -2), x.dtype,
+                           x.device_id, out)
     dev = x.device_id
     new = out is None
     if out is None:     # (new)
@@ -295,10 +293,3 @@ def pick(m: Any, x: CudaTensor, out: CudaTensor, batch: int, rows: int,
     return m.autotuner.pick("matrix_transpose", size_class, cands,
                             lambda cfg: _launch(m, cfg, x, out, batch, rows, cols),
                             device_id=x.device_id)
-
-
-def _host_bits(values: np.ndarray, dtype: CudaDataType) -> np.ndarray:
-    from ..dtypes import to_bfloat16_bits
-    if dtype is CudaDataType.BFLOAT16:
-        return to_bfloat16_bits(values.astype(np.float32)).reshape(values.shape)
-    return np.ascontiguousarray(values, dtype=dtype.numpy_dtype)
