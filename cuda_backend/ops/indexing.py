@@ -38,10 +38,11 @@ Bounds: an index outside [-size, size) of the axis writes 0 (take, gather) or ad
 (scatter_add). With check_bounds=True (the default) it is an IndexOutOfRangeError (an
 IndexError, as NumPy), found on the device and raised by the next synchronizing call
 (synchronize, to_numpy, item, a stream's or event's synchronize), as PyTorch's device-side
-checks do but without losing the context: a small "check" kernel (1024 indices per block and
-step, at most 512 blocks) in front of the main kernel sets the call's error slot in mapped
-host memory (cuda_backend/device_errors.py). Nothing waits, so the calls stay asynchronous
-and the device's cost is the check kernel (a few us). In fallback mode the call itself
+checks do but without losing the context: take's row copy checks its own indices, gather and
+scatter_add run a small "check" kernel (1024 indices per block and step, at most 512 blocks)
+in front of the main kernel; either sets the call's error slot in mapped host memory
+(cuda_backend/device_errors.py). Nothing waits, so the calls stay asynchronous and the
+device's cost is at most the check kernel (a few us). In fallback mode the call itself
 raises. check_bounds=False skips the check: capturable in a CUDA graph (check_bounds=True
 raises GraphCaptureError while capturing), and out-of-range indices give zeros / no add,
 silently. After the error from scatter_add, target holds the adds of the in-range indices.

@@ -12,8 +12,8 @@ import numpy as np
 from ..errors import IndexOutOfRangeError, InvalidArgumentError, ShapeMismatchError
 from ..tensor import CudaTensor, pool_tensor
 from . import common
-from .indexing_bounds import (checked_indices, checked_launch, host_indices, prepared_check,
-                              raise_bounds, refuse_capture)
+from .indexing_bounds import (bounds_slot, checked_indices, checked_launch, host_indices,
+                              prepared_check, raise_bounds, refuse_capture)
 from .indexing_kernels import (BLOCK, ROW_BLOCK, ROW_BLOCKS_PER_SM, ROW_RESIDENT, ROW_UNROLL,
                                TEMPLATE, UNITS, check_dims, gather_params, take_rows_params)
 from .shape_layouts import one_axis
@@ -146,8 +146,10 @@ def take(m: Any, x: CudaTensor, indices: Any, axis: Optional[int] = 0,
                         m.backend.get_device_info(dev).multiprocessor_count)
     name = m.kernel(TEMPLATE, dev, **take_rows_params(geo["unit"], idx.dtype)).name
     record(dev, x, idx)
-    checked_launch(m, "take", idx, size, ax, check_bounds, out, True,
-                   m.backend.launch_kernel, name, geo["grid"], out, x, idx, *geo["args"],
+    # the row copy checks its own indices (take_rows' err: no check kernel)
+    slot = bounds_slot(m, "take", ax, size) if check_bounds else 0
+    checked_launch(m, "take", idx, size, ax, False, out, True,
+                   m.backend.launch_kernel, name, geo["grid"], out, x, idx, *geo["args"], slot,
                    block_size=(ROW_BLOCK, 1, 1), device_id=dev)
     key = _plan_key("take", x, idx, axis, check_bounds)
     if key is not None and key not in m.plans:
@@ -205,8 +207,7 @@ def _take_plan(m: Any, x: CudaTensor, idx: CudaTensor, ax: int, check_bounds: bo
     rows = backend.prepare_launch(
         backend.get_kernel(m.kernel(TEMPLATE, dev, **take_rows_params(unit, idx.dtype)).name,
                            dev), geo["grid"], (ROW_BLOCK, 1, 1), 0, dev)
-    checker = prepared_check(m, idx, dev) if check_bounds else None
-    args = geo["args"]
+    args = (*geo["args"], bounds_slot(m, "take", ax, size) if check_bounds else 0)
     pool, alloc, direct = common.plan_memory(m, dev)
 
     def run(x: CudaTensor, indices: Any) -> Optional[CudaTensor]:
@@ -219,7 +220,7 @@ def _take_plan(m: Any, x: CudaTensor, idx: CudaTensor, ax: int, check_bounds: bo
         if out._ptr % unit:
             out.free()
             return None
-        checked_launch(m, "take", indices, size, ax, checker, out, True, rows, out._ptr, px, pi,
+        checked_launch(m, "take", indices, size, ax, None, out, True, rows, out._ptr, px, pi,
                        *args)
         return out
     return run
