@@ -815,3 +815,12 @@ def test_compare_two_tensors_of_one_shape_gpu(m):
                     got.free()
             a.free()
             b.free()
+    # operands 4 bytes off a 16-byte boundary: the element loop instead of the vectors
+    from cuda_backend.tensor import CudaTensor
+    base = m.from_numpy(rng.standard_normal(1000).astype(np.float32))
+    hb = np.round(rng.standard_normal(999)).astype(np.float32)
+    off, b = CudaTensor((999,), DT.FLOAT32, 0, base.ptr + 4, owner=base), m.from_numpy(hb)
+    for x, y, hx, hy in ((off, b, m.to_numpy(base)[1:], hb), (b, off, hb, m.to_numpy(base)[1:])):
+        got = m.less(x, y)
+        np.testing.assert_array_equal(m.to_numpy(got), hx < hy)
+        got.free()

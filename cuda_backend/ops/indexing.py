@@ -59,8 +59,8 @@ from ..tensor import CudaTensor
 from . import common
 from .indexing_kernels import (BLOCK, COMPARE_OPS, ELEMS, INDEX_DTYPES,
                                SCATTER_DTYPES, TEMPLATE, UNITS, check_dims, check_params,
-                               compare_flat_params, compare_params, gather_params,
-                               scatter_params, take_rows_params, where_params)
+                               compare_flat_items, compare_flat_params, compare_params,
+                               gather_params, scatter_params, take_rows_params, where_params)
 from .indexing_scatter import scatter_add  # noqa: F401  (ops' entries, as CudaMath calls them)
 from .indexing_take import gather, take  # noqa: F401
 from .shape_copy import MAX_DIMS, grid_blocks, record
@@ -239,8 +239,8 @@ def _compare_flat(m: Any, op: str, a: CudaTensor, b: CudaTensor, out: CudaTensor
     dev, n = out.device_id, out.size
     name = m.kernel(TEMPLATE, dev, **compare_flat_params(op, a.dtype)).name
     record(dev, a, b)
-    m.backend.launch_kernel(name, grid_blocks(n, BLOCK), out, a, b, n, block_size=(BLOCK, 1, 1),
-                            device_id=dev)
+    m.backend.launch_kernel(name, grid_blocks(compare_flat_items(n, a.dtype), BLOCK), out, a, b,
+                            n, block_size=(BLOCK, 1, 1), device_id=dev)
     key = _plan_key("compare", op, a, b, a)
     if key not in m.plans:
         common.remember_plan(m, key, _flat_plan(m, name, out, a.dtype))
@@ -255,7 +255,8 @@ def _flat_plan(m: Any, name: str, res: CudaTensor, dtype: CudaDataType) -> Any:
     backend = m.backend
     shape, rdt, dev = res.shape, res.dtype, res.device_id
     n, nbytes = res.size, res.nbytes
-    go = backend.prepare_launch(backend.get_kernel(name, dev), (grid_blocks(n, BLOCK), 1, 1),
+    go = backend.prepare_launch(backend.get_kernel(name, dev),
+                                (grid_blocks(compare_flat_items(n, dtype), BLOCK), 1, 1),
                                 (BLOCK, 1, 1), 0, dev)
     pool, alloc, direct = common.plan_memory(m, dev)
     plan_pointer = common.plan_pointer

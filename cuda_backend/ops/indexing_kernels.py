@@ -45,7 +45,12 @@ def compare_params(op: str, dtype: CudaDataType) -> Dict[str, Any]:
 
 def compare_flat_params(op: str, dtype: CudaDataType) -> Dict[str, Any]:
     """The comparison of two contiguous tensors of one shape (no broadcasting)."""
-    return {**compare_params(op, dtype), "kind": "compare_flat"}
+    return {**compare_params(op, dtype), "kind": "compare_flat", "vec": 16 // dtype.itemsize}
+
+
+def compare_flat_items(n: int, dtype: CudaDataType) -> int:
+    """The flat comparison's work items over n elements: its 16-byte vectors (the grid)."""
+    return -(-n // (16 // dtype.itemsize))
 
 
 def where_params(elem: int) -> Dict[str, Any]:
