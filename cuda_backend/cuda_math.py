@@ -308,9 +308,8 @@ class CudaMath:
     def take(self, tensor: CudaTensor, indices: CudaTensor, axis: Optional[int] = 0,
              check_bounds: bool = True) -> CudaTensor:
         """np.take by int32/int64 indices (an embedding lookup: take(weight, ids)). With
-        check_bounds (default) an out-of-range index raises IndexOutOfRangeError, at the
-        cost of a small check kernel before the copy and a wait for its flags, not for the
-        copy (see ops/indexing.py)."""
+        check_bounds (default) an out-of-range index is an IndexOutOfRangeError, found by the
+        copy itself and raised by the next synchronizing call (see ops/indexing.py)."""
         return ix.take(self, tensor, indices, axis, check_bounds)
 
     def gather(self, tensor: CudaTensor, indices: CudaTensor, axis: Optional[int],

@@ -31,19 +31,17 @@ per-element N-d gather (one 16-byte item per thread, its index re-read per item,
 (PyTorch emb[idx]: 22.8 us). Here 64 lanes copy a 3 KiB row (3 vectors each, loads before
 stores), 4 rows per 256-thread block, 5 blocks per SM (48 registers): up to 60 KiB of loads
 in flight per SM, 2048 blocks in about 3 waves. Prediction, before a GPU run:
-check_bounds=False 19-21 us (0.80-0.90 of copy); check_bounds=True 3-5 us more (the check
-kernel over 64 KiB of indices and the flag copy, in front of the row copy).
+check_bounds=False 19-21 us (0.80-0.90 of copy); check_bounds=True the same (the copy checks
+its indices, device_errors.py).
 
 Bounds: an index outside [-size, size) of the axis writes 0 (take, gather) or adds nothing
 (scatter_add). With check_bounds=True (the default) it is an IndexOutOfRangeError (an
 IndexError, as NumPy), found on the device and raised by the next synchronizing call
 (synchronize, to_numpy, item, a stream's or event's synchronize), as PyTorch's device-side
-checks do but without losing the context: take's row copy checks its own indices, gather and
-scatter_add run a small "check" kernel (1024 indices per block and step, at most 512 blocks)
-in front of the main kernel; either sets the call's error slot in mapped host memory
-(cuda_backend/device_errors.py). Nothing waits, so the calls stay asynchronous and the
-device's cost is at most the check kernel (a few us). In fallback mode the call itself
-raises. check_bounds=False skips the check: capturable in a CUDA graph (check_bounds=True
+checks do but without losing the context: the kernel that reads an index checks it and sets
+the call's error slot in mapped host memory (cuda_backend/device_errors.py). Nothing waits
+and nothing more runs, so a checked call costs the device what an unchecked one does. In
+fallback mode the call itself raises. check_bounds=False skips the check: capturable in a CUDA graph (check_bounds=True
 raises GraphCaptureError while capturing), and out-of-range indices give zeros / no add,
 silently. After the error from scatter_add, target holds the adds of the in-range indices.
 """
@@ -58,7 +56,7 @@ from ..errors import DTypeMismatchError, InvalidArgumentError
 from ..tensor import CudaTensor
 from . import common
 from .indexing_kernels import (BLOCK, COMPARE_OPS, ELEMS, INDEX_DTYPES,
-                               SCATTER_DTYPES, TEMPLATE, UNITS, check_dims, check_params,
+                               SCATTER_DTYPES, TEMPLATE, UNITS, check_dims,
                                compare_flat_items, compare_flat_params, compare_params,
                                gather_params, scatter_params, take_rows_params, where_params)
 from .indexing_scatter import scatter_add  # noqa: F401  (ops' entries, as CudaMath calls them)
@@ -84,7 +82,6 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     sets += [where_params(e) for e in ELEMS]
     sets += [gather_params(e, i) for e in ELEMS for i in INDEX_DTYPES]
     sets += [take_rows_params(u, i) for u in UNITS for i in INDEX_DTYPES]
-    sets += [check_params(i) for i in INDEX_DTYPES]
     sets += [scatter_params(d, i) for d in SCATTER_DTYPES for i in INDEX_DTYPES]
     return {TEMPLATE: sets}
 

@@ -1,7 +1,7 @@
 """The bounds check of take, gather and scatter_add (ops/indexing.py's module doc,
-"Bounds"): the indices' checks, the device-side check kernel that sets an error slot
-(`launch_check`, cuda_backend/device_errors.py), the launch of a main kernel behind it
-(`checked_launch`), and the fallback's host-side equivalent (`host_indices`, `raise_bounds`).
+"Bounds"): the indices' checks, the error slot their kernels set for an index out of range
+(`bounds_slot`, cuda_backend/device_errors.py), and the fallback's host-side equivalent
+(`host_indices`, `raise_bounds`).
 """
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from ..errors import (DTypeMismatchError, GraphCaptureError, IndexOutOfRangeErro
                       InvalidArgumentError)
 from ..tensor import CudaTensor
 from . import common
-from .indexing_kernels import (CHECK_BLOCK, CHECK_MAX_BLOCKS, CHECK_UNROLL, DT, INDEX_DTYPES,
-                               TEMPLATE, check_params)
+from .indexing_kernels import DT, INDEX_DTYPES
 
 
 def checked_indices(indices: Any, what: str) -> CudaTensor:
@@ -35,20 +34,6 @@ def _bounds_message(what: str, ax: int, size: int) -> str:
             f"be in [{-size}, {size}))")
 
 
-def check_grid(n: int) -> int:
-    """Blocks of the bounds check over n indices (its flag words)."""
-    return max(1, min(-(-n // (CHECK_BLOCK * CHECK_UNROLL)), CHECK_MAX_BLOCKS))
-
-
-def prepared_check(m: Any, idx: CudaTensor, dev: int) -> Any:
-    """The check kernel's PreparedLaunch over indices like idx on dev (a plan's bounds check
-    before its main launch)."""
-    backend = m.backend
-    return backend.prepare_launch(
-        backend.get_kernel(m.kernel(TEMPLATE, dev, **check_params(idx.dtype)).name, dev),
-        (check_grid(idx.size), 1, 1), (CHECK_BLOCK, 1, 1), 0, dev)
-
-
 def refuse_capture(what: str, dev: int, check_bounds: bool) -> None:
     """GraphCaptureError when a bounds-checked call is made inside a capture (the host waits
     for its check); called before anything is allocated, so the capture's pool is untouched."""
@@ -62,26 +47,11 @@ def refuse_capture(what: str, dev: int, check_bounds: bool) -> None:
 
 def bounds_slot(m: Any, what: str, ax: int, size: int) -> int:
     """The device pointer of the error slot (device_errors.py) of what's bounds check over an
-    axis ax of this size: the check kernel sets it, the next synchronizing call raises."""
+    axis ax of this size: the kernel reading the indices sets it, the next synchronizing call
+    raises."""
     message = _bounds_message(what, ax, size) + LATER
     return m.backend.error_slot(("bounds", what, ax, size),
                                 lambda detail: IndexOutOfRangeError(message))
-
-
-def launch_check(m: Any, idx: CudaTensor, size: int, what: str, ax: int,
-                 prepared: Any = None) -> None:
-    """Queue the check of idx against [-size, size) on the current stream (prepared: a
-    per-call plan's launch of the check kernel over indices like idx); nothing waits for it."""
-    dev = idx.device_id
-    refuse_capture(what, dev, True)
-    slot = bounds_slot(m, what, ax, size)
-    n = idx.size
-    if prepared is not None:
-        prepared(slot, idx._ptr, n, size)
-        return
-    name = m.kernel(TEMPLATE, dev, **check_params(idx.dtype)).name
-    m.backend.launch_kernel(name, (check_grid(n), 1, 1), slot, idx, n, size,
-                            block_size=(CHECK_BLOCK, 1, 1), device_id=dev)
 
 
 def host_indices(idx: np.ndarray, size: int, check_bounds: bool, what: str,
@@ -97,22 +67,11 @@ def raise_bounds(what: str, ax: int, size: int) -> None:
     raise IndexOutOfRangeError(_bounds_message(what, ax, size))
 
 
-def checked_launch(m: Any, what: str, idx: CudaTensor, size: int, ax: int, check: Any,
-                   out: Optional[CudaTensor], free_out: bool, launch: Any, *args: Any,
-                   **kwargs: Any) -> None:
-    """launch(*args, **kwargs) queued behind the bounds check of idx (launch_check) when
-    check is True or a plan's prepared check (None or False: no check); out freed when the
-    check cannot be queued, and when the launch raises if free_out."""
-    if check is not None and check is not False:
-        try:
-            launch_check(m, idx, size, what, ax, None if check is True else check)
-        except BaseException:
-            if out is not None:
-                out.free()
-            raise
+def launch_or_free(out: Optional[CudaTensor], launch: Any, *args: Any, **kwargs: Any) -> None:
+    """launch(*args, **kwargs); out (when given) freed when the launch raises."""
     try:
         launch(*args, **kwargs)
     except BaseException:
-        if free_out and out is not None:
+        if out is not None:
             out.free()
         raise

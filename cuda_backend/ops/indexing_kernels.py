@@ -28,11 +28,6 @@ ROW_BLOCK = 256
 ROW_UNROLL = 4
 ROW_BLOCKS_PER_SM = 8
 ROW_RESIDENT = 5   # take_rows blocks per SM the template's __launch_bounds__ guarantees
-# the bounds check: blocks of CHECK_BLOCK threads, CHECK_UNROLL indices each per step, at most
-# CHECK_MAX_BLOCKS flag words read back
-CHECK_BLOCK = 256
-CHECK_UNROLL = 4
-CHECK_MAX_BLOCKS = 512
 
 
 # -- template parameters ------------------------------------------------------------------------
@@ -65,10 +60,6 @@ def gather_params(elem: int, index_dtype: CudaDataType) -> Dict[str, Any]:
 def take_rows_params(unit: int, index_dtype: CudaDataType) -> Dict[str, Any]:
     return {"kind": "take_rows", "unit": unit, "index_dtype": index_dtype.name_str,
             "block_size": ROW_BLOCK}
-
-
-def check_params(index_dtype: CudaDataType) -> Dict[str, Any]:
-    return {"kind": "check", "index_dtype": index_dtype.name_str, "block_size": CHECK_BLOCK}
 
 
 def scatter_params(dtype: CudaDataType, index_dtype: CudaDataType) -> Dict[str, Any]:

@@ -13,8 +13,7 @@ import numpy as np
 from ..errors import IndexOutOfRangeError, InvalidArgumentError, ShapeMismatchError
 from ..tensor import CudaTensor
 from . import common
-from .indexing_bounds import (checked_indices, checked_launch, host_indices, prepared_check,
-                              raise_bounds)
+from .indexing_bounds import bounds_slot, checked_indices, host_indices, raise_bounds
 from .indexing_kernels import (BLOCK, SCATTER_DTYPES, TEMPLATE, check_dims, scatter_params)
 from .shape_copy import MAX_DIMS, grid_blocks, record
 from .shape_layouts import collapse, contiguous_strides, dims_args, one_axis, pad
@@ -82,9 +81,9 @@ def scatter_add(m: Any, target: CudaTensor, indices: Any, src: CudaTensor, axis:
     record(dev, target, idx, src)
     args = [n, size, ts[ax], len(sizes)] + dims_args(sizes[::-1], 64, MAX_DIMS) + \
         pad(st[::-1], MAX_DIMS) + pad(si[::-1], MAX_DIMS)
-    checked_launch(m, "scatter_add", idx, size, ax, check_bounds, None, False,
-                   m.backend.launch_kernel, name, grid_blocks(n, BLOCK), target, src, idx,
-                   *args, block_size=(BLOCK, 1, 1), device_id=dev)
+    slot = bounds_slot(m, "scatter_add", ax, size) if check_bounds else 0   # (the kernel's)
+    m.backend.launch_kernel(name, grid_blocks(n, BLOCK), target, src, idx, *args, slot,
+                            block_size=(BLOCK, 1, 1), device_id=dev)
     if type(axis) is int and type(check_bounds) is bool:
         key = ("scatter_add", target.shape, target.dtype, idx.shape, idx.dtype, dev, axis,
                check_bounds)
@@ -106,7 +105,7 @@ def _scatter_plan(m: Any, name: str, target: CudaTensor, idx: CudaTensor,
     size, n = shape[ax], math.prod(src_shape)
     go = backend.prepare_launch(backend.get_kernel(name, dev), (grid_blocks(n, BLOCK), 1, 1),
                                 (BLOCK, 1, 1), 0, dev)
-    checker = prepared_check(m, idx, dev) if check_bounds else None
+    slot = bounds_slot(m, "scatter_add", ax, size) if check_bounds else 0
     direct = backend.direct_launch
     plan_pointer = common.plan_pointer
 
@@ -117,7 +116,6 @@ def _scatter_plan(m: Any, name: str, target: CudaTensor, idx: CudaTensor,
         if pt is None or ps is None or pi is None or indices.device_id != dev or \
                 indices.stream is not None or not direct(dev):
             return False
-        checked_launch(m, "scatter_add", indices, size, ax, checker, None, False, go, pt, ps, pi,
-                       *args)
+        go(pt, ps, pi, *args, slot)
         return True
     return run

@@ -12,8 +12,8 @@ import numpy as np
 from ..errors import IndexOutOfRangeError, InvalidArgumentError, ShapeMismatchError
 from ..tensor import CudaTensor, pool_tensor
 from . import common
-from .indexing_bounds import (bounds_slot, checked_indices, checked_launch, host_indices,
-                              prepared_check, raise_bounds, refuse_capture)
+from .indexing_bounds import (bounds_slot, checked_indices, host_indices, launch_or_free,
+                              raise_bounds, refuse_capture)
 from .indexing_kernels import (BLOCK, ROW_BLOCK, ROW_BLOCKS_PER_SM, ROW_RESIDENT, ROW_UNROLL,
                                TEMPLATE, UNITS, check_dims, gather_params, take_rows_params)
 from .shape_layouts import one_axis
@@ -108,9 +108,9 @@ def _gather_launch(m: Any, what: str, x: CudaTensor, idx: CudaTensor, out: CudaT
     items, args = vec
     name = m.kernel(TEMPLATE, dev, **gather_params(x.dtype.itemsize, idx.dtype)).name
     record(dev, x, idx)
-    checked_launch(m, what, idx, ax_size, ax, check_bounds, out, False,
-                   m.backend.launch_kernel, name, grid_blocks(items, BLOCK), out, x, idx, *args,
-                   block_size=(BLOCK, 1, 1), device_id=dev)
+    slot = bounds_slot(m, what, ax, ax_size) if check_bounds else 0   # (the kernel's check)
+    m.backend.launch_kernel(name, grid_blocks(items, BLOCK), out, x, idx, *args, slot,
+                            block_size=(BLOCK, 1, 1), device_id=dev)
     return out
 
 
@@ -148,9 +148,8 @@ def take(m: Any, x: CudaTensor, indices: Any, axis: Optional[int] = 0,
     record(dev, x, idx)
     # the row copy checks its own indices (take_rows' err: no check kernel)
     slot = bounds_slot(m, "take", ax, size) if check_bounds else 0
-    checked_launch(m, "take", idx, size, ax, False, out, True,
-                   m.backend.launch_kernel, name, geo["grid"], out, x, idx, *geo["args"], slot,
-                   block_size=(ROW_BLOCK, 1, 1), device_id=dev)
+    launch_or_free(out, m.backend.launch_kernel, name, geo["grid"], out, x, idx, *geo["args"],
+                   slot, block_size=(ROW_BLOCK, 1, 1), device_id=dev)
     key = _plan_key("take", x, idx, axis, check_bounds)
     if key is not None and key not in m.plans:
         common.remember_plan(m, key, _take_plan(m, x, idx, ax, check_bounds))
@@ -220,8 +219,7 @@ def _take_plan(m: Any, x: CudaTensor, idx: CudaTensor, ax: int, check_bounds: bo
         if out._ptr % unit:
             out.free()
             return None
-        checked_launch(m, "take", indices, size, ax, None, out, True, rows, out._ptr, px, pi,
-                       *args)
+        launch_or_free(out, rows, out._ptr, px, pi, *args)
         return out
     return run
 
@@ -304,7 +302,7 @@ def _gather_plan(m: Any, x: CudaTensor, idx: CudaTensor, shape: Tuple[int, ...],
                                       (BLOCK, 1, 1), 0, dev), lay[1])
               for lay in layouts if lay is not None]
     by_vec.append(by_vec[-1])   # [mode 0, mode 1 or mode 0 again, ...]: by alignment
-    checker = prepared_check(m, idx, dev) if check_bounds else None
+    slot = bounds_slot(m, "gather", ax, size) if check_bounds else 0   # (the kernel's check)
     pool, alloc, direct = common.plan_memory(m, dev)
 
     def run(x: CudaTensor, indices: Any) -> Optional[CudaTensor]:
@@ -316,6 +314,6 @@ def _gather_plan(m: Any, x: CudaTensor, idx: CudaTensor, shape: Tuple[int, ...],
         out = pool_tensor(shape, dtype, dev, alloc(nbytes, None), pool, n_out, nbytes)
         po = out._ptr
         go, args = by_vec[0 if (px | po) % 16 else 1]
-        checked_launch(m, "gather", indices, size, ax, checker, out, True, go, po, px, pi, *args)
+        launch_or_free(out, go, po, px, pi, *args, slot)
         return out
     return run
