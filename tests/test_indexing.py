@@ -163,6 +163,30 @@ def test_where(m, dtype):
     s = True if dtype is DT.BOOL else 2
     same(m, m.where(c, a, s), np.where(rc, ra, np.asarray(s, ra.dtype)))
     same(m, m.where(c, s, a), np.where(rc, np.asarray(s, ra.dtype), ra))
+    # three tensors of one shape (the flat kernel's vectors and its element tail), twice: the
+    # general path, then the plan
+    for shape in [(1,), (17,), (1000,), (33, 65)]:
+        c, rc = make(m, shape, DT.BOOL, rng)
+        a, ra = make(m, shape, dtype, rng)
+        b, rb = make(m, shape, dtype, rng)
+        for _ in range(2):
+            same(m, m.where(c, a, b), np.where(rc, ra, rb))
+
+
+def test_where_flat_misaligned(m):
+    """where of three tensors of one shape when one is a view off a 16-byte boundary (the
+    flat kernel's element loop)."""
+    from cuda_backend.tensor import CudaTensor
+    rng = np.random.default_rng(23)
+    base, rbase = make(m, (1001,), DT.FLOAT32, rng)
+    c, rc = make(m, (1000,), DT.BOOL, rng)
+    b, rb = make(m, (1000,), DT.FLOAT32, rng)
+    if m.gpu:
+        off, roff = CudaTensor((1000,), DT.FLOAT32, 0, base.ptr + 4, owner=base), rbase[1:]
+    else:
+        off, roff = m.from_numpy(rbase[1:]), rbase[1:]
+    same(m, m.where(c, off, b), np.where(rc, roff, rb))
+    same(m, m.where(c, b, off), np.where(rc, rb, roff))
 
 
 def test_where_masking_and_errors(m):

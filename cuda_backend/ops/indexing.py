@@ -57,8 +57,9 @@ from ..tensor import CudaTensor
 from . import common
 from .indexing_kernels import (BLOCK, COMPARE_OPS, ELEMS, INDEX_DTYPES,
                                SCATTER_DTYPES, TEMPLATE, UNITS, check_dims,
-                               compare_flat_items, compare_flat_params, compare_params,
-                               gather_params, scatter_params, take_rows_params, where_params)
+                               compare_flat_params, compare_params, flat_items, gather_params,
+                               scatter_params, take_rows_params, where_flat_params,
+                               where_params)
 from .indexing_scatter import scatter_add  # noqa: F401  (ops' entries, as CudaMath calls them)
 from .indexing_take import gather, take  # noqa: F401
 from .shape_copy import MAX_DIMS, grid_blocks, record
@@ -74,12 +75,14 @@ _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 # -- the contract -------------------------------------------------------------------------------
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
-    """Comparisons per op and dtype (broadcasting, and two tensors of one shape), where and
-    gather per element size (gather per index dtype too), take's row copy per unit and index
-    dtype, the bounds check per index dtype, scatter_add per dtype and index dtype."""
+    """Comparisons per op and dtype (broadcasting, and two tensors of one shape), where
+    (broadcasting, and three tensors of one shape) and gather per element size (gather per
+    index dtype too), take's row copy per unit and index dtype, scatter_add per dtype and
+    index dtype."""
     sets = [compare_params(op, dt) for op in COMPARE_OPS for dt in DT]
     sets += [compare_flat_params(op, dt) for op in COMPARE_OPS for dt in DT]
     sets += [where_params(e) for e in ELEMS]
+    sets += [where_flat_params(e) for e in ELEMS]
     sets += [gather_params(e, i) for e in ELEMS for i in INDEX_DTYPES]
     sets += [take_rows_params(u, i) for u in UNITS for i in INDEX_DTYPES]
     sets += [scatter_params(d, i) for d in SCATTER_DTYPES for i in INDEX_DTYPES]
@@ -236,34 +239,54 @@ def _compare_flat(m: Any, op: str, a: CudaTensor, b: CudaTensor, out: CudaTensor
     dev, n = out.device_id, out.size
     name = m.kernel(TEMPLATE, dev, **compare_flat_params(op, a.dtype)).name
     record(dev, a, b)
-    m.backend.launch_kernel(name, grid_blocks(compare_flat_items(n, a.dtype), BLOCK), out, a, b,
+    m.backend.launch_kernel(name, grid_blocks(flat_items(n, a.dtype), BLOCK), out, a, b,
                             n, block_size=(BLOCK, 1, 1), device_id=dev)
     key = _plan_key("compare", op, a, b, a)
     if key not in m.plans:
-        common.remember_plan(m, key, _flat_plan(m, name, out, a.dtype))
+        common.remember_plan(m, key, _flat_plan(m, name, out, a.dtype, False))
     return out
 
 
-def _flat_plan(m: Any, name: str, res: CudaTensor, dtype: CudaDataType) -> Any:
+def _where_flat(m: Any, cond: CudaTensor, a: CudaTensor, b: CudaTensor,
+                out: CudaTensor) -> CudaTensor:
+    """where of three (contiguous) tensors of out's shape into out: the five-argument
+    kernel, and its per-call plan."""
+    dev, n = out.device_id, out.size
+    name = m.kernel(TEMPLATE, dev, **where_flat_params(a.dtype.itemsize)).name
+    record(dev, cond, a, b)
+    m.backend.launch_kernel(name, grid_blocks(flat_items(n, a.dtype), BLOCK), out, cond, a, b,
+                            n, block_size=(BLOCK, 1, 1), device_id=dev)
+    key = _plan_key("where", "", a, b, a, cond)
+    if key not in m.plans:
+        common.remember_plan(m, key, _flat_plan(m, name, out, a.dtype, True))
+    return out
+
+
+def _flat_plan(m: Any, name: str, res: CudaTensor, dtype: CudaDataType, where: bool) -> Any:
     """The per-call plan (ops/common.py remember_plan) of a comparison of two tensors of
-    res's shape: run(None, a, b) -> the result, or None (general path) unless both are live
-    tensors of the plan's shape, dtype and device on no stream."""
+    res's shape (where: of where over three): run(cond, a, b) -> the result, or None (general
+    path) unless each is a live tensor of the plan's shape, dtype (cond: bool) and device on no
+    stream."""
     from ..tensor import pool_tensor
     backend = m.backend
     shape, rdt, dev = res.shape, res.dtype, res.device_id
     n, nbytes = res.size, res.nbytes
     go = backend.prepare_launch(backend.get_kernel(name, dev),
-                                (grid_blocks(compare_flat_items(n, dtype), BLOCK), 1, 1),
+                                (grid_blocks(flat_items(n, dtype), BLOCK), 1, 1),
                                 (BLOCK, 1, 1), 0, dev)
     pool, alloc, direct = common.plan_memory(m, dev)
     plan_pointer = common.plan_pointer
 
     def run(c: Any, a: Any, b: Any) -> Optional[CudaTensor]:
         pa, pb = plan_pointer(a, shape, dtype, dev), plan_pointer(b, shape, dtype, dev)
-        if pa is None or pb is None or not direct(dev):
+        pc = plan_pointer(c, shape, DT.BOOL, dev) if where else 0
+        if pa is None or pb is None or pc is None or not direct(dev):
             return None
         out = pool_tensor(shape, rdt, dev, alloc(nbytes, None), pool, n, nbytes)
-        go(out._ptr, pa, pb, n)
+        if where:
+            go(out._ptr, pc, pa, pb, n)
+        else:
+            go(out._ptr, pa, pb, n)
         return out
     return run
 
@@ -307,6 +330,8 @@ def where(m: Any, cond: Any, a: Any, b: Any) -> CudaTensor:
         y: Any = b.host_view if tb else vb
         out.host_view[...] = np.where(cond.host_view, x, y)
         return out
+    if ta and tb and cond.shape == a.shape == b.shape:   # three of one shape: the flat kernel
+        return _where_flat(m, cond, a, b, out)
     sc = _bcast_strides(shape, cond.shape)
     sa = _bcast_strides(shape, a.shape) if ta else [0] * len(shape)
     sb = _bcast_strides(shape, b.shape) if tb else [0] * len(shape)

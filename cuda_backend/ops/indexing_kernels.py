@@ -43,8 +43,14 @@ def compare_flat_params(op: str, dtype: CudaDataType) -> Dict[str, Any]:
     return {**compare_params(op, dtype), "kind": "compare_flat", "vec": 16 // dtype.itemsize}
 
 
-def compare_flat_items(n: int, dtype: CudaDataType) -> int:
-    """The flat comparison's work items over n elements: its 16-byte vectors (the grid)."""
+def where_flat_params(elem: int) -> Dict[str, Any]:
+    """where of three contiguous tensors of one shape (no broadcasting, no scalar)."""
+    return {"kind": "where_flat", "elem": elem, "block_size": BLOCK}
+
+
+def flat_items(n: int, dtype: CudaDataType) -> int:
+    """A flat kernel's (compare_flat, where_flat) work items over n elements of dtype: its
+    16-byte vectors (the grid)."""
     return -(-n // (16 // dtype.itemsize))
 
 
