@@ -57,6 +57,24 @@ def check_out(out: Any, x: CudaTensor, shape: Tuple[int, ...]) -> None:
     same_device(x, out)
 
 
+def check_dtype_device(t: CudaTensor, label: str, dtype: CudaDataType, expected: str,
+                       dev: int, others: str) -> None:
+    """DTypeMismatchError "<label> has dtype D, expected <expected>" unless t is of dtype,
+    DeviceMismatchError "<label> is on cuda:T, <others> on cuda:<dev>" unless it is on dev."""
+    if t.dtype is not dtype:
+        raise DTypeMismatchError(f"{label} has dtype {t.dtype.name_str}, expected {expected}")
+    if t.device_id != dev:
+        raise DeviceMismatchError(f"{label} is on cuda:{t.device_id}, {others} on cuda:{dev}")
+
+
+def result_tensor(m: Any, out: Optional[CudaTensor], shape: Tuple[int, ...],
+                  dtype: CudaDataType, dev: int) -> Tuple[CudaTensor, bool]:
+    """(out, False) when the caller gave one (checked already), else (a new tensor, True)."""
+    if out is not None:
+        return out, False
+    return m.backend.empty(shape, dtype, dev), True
+
+
 def grad_operands(grad_out: Any, v: Any, vname: str,
                   name: str) -> Tuple[CudaTensor, CudaTensor, CudaDataType, int]:
     """An element-wise backward op's (grad_out, v, dtype, device) after the checks: live

@@ -9,8 +9,7 @@ import numpy as np
 
 from ..device_errors import LATER
 from ..dtypes import CudaDataType
-from ..errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
-                      ShapeMismatchError)
+from ..errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 from ..tensor import CudaTensor
 from . import common
 from .cross_entropy_plans import acc_dtype
@@ -56,12 +55,7 @@ def _check_side(name: str, t: CudaTensor, what: str, want: CudaDataType, expecte
     """A side tensor of the logits (grad_loss, row_stats): live, of dtype want (`expected`
     says which in the error) and on the logits' device dev."""
     t.check_alive()
-    if t.dtype is not want:
-        raise DTypeMismatchError(
-            f"{name}: {what} has dtype {t.dtype.name_str}, expected {expected}")
-    if t.device_id != dev:
-        raise DeviceMismatchError(
-            f"{name}: {what} is on cuda:{t.device_id}, the logits on cuda:{dev}")
+    common.check_dtype_device(t, f"{name}: {what}", want, expected, dev, "the logits")
 
 
 def check_grad(name: str, grad_loss: Any, reduction: str, N: int, dtype: CudaDataType,

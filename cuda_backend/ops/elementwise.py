@@ -24,8 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..dtypes import CudaDataType
-from ..errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
-                      ShapeMismatchError)
+from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..kernels import dtype_params
 from ..tensor import CudaTensor
 from . import common
@@ -65,12 +64,7 @@ def _output(m: Any, out: Optional[CudaTensor], shape: Tuple[int, ...], dtype: Cu
     common.check_tensor(out, "out")
     if out.shape != shape:
         raise ShapeMismatchError(f"out has shape {out.shape}, expected the result shape {shape}")
-    if out.dtype is not dtype:
-        raise DTypeMismatchError(
-            f"out has dtype {out.dtype.name_str}, expected {dtype.name_str}")
-    if out.device_id != dev:
-        raise DeviceMismatchError(
-            f"out is on cuda:{out.device_id}, but the operands are on cuda:{dev}")
+    common.check_dtype_device(out, "out", dtype, dtype.name_str, dev, "but the operands are")
     return out
 
 

@@ -14,7 +14,7 @@ from ..errors import (DTypeMismatchError, GraphCaptureError, IndexOutOfRangeErro
                       InvalidArgumentError)
 from ..tensor import CudaTensor
 from . import common
-from .indexing_kernels import DT, INDEX_DTYPES
+from .indexing_kernels import INDEX_DTYPES
 
 
 def checked_indices(indices: Any, what: str) -> CudaTensor:

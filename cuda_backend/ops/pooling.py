@@ -117,9 +117,7 @@ def pool2d(m: Any, kind: str, x: CudaTensor, pool_size: Pair, stride: Optional[P
         common.write_host(m, values, out)
         return out
     dev = x.device_id
-    owned = out is None
-    if out is None:     # (owned)
-        out = m.backend.empty(shape, x.dtype, dev)
+    out, owned = common.result_tensor(m, out, shape, x.dtype, dev)
     if out.size == 0:
         return out
     vec = _vec(x.dtype)

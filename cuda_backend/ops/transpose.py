@@ -149,9 +149,7 @@ def transpose(m: Any, x: CudaTensor, out: Optional[CudaTensor] = None) -> CudaTe
         return host_result(m, np.swapaxes(common.host_array(m, x), -1, -2), x.dtype,
                            x.device_id, out)
     dev = x.device_id
-    new = out is None
-    if out is None:     # (new)
-        out = m.backend.empty(shape, x.dtype, dev)
+    out, new = common.result_tensor(m, out, shape, x.dtype, dev)
     if x.size == 0:
         return out
     if rows * cols >= 2**31:
