@@ -97,6 +97,15 @@ class PreparedLaunch:
         except self._error as exc:
             raise driver_failure(self._what, exc, self.device_id) from None
 
+    def launch_packed(self, buf: bytes, stream: Any = None) -> None:
+        """This launch with an argument buffer the caller packed as the kernel's parameter
+        area (for parameters `pack` cannot place, e.g. CUtensorMaps at the offsets
+        cuFuncGetParamInfo gives), on `stream` (a PyCUDA stream; None: the legacy default)."""
+        try:
+            self.launch_fn(self.grid, self.block, buf, self.shared_mem, stream)
+        except self._error as exc:
+            raise driver_failure(self._what, exc, self.device_id) from None
+
     def split_pack(self, leading: int, *rest: Any) -> Optional[Tuple[Callable[..., bytes],
                                                                       bytes]]:
         """(pack of the first `leading` arguments, the bytes of `rest` after them): the launch

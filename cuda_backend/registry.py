@@ -61,8 +61,9 @@ _EW = ("elementwise.cu.j2",)
 _FILL = ("fill.cu.j2",)
 _REDUCE = ("reduce.cu.j2", "reduce_axis.cu.j2")
 _MM = ("matmul_simt.cu.j2", "matmul_mma.cu.j2", "matmul_skinny.cu.j2")
-# the 16-bit wgmma GEMM (sm_90a) and the strided copy that pads its B's rows (ops/shape_copy.py)
-_WGMMA16 = ("matmul_wgmma16.cu.j2", "strided_copy.cu.j2")
+# the 16-bit wgmma GEMM (sm_90a) and the strided copy that pads its B's rows (ops/shape_copy.py),
+# the TMA-fed 16-bit GEMM (sm_90a, ops/matmul_tma16.py)
+_WGMMA16 = ("matmul_wgmma16.cu.j2", "strided_copy.cu.j2", "matmul_tma16.cu.j2")
 _CONV = ("conv2d_simt.cu.j2", "conv2d_mma.cu.j2", "conv2d_prep.cu.j2", "conv2d_direct.cu.j2")
 _T_EW = "tests/test_elementwise.py"
 _STRIDED = ("strided_copy.cu.j2",)

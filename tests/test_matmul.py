@@ -162,9 +162,11 @@ def test_template_variants_cover_every_candidate():
     variants = mm.template_variants()
     keys = {t: [tuple(sorted(p.items())) for p in sets] for t, sets in variants.items()}
     # (the cluster kernel's variants are counted by test_cluster_variants_are_the_configs, the
-    # 16-bit wgmma kernel's by test_wgmma16_configs_render_for_sm_90a)
+    # 16-bit wgmma kernel's by test_wgmma16_configs_render_for_sm_90a, the TMA kernel's by
+    # test_tma16_configs_render_for_sm_90a)
     assert 20 <= sum(len(v) for t, v in keys.items()
-                     if t not in (mm.SKINNY_TEMPLATE, mm.WGMMA16_TEMPLATE)) <= 96
+                     if t not in (mm.SKINNY_TEMPLATE, mm.WGMMA16_TEMPLATE,
+                                  mm.TMA16_TEMPLATE)) <= 96
     from cuda_backend.kernels import dtype_params
     for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT32, "ieee"), (DT.FLOAT64, None),
                      (DT.FLOAT32, "tf32"), (DT.FLOAT16, None), (DT.BFLOAT16, None)):
@@ -172,6 +174,10 @@ def test_template_variants_cover_every_candidate():
         for cls in table:
             for vec in (True, False):
                 for cfg in mm.candidates(dt, prec, cls, vec):
+                    if cfg.get("tma16"):
+                        params = mm.tma16_params(dt, cfg)
+                        assert tuple(sorted(params.items())) in keys[mm.TMA16_TEMPLATE]
+                        continue
                     if cfg.get("wgmma16"):
                         params = mm.wgmma16_params(dt, cfg)
                         assert tuple(sorted(params.items())) in keys[mm.WGMMA16_TEMPLATE]
@@ -206,6 +212,11 @@ def test_configs_are_consistent():
             if cfg.get("wgmma"):
                 assert cfg["bm"] in (64, 128) and cfg["bn"] % 16 == 0 and cfg["bn"] <= 256
                 assert mm.wgmma_smem(cfg) <= 227 * 1024 and cfg["stages"] >= 2
+                continue
+            if cfg.get("tma16"):   # (the template's static_asserts: 227 KB per block)
+                assert (cfg["bm"], cfg["bn"]) in ((128, 128), (128, 256), (256, 128))
+                assert 3 <= cfg["stages"] <= 7 and cfg["group_m"] >= 1
+                assert mm.wgmma_smem(cfg) + 1024 <= 227 * 1024
                 continue
             if cfg.get("wgmma16"):   # (the template's static_asserts; 228 KB per SM)
                 assert cfg["bm"] == 128 and cfg["bn"] in (128, 256) and cfg["stages"] >= 3
@@ -1475,10 +1486,16 @@ def test_wgmma16_configs_render_for_sm_90a():
 
 
 def test_wgmma16_default_order():
-    """Untuned (the first candidate): large shapes take 128x256 s4, medium ones and unaligned
-    operands 128x128 s3; skinny and small shapes keep mma.sync first."""
+    """Untuned (the first candidate): large aligned shapes take the TMA kernel (128x256 s4),
+    then the wgmma16 ones (128x256 s4 first), then mma.sync; medium ones and unaligned
+    operands wgmma16 128x128 s3; skinny and small shapes keep mma.sync first."""
     for dt in (DT.FLOAT16, DT.BFLOAT16):
-        assert mm.candidates(dt, None, "large", True)[0] == mm.W16_128x256_s4
+        large = mm.candidates(dt, None, "large", True)
+        kinds = ["tma16" if c.get("tma16") else "wgmma16" if c.get("wgmma16") else "mma"
+                 for c in large]
+        assert kinds == sorted(kinds, key=["tma16", "wgmma16", "mma"].index)
+        assert large[0] == mm.T16_128x256_s4
+        assert [c for c in large if c.get("wgmma16")][0] == mm.W16_128x256_s4
         assert mm.candidates(dt, None, "medium", True)[0] == mm.W16_128x128_s3
         for cls in ("large", "medium"):
             assert mm.candidates(dt, None, cls, False)[0] == mm.W16_128x128_s3
@@ -1811,6 +1828,461 @@ def test_gpu_wgmma16_public_and_plan_path(m, fam, monkeypatch):
                     res = m.matrix_multiply(x, b)
                 assert key in m.plans
                 _check_wgmma16(m, res, ref, scale, K, dtype, (cfg, (M, K, N), second))
+                res.free()
+        for vec in (True, False):
+            mm.memo(m).pop((p, dtype, None, dev, vec), None)
+        m.plans.pop(key, None)
+
+
+# -- TMA + wgmma (Hopper) float16 / bfloat16: matmul_tma16.cu.j2 --------------------------------
+T16 = [mm.T16_128x256_s4, mm.T16_256x128_s4, mm.T16_128x128_s5]   # (all_configs' order)
+# The parameter layout of the kernel without bias as the H100 reported it (CUDA 13: the maps
+# alignas(128) from c[0x0][0x210]): tm_a, tm_b, C, M, N, K; 0x184 bytes.
+H100_LAYOUT = (((0x70, 128), (0xF0, 128), (0x170, 8), (0x178, 4), (0x17C, 4), (0x180, 4)),
+               0x184)
+
+
+def fake_map(ptr, code, dims, strides, box, swizzle):
+    """A stand-in encoder's 128 bytes: its arguments, packed (tests read them back)."""
+    import struct
+    return struct.pack("<QI2Q1Q2I I", ptr, code, *dims, *strides, *box, swizzle).ljust(128, b"\0")
+
+
+def read_fake_map(raw):
+    import struct
+    ptr, code, d0, d1, s0, b0, b1, sw = struct.unpack_from("<QI2Q1Q2I I", raw)
+    return ptr, code, (d0, d1), (s0,), (b0, b1), sw
+
+
+class _T16Recorder(_SkinnyRecorder):
+    """_SkinnyRecorder picking the first TMA candidate, with the backend calls the TMA path
+    makes: compile_kernel (recorded: name -> arch, arg_types), activate, prepare_launch (its
+    launch_packed recorded in `packed`: kernel name, grid, block, shared memory, buffer)."""
+
+    def __init__(self, cc=HOPPER):
+        import contextlib
+        import types
+        super().__init__(True, cc=cc, kind="tma16")
+        rec = self
+        self.compiled, self.packed = {}, []
+        backend = self.backend
+
+        def compile_kernel(name, source, options=None, device_id=None, arch=None,
+                           arg_types=None):
+            rec.compiled[name] = (arch, arg_types)
+            return types.SimpleNamespace(name=name, function=types.SimpleNamespace())
+
+        class Prepared:
+            def __init__(self, kernel, grid, block, smem):
+                self.what = (kernel.name, grid, block, smem)
+
+            def launch_packed(self, buf, stream=None):
+                rec.packed.append(self.what + (buf,))
+
+            def __call__(self, *args):   # (a stand-in's runner)
+                rec.packed.append(self.what + (args,))
+
+        backend.compile_kernel = compile_kernel
+        backend.activate = lambda dev: contextlib.nullcontext()
+        backend.prepare_launch = lambda k, g, b, s, d: Prepared(k, g, b, s)
+        backend.get_kernel = lambda name, dev: types.SimpleNamespace(name=name)
+        backend.memory_pools = {0: types.SimpleNamespace(allocate_current=lambda n: 9 << 30,
+                                                         release=lambda block: None)}
+
+
+@pytest.fixture
+def t16_stubs(monkeypatch):
+    """The layout query answers H100_LAYOUT, the encoder is fake_map (calls counted)."""
+    from cuda_backend import tensor_maps
+    from cuda_backend.ops import matmul_tma16
+    calls = []
+
+    def encoder(*args):
+        calls.append(args)
+        return fake_map(*args)
+    monkeypatch.setattr(matmul_tma16, "kernel_layout", lambda *a: H100_LAYOUT)
+    monkeypatch.setattr(tensor_maps, "get_encoder", lambda: encoder)
+    return calls
+
+
+def _check_packed(buf, dtype, cfg, a_ptr, b_ptr, c_ptr, M, N, K):
+    """The buffer holds tm_a, tm_b, C, M, N, K at H100_LAYOUT's offsets, its size."""
+    import struct
+    (oa, _), (ob, _), (oc, _), (om, _), (on, _), (ok, _) = H100_LAYOUT[0]
+    assert len(buf) == H100_LAYOUT[1]
+    code = 6 if dtype is DT.FLOAT16 else 9
+    assert read_fake_map(buf[oa:oa + 128]) == (a_ptr, code, (K, M), (K * 2,), (64, cfg["bm"]), 3)
+    assert read_fake_map(buf[ob:ob + 128]) == (b_ptr, code, (N, K), (N * 2,), (64, 64), 3)
+    assert struct.unpack_from("<Q", buf, oc)[0] == c_ptr
+    assert [struct.unpack_from("<i", buf, o)[0] for o in (om, on, ok)] == [M, N, K]
+    assert not any(buf[:oa]) and not any(buf[oa + 128:ob])   # (padding left zero)
+
+
+def test_tma16_configs_render_for_sm_90a():
+    """The TMA configs are candidates of float16 and bfloat16's GEMM only (not the linear
+    layer's, not the A-transposed GEMM's, no other dtype), listed once per dtype with the
+    input dtype's output, rendered without #error for sm_90a with the dtype's wgmma."""
+    from cuda_backend.kernels import TEMPLATE_ARCH, KernelGenerator
+    gen = KernelGenerator(backend=object())
+    assert TEMPLATE_ARCH[mm.TMA16_TEMPLATE] == "sm_90a"
+    for dt in (DT.FLOAT16, DT.BFLOAT16):
+        assert [c for c in mm.all_configs(dt, None) if c.get("tma16")] == T16
+        assert not any(c.get("tma16") for vec in (True, False)
+                       for c in mm.linear_configs(dt, None, vec) + mm.tn_configs(dt, None, vec)
+                       + mm.candidates(dt, None, "large", False))
+    for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT32, "tf32"), (DT.FLOAT32, "ieee"),
+                     (DT.FLOAT64, None)):
+        assert not any(c.get("tma16") for c in mm.all_configs(dt, prec))
+    sets = mm.template_variants()[mm.TMA16_TEMPLATE]
+    assert sets == [mm.tma16_params(dt, c) for dt in (DT.FLOAT16, DT.BFLOAT16) for c in T16]
+    for params in sets:
+        assert params["out_ctype"] == params["ctype"]
+        _, src = gen.render_kernel(mm.TMA16_TEMPLATE, **params)
+        wt = "f16" if params["dtype"] == "float16" else "bf16"
+        assert f"m64n{params['bn']}k16.f32.{wt}.{wt}" in src and "#error" not in src
+        assert f"#define BM {params['bm']}" in src and f"#define STAGES {params['stages']}" in src
+    assert mm.tma16_params(DT.FLOAT16, T16[0], DT.FLOAT32)["out_ctype"] == "float"
+    assert mm.TMA16_STANDIN == mm.W16_128x128_s3 and mm.TMA16_THREADS == 384
+
+
+@pytest.mark.parametrize("fam", list(FAMS16))
+@pytest.mark.parametrize("M, K, N", [(4096, 4096, 4096), (1023, 1000, 1032), (4099, 8, 1024),
+                                     (2049, 40, 2056)])
+def test_matmul_tma16_candidates_and_packed_launch(fam, M, K, N, t16_stubs):
+    """On sm_90 a 16-bit GEMM of one aligned matrix (K, N multiples of 8) times the TMA
+    configs of its class first (large: all three, then wgmma16, then mma.sync; medium: 128x128
+    s5 after wgmma16's); the chosen one compiles for sm_90a with TMA16_ARG_TYPES and launches
+    min(tiles, 132) blocks of 384 threads, wgmma_smem bytes, its buffer packed at the kernel's
+    offsets: A's map (dims (K, M), box (64, bm)), B's (dims (N, K), box (64, 64)), C, M, N, K.
+    Later calls on the same buffers encode nothing."""
+    dtype = FAMS16[fam]
+    m = _T16Recorder()
+    a, b = m.backend.empty((M, K), dtype), m.backend.empty((K, N), dtype)
+    out = mm.matmul(m, a, b)
+    p = mm.plan_shapes((M, K), (K, N))
+    (cands,) = m.seen
+    cls = mm.shape_class(p, 132)
+    assert cands == mm.candidates(dtype, None, cls, True)
+    t = [c for c in cands if c.get("tma16")]
+    assert t == ([c for c in T16] if cls == "large" else [mm.T16_128x128_s5])
+    if cls == "large":
+        assert cands[:3] == T16 and cands[3].get("wgmma16")
+    cfg = t[0]
+    m.packed.clear()
+    m.launches.clear()
+    t16_stubs.clear()
+    for _ in range(2):
+        mm.matmul(m, a, b, out=out)
+    assert not m.launches and len(m.packed) == 2 and not t16_stubs   # (the first call's maps)
+    name, grid, block, smem, buf = m.packed[0]
+    assert m.compiled[name] == ("sm_90a", mm.TMA16_ARG_TYPES)
+    tiles = -(-M // cfg["bm"]) * -(-N // cfg["bn"])
+    assert grid == (min(tiles, 132), 1, 1) and block == (384, 1, 1)
+    assert smem == mm.wgmma_smem(cfg)
+    _check_packed(buf, dtype, cfg, a.ptr, b.ptr, out.ptr, M, N, K)
+    assert m.packed[1][4] == buf
+
+
+@pytest.mark.parametrize("fam", list(FAMS16))
+def test_tma16_not_offered_where_it_cannot_run(fam, t16_stubs):
+    """No TMA candidate for a batch, K or N not a multiple of 8, A, B or the output not
+    16-byte aligned (though 8-byte aligned), a device other than sm_90, or the layouts the
+    kernel does not read (the linear layer, matmul_nt, matmul_tn); the wgmma16 ones stay
+    where they can run."""
+    dtype = FAMS16[fam]
+
+    def offered(m, kind="tma16"):
+        return any(c.get(kind) for cands in m.seen for c in cands)
+
+    def shifted(m, shape, by=4):
+        base = m.backend.empty((int(np.prod(shape)) + 8,), dtype)
+        return CudaTensor(shape, dtype, 0, base.ptr + 2 * by, owner=base)
+
+    M, K, N = 1023, 1000, 1032
+    m = _T16Recorder()
+    mm.matmul(m, m.backend.empty((M, K), dtype), m.backend.empty((K, N), dtype))
+    assert offered(m)                                         # (the control)
+    for cc, a_shape, b_shape in ((HOPPER, (3, 130, 296), (296, 200)),
+                                 (HOPPER, (3, 130, 296), (3, 296, 200)),
+                                 (HOPPER, (M, 1001), (1001, N)), (HOPPER, (M, 996), (996, 1028)),
+                                 (HOPPER, (M, K), (K, 1025)), ((8, 0), (M, K), (K, N)),
+                                 ((10, 0), (M, K), (K, N))):
+        m = _T16Recorder(cc)
+        mm.matmul(m, m.backend.empty(a_shape, dtype), m.backend.empty(b_shape, dtype))
+        assert m.seen and not offered(m), (cc, a_shape, b_shape)
+    for which in ("a", "b", "out"):
+        m = _T16Recorder()
+        a = shifted(m, (M, K)) if which == "a" else m.backend.empty((M, K), dtype)
+        b = shifted(m, (K, N)) if which == "b" else m.backend.empty((K, N), dtype)
+        out = shifted(m, (M, N)) if which == "out" else None
+        mm.matmul(m, a, b, out=out)
+        assert m.seen and not offered(m), which
+    for call in (lambda m, x, w: mm.linear(m, x, w, m.backend.empty((N,), dtype), "bias"),
+                 lambda m, x, w: mm.matmul_nt(m, x, w),
+                 lambda m, x, w: mm.matmul_tn(m, m.backend.empty((K, M), dtype),
+                                              m.backend.empty((K, N), dtype))):
+        m = _T16Recorder()
+        call(m, m.backend.empty((M, K), dtype), m.backend.empty((N, K), dtype))
+        assert m.seen and not offered(m)
+
+
+@pytest.mark.parametrize("fam", list(FAMS16))
+def test_tma16_run_config_gives_way_to_wgmma16(fam, t16_stubs):
+    """run_config of a TMA config on a call it cannot take (a memoized choice meeting other
+    pointers, a batch, another device) launches TMA16_STANDIN's wgmma16 kernel (or, where
+    that cannot run either, its mma.sync stand-in): never the TMA kernel on bad operands. A
+    float32 output is the kernel's other variant."""
+    dtype = FAMS16[fam]
+    M, K, N = 131, 264, 136
+    p = mm.plan_shapes((M, K), (K, N))
+    for cc, a_off, b_off, o_off, want in ((HOPPER, 0, 0, 8, "wgmma16"),
+                                          (HOPPER, 0, 8, 0, "wgmma16"),
+                                          (HOPPER, 8, 0, 0, "mma"), (HOPPER, 2, 0, 0, "mma"),
+                                          ((8, 0), 0, 0, 0, "mma")):
+        m = _T16Recorder(cc)
+        base_a = m.backend.empty((M * K + 8,), dtype)
+        base_b = m.backend.empty((K * N + 8,), dtype)
+        base_o = m.backend.empty((M * N + 8,), dtype)
+        a = CudaTensor((M, K), dtype, 0, base_a.ptr + a_off, owner=base_a)
+        b = CudaTensor((K, N), dtype, 0, base_b.ptr + b_off, owner=base_b)
+        out = CudaTensor((M, N), dtype, 0, base_o.ptr + o_off, owner=base_o)
+        for cfg in T16:
+            m.launches.clear()
+            mm.run_config(m, mm.TMA16_TEMPLATE, cfg, a, b, out, p, dtype, False, 0)
+            assert not m.packed
+            k = m.launches[-1][0]   # (after B's padded copy where B is misaligned)
+            assert k == (mm.wgmma16_params(dtype, mm.TMA16_STANDIN) if want == "wgmma16" else
+                         mm.kernel_params(mm.MMA_TEMPLATE, dtype, mm.WGMMA16_STANDIN, False))
+    m = _T16Recorder()
+    pb = mm.plan_shapes((2, M, K), (K, N))
+    mm.run_config(m, mm.TMA16_TEMPLATE, T16[0], m.backend.empty((2, M, K), dtype),
+                  m.backend.empty((K, N), dtype), m.backend.empty((2, M, N), dtype), pb, dtype,
+                  True, 0)
+    assert not m.packed and m.launches[-1][0] == mm.wgmma16_params(dtype, mm.TMA16_STANDIN)
+    for out_dtype in (dtype, DT.FLOAT32):   # (the control: both outputs)
+        m = _T16Recorder()
+        a, b = m.backend.empty((M, K), dtype), m.backend.empty((K, N), dtype)
+        out = m.backend.empty((M, N), out_dtype)
+        mm.run_config(m, mm.TMA16_TEMPLATE, T16[2], a, b, out, p, dtype, True, 0)
+        (name, grid, block, smem, buf), = m.packed
+        assert grid == (4, 1, 1) and not m.launches   # (2 x 2 tiles of 128 x 128)
+        _check_packed(buf, dtype, T16[2], a.ptr, b.ptr, out.ptr, M, N, K)
+        params = mm.tma16_params(dtype, T16[2], out_dtype)
+        assert name == m.generator.render_kernel(mm.TMA16_TEMPLATE, **params)[0]
+
+
+@pytest.mark.parametrize("fam", list(FAMS16))
+def test_tma16_plan_runner_launches(fam, t16_stubs):
+    """The per-call plan of a TMA choice (mm.config_runner): one packed launch per call, the
+    maps of the call's pointers (encoded once per pointer pair while it is among the last
+    few); pointers not 16-byte aligned run the stand-in's runner; a plan of shapes the kernel
+    cannot take (a batch, N % 8) is the stand-in's runner outright."""
+    dtype = FAMS16[fam]
+    M, K, N = 1023, 1000, 1032
+    p = mm.plan_shapes((M, K), (K, N))
+    for cfg in T16:
+        m = _T16Recorder()
+        run = mm.config_runner(m, mm.TMA16_TEMPLATE, cfg, p, dtype, True, 0)
+        t16_stubs.clear()
+        for pa in (1 << 20, 5 << 20, 1 << 20):
+            m.packed.clear()
+            run(pa, 2 << 20, 3 << 20, 0)
+            (name, grid, block, smem, buf), = m.packed
+            assert block == (384, 1, 1) and smem == mm.wgmma_smem(cfg)
+            _check_packed(buf, dtype, cfg, pa, 2 << 20, 3 << 20, M, N, K)
+        assert len(t16_stubs) == 3     # (two As, one B; the third call's maps cached)
+        m.packed.clear()
+        run(1 << 20, 2 << 20, (3 << 20) + 8, 0)   # (C 8 bytes off: the wgmma16 kernel's)
+        (name, *_, args), = m.packed
+        assert isinstance(args, tuple) and args[:3] == (1 << 20, 2 << 20, (3 << 20) + 8)
+        assert name == m.generator.render_kernel(
+            mm.WGMMA16_TEMPLATE, **mm.wgmma16_params(dtype, mm.TMA16_STANDIN))[0]
+    for shapes in (((2, M, K), (K, N)), ((M, K), (K, 1028))):
+        m = _T16Recorder()
+        pp = mm.plan_shapes(*shapes)
+        run = mm.config_runner(m, mm.TMA16_TEMPLATE, T16[0], pp, dtype, True, 0)
+        run(1 << 20, 2 << 20, 3 << 20, 0)
+        assert m.packed and all(isinstance(x[-1], tuple) for x in m.packed)
+
+
+def test_tensor_maps_ctypes_encoder_arguments():
+    """tensor_maps.ctypes_encoder calls cuTensorMapEncodeTiled with the map's 64-byte aligned
+    address, the data type, rank 2, the address, dims / strides / box innermost first, unit
+    element strides, no interleave, the swizzle, 256-byte L2 promotion, zero fill, and returns
+    the 128 bytes the driver wrote; a failing CUresult is a typed error."""
+    import ctypes
+    from cuda_backend import tensor_maps
+    seen = []
+
+    def encode(out, code, rank, ptr, dims, strides, box, elem, *enums):
+        addr = out.value
+        seen.append((addr % 64, code, rank, ptr.value, list(dims[:2]), [strides[0]],
+                     list(box[:2]), list(elem[:2]), enums))
+        ctypes.memmove(addr, bytes(range(128)), 128)
+        return 0 if ptr.value != 0xBAD0 else 1
+    lib = type("Lib", (), {})()
+    lib.cuTensorMapEncodeTiled = encode
+    enc = tensor_maps.ctypes_encoder(lib)
+    assert enc(0x7000, 9, (1000, 1023), (2000,), (64, 128), 3) == bytes(range(128))
+    assert seen == [(0, 9, 2, 0x7000, [1000, 1023], [2000], [64, 128], [1, 1], (0, 3, 3, 0))]
+    with pytest.raises(InvalidArgumentError, match="CUresult 1"):
+        enc(0xBAD0, 6, (8, 8), (16,), (8, 8), 0)
+
+
+def test_tensor_maps_encode_2d_checks_and_order(monkeypatch):
+    """encode_2d gives the encoder dims (cols, rows), the row stride, box (box_cols,
+    box_rows), the dtype's code and the swizzle; bad geometry is a typed error before any
+    driver call; with neither cuda.bindings nor libcuda.so.1, CudaNotAvailableError names
+    both."""
+    import sys
+    from cuda_backend import tensor_maps
+    from cuda_backend.errors import CudaNotAvailableError
+    calls = []
+    monkeypatch.setattr(tensor_maps, "get_encoder",
+                        lambda: lambda *a: calls.append(a) or bytes(128))
+    assert tensor_maps.encode_2d(0x1000, DT.BFLOAT16, 1023, 1000, 2000, 128, 64) == bytes(128)
+    tensor_maps.encode_2d(0x1000, DT.FLOAT16, 3, 8, 16, 64, 64, swizzle128=False)
+    assert calls == [(0x1000, 9, (1000, 1023), (2000,), (64, 128), 3),
+                     (0x1000, 6, (8, 3), (16,), (64, 64), 0)]
+    for bad in ((0x1008, DT.FLOAT16, 8, 8, 16, 8, 8), (0x1000, DT.FLOAT16, 8, 8, 24, 8, 8),
+                (0x1000, DT.FLOAT16, 8, 16, 16, 8, 8), (0x1000, DT.FLOAT16, 0, 8, 16, 8, 8),
+                (0x1000, DT.FLOAT16, 8, 8, 16, 8, 128), (0x1000, DT.FLOAT16, 8, 8, 16, 300, 8),
+                (0x1000, DT.FLOAT64, 8, 8, 64, 8, 8)):
+        with pytest.raises(InvalidArgumentError):
+            tensor_maps.encode_2d(*bad)
+    assert len(calls) == 2
+    monkeypatch.undo()
+
+    def no_driver():
+        raise CudaNotAvailableError("libcuda.so.1 cannot be loaded (test)")
+    monkeypatch.setitem(sys.modules, "cuda", None)
+    monkeypatch.setattr(tensor_maps, "driver_library", no_driver)
+    tensor_maps.clear_encoder()
+    try:
+        with pytest.raises(CudaNotAvailableError, match="cuda.bindings.*libcuda"):
+            tensor_maps.get_encoder()
+    finally:
+        tensor_maps.clear_encoder()
+
+
+def test_tensor_maps_param_layout_and_pack():
+    """param_layout reads cuFuncGetParamInfo until it fails, on PyCUDA's Function handle
+    where there is one (a kernel without one and no cubin is a typed error); pack_params
+    puts each field at its offset and checks the count and the sizes."""
+    import types
+    from cuda_backend import tensor_maps
+    from cuda_backend.errors import CudaNotAvailableError, LaunchConfigurationError
+    offsets = [o for o, _ in H100_LAYOUT[0]]
+    sizes = [s for _, s in H100_LAYOUT[0]]
+
+    def info(func, i, off, size):
+        assert func.value == 0x1234
+        if i >= len(offsets):
+            return 1
+        off._obj.value, size._obj.value = offsets[i], sizes[i]
+        return 0
+    lib = types.SimpleNamespace(cuFuncGetParamInfo=info)
+    assert tensor_maps.function_layout(lib, 0x1234) == H100_LAYOUT
+    kernel = types.SimpleNamespace(name="k", function=types.SimpleNamespace())
+    orig = tensor_maps.driver_library
+    try:
+        tensor_maps.driver_library = lambda: lib
+        assert tensor_maps.param_layout(
+            types.SimpleNamespace(name="k", function=types.SimpleNamespace(handle=0x1234))) \
+            == H100_LAYOUT
+        with pytest.raises(CudaNotAvailableError, match="handle"):
+            tensor_maps.param_layout(kernel)
+    finally:
+        tensor_maps.driver_library = orig
+    fields = [("128s", b"a" * 128), ("128s", b"b" * 128), ("Q", 7), ("i", 1), ("i", 2),
+              ("i", 3)]
+    buf = tensor_maps.pack_params(fields, H100_LAYOUT)
+    assert len(buf) == 0x184 and buf[0x70:0xF0] == b"a" * 128 and buf[0xF0:0x170] == b"b" * 128
+    assert buf[0x170:0x184] == (7).to_bytes(8, "little") + b"\1\0\0\0\2\0\0\0\3\0\0\0"
+    with pytest.raises(LaunchConfigurationError, match="6 parameters"):
+        tensor_maps.pack_params(fields[:5], H100_LAYOUT)
+    with pytest.raises(LaunchConfigurationError, match="parameter 2"):
+        tensor_maps.pack_params(fields[:2] + [("i", 7)] + fields[3:], H100_LAYOUT)
+
+
+def _check_tma16(m, out, ref, scale, K, dtype, what):
+    """_check_wgmma16's bounds, the output's rounding u that of out's dtype (0 for float32:
+    the accumulator is stored as it is):
+        |out - ref| <= K 2^-23 S (1 + u) + u |ref| + K 2^-52 S."""
+    got = m.to_numpy(out).astype(np.float64)
+    bound = FAMILIES["fp16" if dtype is DT.FLOAT16 else "bf16"][2]
+    err = rel_err(got, ref, scale)
+    assert err <= bound, (what, err)
+    u = {DT.FLOAT16: 2.0 ** -11, DT.BFLOAT16: 2.0 ** -8, DT.FLOAT32: 0.0}[out.dtype]
+    elem = K * 2.0 ** -23 * scale * (1 + u) + u * np.abs(ref) + K * 2.0 ** -52 * scale
+    worst = np.max(np.abs(got - ref) - elem)
+    assert worst <= 0, (what, float(np.max(np.abs(got - ref) / (elem + 1e-300))))
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMS16))
+@pytest.mark.parametrize("M, K, N", [
+    (1, 8, 8), (1, 1000, 1032), (77, 40, 136), (131, 264, 136), (257, 24, 520),
+    (1023, 1000, 1032), (2049, 1000, 2056)], ids=lambda s: str(s))
+def test_gpu_tma16_configs(m, fam, M, K, N):
+    """Every TMA config through run_config into a poisoned output of the input dtype and of
+    float32: M and N of no tile width (M = 1 too), N a multiple of 8, K = 8 x odd (K < 64: one
+    partial k-tile, zero-filled by the tensor map), more tiles than SMs (2049 x 2056: the
+    persistent loop); within the bounds of _check_tma16. The operands meet tma16_usable, so
+    the kernel itself runs."""
+    _need_wgmma16(m)
+    dtype = FAMS16[fam]
+    rng = np.random.default_rng(1616)
+    dev = m.backend.current_device
+    a = to_dev(m, rand(rng, (M, K), dtype), dtype)
+    b = to_dev(m, rand(rng, (K, N), dtype), dtype)
+    ref, scale = reference(m, a, b)
+    p = mm.plan_shapes(a.shape, b.shape)
+    info = m.backend.get_device_info(dev)
+    for cfg in T16:
+        for out_dtype in (dtype, DT.FLOAT32):
+            out = poisoned(m, ref.shape, out_dtype)
+            assert mm.tma16_usable(info, dtype, a, b, out, p)
+            mm.run_config(m, mm.TMA16_TEMPLATE, cfg, a, b, out, p, dtype, True, dev)
+            _check_tma16(m, out, ref, scale, K, dtype, (cfg, out_dtype.name_str, M, K, N))
+            out.free()
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMS16))
+def test_gpu_tma16_public_and_plan_path(m, fam, monkeypatch):
+    """matrix_multiply with each TMA config memoized as the call's choice (both alignment
+    classes): the general path, then the per-call plan (run_config made to raise); then A one
+    element off its 16-byte boundary, the plan dropped first: the general path (run_config's
+    stand-ins) and the plan (its runner's stand-in); all within the bounds."""
+    _need_wgmma16(m)
+    dtype = FAMS16[fam]
+    rng = np.random.default_rng(1617)
+    dev = m.backend.current_device
+    for (M, K, N) in ((1023, 1000, 1032), (300, 296, 512)):
+        av, bv = rand(rng, (M, K), dtype), rand(rng, (K, N), dtype)
+        a, b = to_dev(m, av, dtype), to_dev(m, bv, dtype)
+        ref, scale = reference(m, a, b)
+        base = m.create_tensor((M * K + 8,), dtype)
+        a_off = CudaTensor((M, K), dtype, base.device_id, base.ptr + dtype.itemsize, owner=base)
+        m.backend.copy_to_device(m.to_numpy(a) if dtype is not DT.BFLOAT16 else
+                                 to_bfloat16_bits(m.to_numpy(a)), a_off)
+        p = mm.plan_shapes(a.shape, b.shape)
+        key = ("matmul", a.shape, b.shape, dtype, dtype, dev, dev, None)
+        for cfg in T16:
+            for vec in (True, False):
+                mm.memo(m)[(p, dtype, None, dev, vec)] = (mm.TMA16_TEMPLATE, cfg)
+            m.plans.pop(key, None)
+            for x, second in ((a, False), (a, True), (a_off, False), (a_off, True)):
+                if x is a_off and not second:
+                    m.plans.pop(key, None)
+                poisoned(m, ref.shape, dtype).free()
+                with monkeypatch.context() as mp:
+                    if second:
+                        mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
+                    res = m.matrix_multiply(x, b)
+                assert key in m.plans
+                _check_tma16(m, res, ref, scale, K, dtype, (cfg, (M, K, N), second))
                 res.free()
         for vec in (True, False):
             mm.memo(m).pop((p, dtype, None, dev, vec), None)

@@ -43,6 +43,12 @@ def test_template_starts_with_params_comment(template):
             assert key in comment, (template, key)
 
 
+# Templates whose kernels take CUtensorMap parameters, which the compiler cannot format: the
+# package compiles them with these arg_types (ops/matmul_kernels.py TMA16_ARG_TYPES) and
+# packs their launches at the offsets the driver reports (tensor_maps.param_layout).
+EXPLICIT_ARG_TYPES = {"matmul_tma16.cu.j2": "128s128sPiii"}
+
+
 @pytest.mark.parametrize("template, index, params", CASES, ids=CASE_IDS)
 def test_renders_and_declares_the_kernel(template, index, params):
     name, source = GEN.render_kernel(template, **dict(params))
@@ -52,8 +58,15 @@ def test_renders_and_declares_the_kernel(template, index, params):
     assert 'extern "C" __global__' in source
     sig = kernel_signature(source, name)
     assert sig, sig
-    fmt = arg_format(source, name, sig)  # every parameter has a launchable format
-    assert len(fmt) == len(sig)
+    if template in EXPLICIT_ARG_TYPES:
+        # tensor maps first (128 bytes each in PyCUDA's prepare() spelling), then scalars
+        maps = [p for p in sig if "CUtensorMap" in p]
+        assert sig[:len(maps)] == maps and maps
+        assert EXPLICIT_ARG_TYPES[template] == \
+            "128s" * len(maps) + arg_format(source, name, sig[len(maps):])
+    else:
+        fmt = arg_format(source, name, sig)  # every parameter has a launchable format
+        assert len(fmt) == len(sig)
     if "ctype" in params:
         assert params["ctype"] in source
     # an explicit kernel_name is used as given
@@ -154,6 +167,40 @@ def test_variants_compile_cleanly_with_nvcc(template, variants, tmp_path):
         assert name.encode() in cubin, (template, index)
         assert f"_Z{len(name)}{name}".encode() not in cubin, (template, index)
     assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_tma16_variants_compile_without_spills(tmp_path):
+    """The TMA kernel's listed variants, their float32-output twins (run_config's out) and
+    the layout probe compile for sm_90a without a warning, a spill or a stack frame; the
+    probe keeps the kernel's parameter list."""
+    from cuda_backend.ops import matmul as mm
+    sets = list(VARIANTS["matmul_tma16.cu.j2"])
+    sets += [dict(p, out_ctype="float") for p in sets]
+    sets.append(dict(sets[0], probe=1))
+    assert mm.TMA16_ARG_TYPES == EXPLICIT_ARG_TYPES["matmul_tma16.cu.j2"]
+
+    def build(ip):
+        i, params = ip
+        name, source = GEN.render_kernel("matmul_tma16.cu.j2", **dict(params))
+        base = os.path.join(str(tmp_path), f"tma16_{i}")
+        with open(base + ".cu", "w") as f:
+            f.write(source)
+        proc = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin",
+                               "-Xptxas", "-v", "-o", base + ".cubin", base + ".cu"],
+                              capture_output=True, text=True, timeout=300)
+        return name, source, proc
+    workers = 1 if os.environ.get("PYTEST_XDIST_WORKER") else min(4, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(build, enumerate(sets)))
+    sig0 = kernel_signature(results[0][1], results[0][0])
+    for (name, source, proc), params in zip(results, sets):
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "warning" not in log.lower(), (params, log)
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
+        if params.get("probe"):
+            assert kernel_signature(source, name) == sig0
 
 
 def test_compile_chunks_cover_every_variant_once():

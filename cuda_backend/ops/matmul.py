@@ -24,6 +24,12 @@ The kernel families, all templated:
   block). Timed beside the mma.sync configs (MMA_F16); a call it cannot take runs
   WGMMA16_STANDIN instead. The linear layers (B given as (N, K)) and matmul_nt / matmul_tn
   keep mma.sync: the kernel reads B only as (K, N) and A only as (M, K).
+- `matmul_tma16.cu.j2`: float16 / bfloat16 on Hopper, warp-specialized: the tensor memory
+  accelerator (TMA) fills a shared-memory ring from tensor maps (tensor_maps.py), two
+  consumer warpgroups run wgmma from it, persistent grid; for matrix_multiply's plain GEMM
+  of one matrix where K and N are multiples of 8 and A, B and C are 16-byte aligned
+  (matmul_tma16.tma16_usable). Timed first among the large shapes' candidates (MMA_F16); a
+  call it cannot take runs TMA16_STANDIN (the wgmma16 kernel) instead.
 - `matmul_skinny.cu.j2`: true FP32 for M <= 64 on devices with thread-block clusters (compute
   capability >= 9.0): split-K over the blocks of one cluster, whose partial tiles are summed
   through distributed shared memory in a fixed order, the epilogue applied there: one launch,
@@ -55,8 +61,8 @@ This module holds the ops, their checks and the registry's contract; the family'
 modules: matmul_shapes (Plan, shape rules, precision, shape class), matmul_kernels (templates,
 template parameters, launch resources), matmul_configs (the tile tables and `candidates`),
 matmul_skinny (the skinny split-K and cluster configs for M <= 64), matmul_splitk (split-K
-counts), matmul_launch (the memo, the autotuned choice, `run_config`), matmul_plans (per-call
-plans) and matmul_fallback (NumPy).
+counts), matmul_launch (the memo, the autotuned choice, `run_config`), matmul_tma16 (the TMA
+kernel's launches), matmul_plans (per-call plans) and matmul_fallback (NumPy).
 """
 from __future__ import annotations
 
@@ -75,10 +81,10 @@ from .matmul_configs import (SCALAR_OK, all_configs, has_tn_kernel, linear_confi
 from .matmul_configs import candidates  # noqa: F401  (registry.CONTRACT of an autotuned family)
 from .matmul_fallback import fallback, linear_fallback
 from .matmul_kernels import (EPILOGUES, FILL_TEMPLATE, GRAD_EPILOGUE, MMA_TEMPLATE, REDUCE_BLOCK,
-                             SIMT_TEMPLATE, SKINNY_TEMPLATE, WGMMA16_TEMPLATE, WGMMA_TEMPLATE,
-                             config_template, kernel_params, linear_params,
-                             splitk_epilogue_params, template_runs_on, wgmma16_params,
-                             wgmma_params)
+                             SIMT_TEMPLATE, SKINNY_TEMPLATE, TMA16_TEMPLATE, WGMMA16_TEMPLATE,
+                             WGMMA_TEMPLATE, config_template, kernel_params, linear_params,
+                             splitk_epilogue_params, template_runs_on, tma16_params,
+                             wgmma16_params, wgmma_params)
 from .matmul_launch import cached_kernel, fill_zero, launch
 from .matmul_plans import remember
 from .matmul_shapes import Plan, plan_shapes
@@ -89,12 +95,13 @@ from .matmul_skinny import cluster_configs, cluster_params, skinny_configs, skin
 from .matmul_configs import (  # noqa: F401
     D_64x64x8, H_64x64x32, LINEAR_MMA_F32X3, LINEAR_SIMT_F32_KC, SIMT_F32, SIMT_F32_EXTRA,
     S_128x128x8_16x8, S_128x64x16_s3, S_128x64x8_q2, S_32x64x16, S_64x64x8, S_64x64x8_q2,
-    T_128x128x32, T_64x64x16, W16_128x128_s3, W16_128x256_s4, W_128x128_s3, W_64x128_s3,
-    W_64x256_s4, WGMMA16_STANDIN, X3_GEMM, X_64x128x32_w32x64, family, gemm_family, tn_configs)
+    T16_128x128_s5, T16_128x256_s4, T16_256x128_s4, T_128x128x32, T_64x64x16, TMA16_STANDIN,
+    W16_128x128_s3, W16_128x256_s4, W_128x128_s3, W_64x128_s3, W_64x256_s4, WGMMA16_STANDIN,
+    X3_GEMM, X_64x128x32_w32x64, family, gemm_family, tn_configs)
 from .matmul_fallback import gelu_tanh, gelu_tanh_grad, round_tf32  # noqa: F401
 from .matmul_kernels import (  # noqa: F401
-    blocks_per_sm, has_clusters, has_wgmma, simt_params, simt_smem, tn_params, wgmma16_b_direct,
-    wgmma16_ld, wgmma16_ok, wgmma_ok, wgmma_smem)
+    TMA16_ARG_TYPES, TMA16_THREADS, blocks_per_sm, has_clusters, has_wgmma, simt_params,
+    simt_smem, tn_params, wgmma16_b_direct, wgmma16_ld, wgmma16_ok, wgmma_ok, wgmma_smem)
 from .matmul_launch import (  # noqa: F401
     compile_kernel, memo, op_name, pad_b_launches, run_config, wgmma16_usable)
 from .matmul_plans import config_runner  # noqa: F401
@@ -107,12 +114,13 @@ from .matmul_skinny import (  # noqa: F401
 from .matmul_splitk import (  # noqa: F401
     X3_MIN_CHUNK, effective_split, split_candidates, split_count, split_options,
     x3_split_options, x3_split_time)
+from .matmul_tma16 import tma16_shape_ok, tma16_usable  # noqa: F401
 
 DT = CudaDataType
 # the registry's contract: fill for K == 0, transpose.cu.j2 (ops/transpose.py) for wgmma's B,
 # strided_copy.cu.j2 (ops/shape_copy.py) for the 16-bit wgmma's padded B
-TEMPLATES = (SIMT_TEMPLATE, MMA_TEMPLATE, WGMMA_TEMPLATE, WGMMA16_TEMPLATE, SKINNY_TEMPLATE,
-             FILL_TEMPLATE, "transpose.cu.j2", "strided_copy.cu.j2")
+TEMPLATES = (SIMT_TEMPLATE, MMA_TEMPLATE, WGMMA_TEMPLATE, WGMMA16_TEMPLATE, TMA16_TEMPLATE,
+             SKINNY_TEMPLATE, FILL_TEMPLATE, "transpose.cu.j2", "strided_copy.cu.j2")
 
 
 def matmul(m: Any, a: CudaTensor, b: CudaTensor, precision: Optional[str] = None,
@@ -348,6 +356,7 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     mma: List[Dict[str, Any]] = []
     wgmma: List[Dict[str, Any]] = []
     wgmma16: List[Dict[str, Any]] = []
+    tma16: List[Dict[str, Any]] = []
     for dt in (DT.FLOAT32, DT.FLOAT64):
         # (float32's default holds the x3 GEMM kernels too: mma, 16-byte loads only)
         for cfg in all_configs(dt, None):
@@ -359,6 +368,9 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
         simt.append({**dtype_params(dt), "kind": "splitk_reduce", "block_size": REDUCE_BLOCK})
     for dt, prec in ((DT.FLOAT32, "tf32"), (DT.FLOAT16, None), (DT.BFLOAT16, None)):
         for cfg in all_configs(dt, prec):
+            if cfg.get("tma16"):   # (matrix_multiply's output: the input dtype)
+                tma16.append(tma16_params(dt, cfg))
+                continue
             if cfg.get("wgmma16"):
                 wgmma16.append(wgmma16_params(dt, cfg))
                 continue
@@ -390,7 +402,7 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
                for vec in (True, False) for cfg in cluster_configs(vec)
                for b_trans, epilogue in ((False, "none"), (True, "bias_gelu"))]
     return {SIMT_TEMPLATE: simt, MMA_TEMPLATE: mma, WGMMA_TEMPLATE: wgmma,
-            WGMMA16_TEMPLATE: wgmma16, SKINNY_TEMPLATE: cluster}
+            WGMMA16_TEMPLATE: wgmma16, TMA16_TEMPLATE: tma16, SKINNY_TEMPLATE: cluster}
 
 
 def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8,
@@ -405,9 +417,9 @@ def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8,
 
 def runs_here(m: Any, template: str, device_id: Optional[int] = None) -> bool:
     """The device (None: the current one) runs the template's kernels (template_runs_on);
-    False for the wgmma (TF32, 16-bit) and cluster kernels where the backend has no device
-    info (stand-ins, fallback mode)."""
-    if template not in (WGMMA_TEMPLATE, WGMMA16_TEMPLATE, SKINNY_TEMPLATE):
+    False for the wgmma (TF32, 16-bit, TMA) and cluster kernels where the backend has no
+    device info (stand-ins, fallback mode)."""
+    if template not in (WGMMA_TEMPLATE, WGMMA16_TEMPLATE, TMA16_TEMPLATE, SKINNY_TEMPLATE):
         return True
     info = getattr(m.backend, "get_device_info", None)   # (absent on stand-in backends)
     if not m.gpu or info is None:

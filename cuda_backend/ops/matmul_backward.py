@@ -46,11 +46,11 @@ from .matmul_backward_layers import (  # noqa: F401  (the linear layers' gradien
 from .matmul_backward_steps import free_all, plan_ok, plan_step, run_plan, view
 
 DT = CudaDataType
-# (grad_x = G @ W is the plain GEMM: on Hopper its 16-bit calls may run the wgmma16 kernel,
-# B padded by strided_copy.cu.j2)
+# (grad_x = G @ W is the plain GEMM: on Hopper its 16-bit calls may run the TMA or wgmma16
+# kernel, B padded by strided_copy.cu.j2)
 TEMPLATES = (mm.SIMT_TEMPLATE, mm.MMA_TEMPLATE, mm.WGMMA_TEMPLATE, mm.WGMMA16_TEMPLATE,
-             mm.FILL_TEMPLATE, "transpose.cu.j2", "strided_copy.cu.j2", "reduce.cu.j2",
-             "reduce_axis.cu.j2")
+             mm.TMA16_TEMPLATE, mm.FILL_TEMPLATE, "transpose.cu.j2", "strided_copy.cu.j2",
+             "reduce.cu.j2", "reduce_axis.cu.j2")
 # (dtype, precision) of the families with an a_trans kernel (TF32 transposes A first)
 TN_FAMILIES = ((DT.FLOAT32, None), (DT.FLOAT64, None), (DT.FLOAT16, None), (DT.BFLOAT16, None))
 

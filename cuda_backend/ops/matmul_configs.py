@@ -38,6 +38,13 @@ def _wgmma16(bn: int, stages: int, min_blocks: int) -> Dict[str, Any]:
     return {"bm": 128, "bn": bn, "stages": stages, "min_blocks": min_blocks, "wgmma16": True}
 
 
+def _tma16(bm: int, bn: int, stages: int) -> Dict[str, Any]:
+    """TMA-fed warp-specialized 16-bit GEMM config (matmul_tma16.cu.j2; bk 64, 384 threads:
+    one producer and two consumer warpgroups, persistent grid); the "tma16" key names the
+    template (config_template), group_m the tile rows sharing a B strip in L2."""
+    return {"bm": bm, "bn": bn, "stages": stages, "group_m": 8, "tma16": True}
+
+
 def _mma(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int,
          min_blocks: int, frag_pipe: bool = True, trunc_a: bool = False,
          x3: bool = False) -> Dict[str, Any]:
@@ -134,10 +141,25 @@ H_64x64x32 = _mma(64, 64, 32, 32, 32, 4, 4)      # 128 threads, 32 KB
 # Dynamic shared bytes in comments (wgmma_smem).
 W16_128x128_s3 = _wgmma16(128, 3, 2)     # 256 thr, 99328 B: 2 blocks per SM
 W16_128x256_s4 = _wgmma16(256, 4, 1)     # 256 thr, 197632 B
+# TMA + wgmma, 16-bit inputs (Hopper only; matrix_multiply's plain GEMM of one matrix where
+# K % 8 == 0, N % 8 == 0 and A, B, C are 16-byte aligned, ops/matmul_tma16.py tma16_usable):
+# the tensor memory accelerator fills a shared-memory ring, two consumer warpgroups run
+# wgmma from it, persistent grid of min(tiles, SMs) blocks. Measured on an H100 against
+# torch.matmul (cuBLAS), ratio = torch time / ours, float32 / 16-bit output (the template
+# rendered and timed on its own by perf/tma16_check.py, CUDA events, L2 flushed):
+#                    4096^3               8192^3
+#   128x256 s4      0.91 / 0.88-0.89     0.96-0.97 / 0.92-0.93
+#   256x128 s4      0.90 / 0.85          0.85-0.87 / 0.83-0.84
+#   128x128 s5      0.76-0.79 / 0.72-0.74   0.88-0.90 / 0.75-0.77
+# 168 registers (setmaxnreg: producer 40, consumers 232), no spills; dynamic shared bytes
+# (tma16_smem) in comments. Untuned, large aligned shapes take 128x256 s4 first.
+T16_128x256_s4 = _tma16(128, 256, 4)     # 384 thr, 197632 B
+T16_256x128_s4 = _tma16(256, 128, 4)     # 384 thr, 197632 B
+T16_128x128_s5 = _tma16(128, 128, 5)     # 384 thr, 164864 B
 MMA_F16 = {
-    "large": [W16_128x256_s4, W16_128x128_s3, H_256x128x64, H_256x128x32, H_128x256x64,
-              H_128x128x32],
-    "medium": [W16_128x128_s3, H_128x128x32, H_64x64x32],
+    "large": [T16_128x256_s4, T16_256x128_s4, T16_128x128_s5, W16_128x256_s4, W16_128x128_s3,
+              H_256x128x64, H_256x128x32, H_128x256x64, H_128x128x32],
+    "medium": [W16_128x128_s3, T16_128x128_s5, H_128x128x32, H_64x64x32],
     "skinny": [H_64x64x32, H_128x128x32, W16_128x128_s3],
     "small": [H_64x64x32],
 }
@@ -209,6 +231,10 @@ SCALAR_OK = (S_128x256x8_16x8_q2, S_128x64x8_q2, S_64x128x8_q2, S_64x64x8_q2, S_
 # output misaligned, no sm_90a, an epilogue or A given transposed): in every 16-bit table
 # (GEMM, linear layer, A-transposed) and rendered for both alignments.
 WGMMA16_STANDIN = H_128x128x32
+# The config a TMA one gives way to where a call cannot take it (a batch, K or N not a multiple
+# of 8, an operand or the output not 16-byte aligned, no sm_90a, an epilogue, A transposed):
+# the 16-bit wgmma kernel, itself giving way to WGMMA16_STANDIN where it must.
+TMA16_STANDIN = W16_128x128_s3
 # The one-kernel linear layer (x @ Wᵀ with an epilogue) chooses from these subsets of the
 # GEMM tables: the best configs of each class, without split-K, few enough that rendering
 # them for every family keeps the variant list short.
@@ -365,7 +391,7 @@ def tn_configs(dtype: CudaDataType, precision: Optional[str],
         return []
     out: List[Dict[str, Any]] = []
     for c in all_configs(dtype, precision):
-        if not (c.get("wgmma") or c.get("wgmma16")) and (vec or c in SCALAR_OK) and \
-                c not in out:
+        if not (c.get("wgmma") or c.get("wgmma16") or c.get("tma16")) and \
+                (vec or c in SCALAR_OK) and c not in out:
             out.append(c)
     return out

@@ -1,15 +1,16 @@
-"""Matmul kernels: the templates (SIMT, mma.sync, wgmma TF32 and 16-bit, cluster), the template a
-tile config renders (`config_template`), the template parameters of each kernel kind, whether a
-device runs a template, which operands a kernel takes (`wgmma_ok`, `wgmma16_ok`), and a config's
-launch resources (shared memory, resident blocks). Shared by the launches (matmul_launch.py,
-matmul_plans.py) and the variant list (ops/matmul.py)."""
+"""Matmul kernels: the templates (SIMT, mma.sync, wgmma TF32 and 16-bit, TMA 16-bit, cluster),
+the template a tile config renders (`config_template`), the template parameters of each kernel
+kind, whether a device runs a template, which operands a kernel takes (`wgmma_ok`,
+`wgmma16_ok`), and a config's launch resources (shared memory, resident blocks). Shared by the
+launches (matmul_launch.py, matmul_plans.py, matmul_tma16.py) and the variant list
+(ops/matmul.py)."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
 from .. import occupancy
 from ..dtypes import CudaDataType
-from ..kernels import dtype_params
+from ..kernels import dtype_params, template_arch
 from ..tensor import CudaTensor
 from .matmul_shapes import Plan
 
@@ -20,6 +21,13 @@ WGMMA_TEMPLATE = "matmul_wgmma.cu.j2"
 WGMMA16_TEMPLATE = "matmul_wgmma16.cu.j2"
 WGMMA16_THREADS = 256   # two warpgroups (bm 128) per block
 WGMMA16_LD = 8          # the 16-bit wgmma kernel's row strides: multiples of 8 elements
+TMA16_TEMPLATE = "matmul_tma16.cu.j2"
+TMA16_THREADS = 384     # a producer and two consumer warpgroups per block
+# The TMA kernel's parameters as PyCUDA's prepare() records them (two CUtensorMaps, C, M, N,
+# K): never packed by struct (launch.PreparedLaunch.__call__), whose natural alignment from 0
+# is not the kernel's layout: its launches pack at the offsets tensor_maps.param_layout reads
+# (launch_packed).
+TMA16_ARG_TYPES = "128s128sPiii"
 SKINNY_TEMPLATE = "matmul_skinny.cu.j2"
 FILL_TEMPLATE = "fill.cu.j2"
 # the linear layer's epilogues (matmul.linear)
@@ -41,8 +49,8 @@ def simt_smem(cfg: Dict[str, Any], esize: int = 4, b_trans: bool = False) -> int
 
 
 def wgmma_smem(cfg: Dict[str, Any]) -> int:
-    """Dynamic shared memory of a wgmma config (TF32 or 16-bit: 128-byte rows of bm + bn per
-    ring slot): the ring plus 1 KB to align it to 1024."""
+    """Dynamic shared memory of a wgmma config (TF32, 16-bit or TMA 16-bit: 128-byte rows of
+    bm + bn per ring slot): the ring plus 1 KB to align it to 1024."""
     return cfg["stages"] * (cfg["bm"] + cfg["bn"]) * 128 + 1024
 
 
@@ -50,6 +58,8 @@ def config_template(cfg: Dict[str, Any], family_template: str) -> str:
     """The template a config renders: its family's, mma for a 3xTF32 config (x3), which
     sits in the float32 default lists (GEMM and linear layer) beside SIMT ones, wgmma for a
     wgmma one (TF32 or 16-bit), the cluster kernel for a cluster one."""
+    if cfg.get("tma16"):
+        return TMA16_TEMPLATE
     if cfg.get("wgmma16"):
         return WGMMA16_TEMPLATE
     if cfg.get("wgmma"):
@@ -75,7 +85,7 @@ def has_clusters(info: Any) -> bool:
 def template_runs_on(template: str, info: Any) -> bool:
     """The device can run the template's kernels (warm-ups skip the others): wgmma needs
     sm_90a, the cluster kernel compute capability >= 9.0; the rest run anywhere."""
-    if template in (WGMMA_TEMPLATE, WGMMA16_TEMPLATE):
+    if template in (WGMMA_TEMPLATE, WGMMA16_TEMPLATE, TMA16_TEMPLATE):
         return has_wgmma(info)
     if template == SKINNY_TEMPLATE:
         return has_clusters(info)
@@ -184,6 +194,25 @@ def wgmma16_params(dtype: CudaDataType, cfg: Dict[str, Any]) -> Dict[str, Any]:
     return {**dtype_params(dtype), "out_ctype": dtype.c_type, "epilogue": "none",
             "bm": cfg["bm"], "bn": cfg["bn"], "stages": cfg["stages"],
             "min_blocks": cfg["min_blocks"]}
+
+
+def tma16_params(dtype: CudaDataType, cfg: Dict[str, Any],
+                 out_dtype: Optional[CudaDataType] = None) -> Dict[str, Any]:
+    """Template parameters of a TMA 16-bit config: float16 / bfloat16 in, the output in the
+    input dtype (matrix_multiply's) or float32 (out_dtype FLOAT32), no epilogue."""
+    out_ctype = "float" if out_dtype is DT.FLOAT32 else dtype.c_type
+    return {**dtype_params(dtype), "out_ctype": out_ctype, "epilogue": "none",
+            "bm": cfg["bm"], "bn": cfg["bn"], "stages": cfg["stages"],
+            "group_m": cfg["group_m"]}
+
+
+def compile_tma16(m: Any, dev: int, params: Dict[str, Any]) -> Any:
+    """The TMA kernel for these parameters, compiled for sm_90a with TMA16_ARG_TYPES (the
+    compiler cannot derive a format for CUtensorMap parameters); the compiler caches it."""
+    name, source = m.generator.render_kernel(TMA16_TEMPLATE, **dict(params))
+    return m.backend.compile_kernel(name, source, device_id=dev,
+                                    arch=template_arch(TMA16_TEMPLATE),
+                                    arg_types=TMA16_ARG_TYPES)
 
 
 def splitk_epilogue_params(dtype: CudaDataType, epilogue: str) -> Dict[str, Any]:

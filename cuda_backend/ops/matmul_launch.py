@@ -1,7 +1,8 @@
 """Matmul launches, the general path: the per-CudaMath memo of compiled kernels and chosen configs,
 the autotuned choice of a call's config (`launch`), and `run_config`, which launches one
 config over the whole problem (split-K and its reduce, batch chunks, the wgmma B copies, the
-skinny and cluster kernels). matmul_plans.py replays the same launches as PreparedLaunches."""
+TMA kernel (matmul_tma16.py), the skinny and cluster kernels). matmul_plans.py replays the same
+launches as PreparedLaunches."""
 from __future__ import annotations
 
 import weakref
@@ -12,19 +13,21 @@ from ..errors import InvalidArgumentError
 from ..kernels import dtype_params
 from ..tensor import CudaTensor
 from . import common
-from .matmul_configs import WGMMA16_STANDIN, candidates, gemm_family
+from .matmul_configs import TMA16_STANDIN, WGMMA16_STANDIN, candidates, gemm_family
 from .matmul_kernels import (FILL_TEMPLATE, GRAD_EPILOGUE, MMA_TEMPLATE, REDUCE_BLOCK,
-                             SIMT_TEMPLATE, SKINNY_TEMPLATE, WGMMA16_TEMPLATE, WGMMA16_THREADS,
-                             WGMMA_TEMPLATE, blocks_per_sm, config_template, has_clusters,
-                             has_wgmma, kernel_params, simt_smem, splitk_epilogue_params,
-                             splitk_reduce_params, takes_k_chunk, wgmma16_b_direct, wgmma16_ld,
-                             wgmma16_ok, wgmma16_params, wgmma_ok, wgmma_params, wgmma_smem)
+                             SIMT_TEMPLATE, SKINNY_TEMPLATE, TMA16_TEMPLATE, WGMMA16_TEMPLATE,
+                             WGMMA16_THREADS, WGMMA_TEMPLATE, blocks_per_sm, compile_tma16,
+                             config_template, has_clusters, has_wgmma, kernel_params, simt_smem,
+                             splitk_epilogue_params, splitk_reduce_params, takes_k_chunk,
+                             tma16_params, wgmma16_b_direct, wgmma16_ld, wgmma16_ok,
+                             wgmma16_params, wgmma_ok, wgmma_params, wgmma_smem)
 from .matmul_shapes import Plan, is_vec_ok, shape_class, tune_key
 from .matmul_skinny import (cluster_candidates, cluster_chunk, cluster_params, cluster_smem,
                             cluster_threads, cluster_tiles, skinny_candidates, skinny_chunk,
                             skinny_params, skinny_smem, skinny_split_options, skinny_threads,
                             skinny_tiles)
 from .matmul_splitk import split_candidates, split_chunk, split_count
+from .matmul_tma16 import run_tma16, tma16_usable
 
 DT = CudaDataType
 
@@ -53,12 +56,14 @@ def memo(m: Any) -> Dict[Any, Any]:
 
 
 def cached_kernel(m: Any, template: str, dev: int, params: Dict[str, Any]) -> Any:
-    """m.kernel(template, dev, **params), memoized by the parameter items."""
+    """m.kernel(template, dev, **params) (the TMA kernel: compile_tma16), memoized by the
+    parameter items."""
     cache = memo(m)
     key = (template, dev, tuple(sorted(params.items())))
     k = cache.get(key)
     if k is None:
-        k = cache[key] = m.kernel(template, dev, **params)
+        k = cache[key] = compile_tma16(m, dev, params) if template == TMA16_TEMPLATE else \
+            m.kernel(template, dev, **params)
     return k
 
 
@@ -84,7 +89,8 @@ def launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
     """Launch the call's (autotuned) config; returns vec (the plan's alignment class).
     a_trans: A given as (K, M) (the GEMM's configs, split-K included; no wgmma, no skinny).
     The float32 default's GEMM candidates are (config, split) pairs of x3 and SIMT configs;
-    16-bit ones include the wgmma16 configs where the call can take them (wgmma16_usable)."""
+    16-bit ones include the TMA and wgmma16 configs where the call can take them
+    (tma16_usable, wgmma16_usable)."""
     vec = is_vec_ok(a, b, out, p, a_trans)
     cache = memo(m)
     key = config_key(p, dtype, prec, dev, vec, epilogue, a_trans)
@@ -99,6 +105,8 @@ def launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
         if a_trans or not (has_wgmma(info) and wgmma_ok(a, p)):
             cands = [c for c in cands if not c.get("wgmma")] or \
                 [c for c in gemm_family(dtype, prec)[1]["small"] if not c.get("wgmma")]
+        if not tma16_usable(info, dtype, a, b, out, p, epilogue, a_trans):
+            cands = [c for c in cands if not c.get("tma16")] or [TMA16_STANDIN]
         if not wgmma16_usable(info, dtype, a, out, p, epilogue, a_trans):
             cands = [c for c in cands if not c.get("wgmma16")] or [WGMMA16_STANDIN]
         if template == SIMT_TEMPLATE and not is_linear:
@@ -193,6 +201,14 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
     if tiles > info.max_grid_dims[0]:
         raise InvalidArgumentError(f"matmul output {p.M}x{p.N} needs too many tiles ({tiles})")
     template = config_template(cfg, template)   # (an x3 config given with the family's)
+    if template == TMA16_TEMPLATE:
+        if tma16_usable(info, dtype, a, b, out, p, epilogue, a_trans):
+            params = tma16_params(dtype, cfg, out.dtype)
+            run_tma16(m, cached_kernel(m, TMA16_TEMPLATE, dev, params), params, cfg, a, b, out,
+                      p, dtype, dev, memo(m))
+            return
+        # (declined: the 16-bit wgmma kernel, which gives way to mma.sync where it must)
+        template, cfg = WGMMA16_TEMPLATE, TMA16_STANDIN
     if template == WGMMA16_TEMPLATE:
         if not wgmma16_usable(info, dtype, a, out, p, epilogue, a_trans):
             # (a config memoized for this shape and alignment class; these pointers or this

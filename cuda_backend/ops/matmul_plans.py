@@ -9,15 +9,16 @@ from typing import Any, Dict, Optional, Tuple
 from ..dtypes import CudaDataType
 from ..tensor import CudaTensor
 from . import common
-from .matmul_configs import WGMMA16_STANDIN
+from .matmul_configs import TMA16_STANDIN, WGMMA16_STANDIN
 from .matmul_kernels import (GRAD_EPILOGUE, MMA_TEMPLATE, REDUCE_BLOCK, SIMT_TEMPLATE,
-                             WGMMA16_LD, WGMMA16_TEMPLATE, WGMMA16_THREADS, WGMMA_TEMPLATE,
-                             config_template, has_wgmma, splitk_reduce_params, wgmma16_ld,
-                             wgmma16_params, wgmma_params, wgmma_smem)
+                             TMA16_TEMPLATE, WGMMA16_LD, WGMMA16_TEMPLATE, WGMMA16_THREADS,
+                             WGMMA_TEMPLATE, config_template, has_wgmma, splitk_reduce_params,
+                             tma16_params, wgmma16_ld, wgmma16_params, wgmma_params, wgmma_smem)
 from .matmul_launch import (cached_kernel, cluster_setup, config_key, memo, pad_b_launches,
                             skinny_setup, tiled_kernel)
 from .matmul_shapes import Plan
 from .matmul_splitk import split_chunk
+from .matmul_tma16 import tma16_runner, tma16_shape_ok
 
 DT = CudaDataType
 
@@ -107,6 +108,8 @@ def config_runner(m: Any, template: str, cfg: Dict[str, Any], p: Plan, dtype: Cu
         cfg = dict(cfg)
         splits = max(1, min(cfg.pop("split"), max_z // max(1, p.batch)))
     template = config_template(cfg, template)
+    if template == TMA16_TEMPLATE:
+        return _tma16_runner(m, cfg, p, dtype, vec, dev, info, epilogue, a_trans)
     if template == WGMMA16_TEMPLATE:
         return _wgmma16_runner(m, cfg, p, dtype, vec, dev, info, epilogue, a_trans)
     if template == WGMMA_TEMPLATE:
@@ -302,6 +305,20 @@ def _wgmma16_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, v
         finally:
             release(block)   # as the general path's free(): the pool is stream-ordered
     return run
+
+
+def _tma16_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, vec: bool,
+                  dev: int, info: Any, epilogue: Optional[str], a_trans: bool) -> Any:
+    """run_config's TMA launch (matmul_tma16.tma16_runner); a call it cannot take at these
+    shapes runs TMA16_STANDIN's runner, and so do (per call) pointers it cannot take."""
+    def standin() -> Any:
+        return config_runner(m, WGMMA16_TEMPLATE, TMA16_STANDIN, p, dtype, vec, dev, epilogue,
+                             a_trans)
+    if epilogue is not None or a_trans or not has_wgmma(info) or not tma16_shape_ok(dtype, p):
+        return standin()
+    params = tma16_params(dtype, cfg)
+    kernel = cached_kernel(m, TMA16_TEMPLATE, dev, params)
+    return tma16_runner(m, kernel, params, cfg, p, dtype, dev, memo(m), standin)
 
 
 def _skinny_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, vec: bool,
