@@ -1487,8 +1487,10 @@ def test_wgmma16_configs_render_for_sm_90a():
 
 def test_wgmma16_default_order():
     """Untuned (the first candidate): large aligned shapes take the TMA kernel (128x256 s4),
-    then the wgmma16 ones (128x256 s4 first), then mma.sync; medium ones and unaligned
-    operands wgmma16 128x128 s3; skinny and small shapes keep mma.sync first."""
+    then the wgmma16 ones (128x256 s4 first), then mma.sync; large unaligned ones (K or N
+    % 8, misaligned pointers: the padded copies) wgmma16 128x256 s4, then 128x128 s3, then
+    mma.sync; medium ones, aligned or not, wgmma16 128x128 s3; skinny and small shapes keep
+    mma.sync first."""
     for dt in (DT.FLOAT16, DT.BFLOAT16):
         large = mm.candidates(dt, None, "large", True)
         kinds = ["tma16" if c.get("tma16") else "wgmma16" if c.get("wgmma16") else "mma"
@@ -1497,8 +1499,9 @@ def test_wgmma16_default_order():
         assert large[0] == mm.T16_128x256_s4
         assert [c for c in large if c.get("wgmma16")][0] == mm.W16_128x256_s4
         assert mm.candidates(dt, None, "medium", True)[0] == mm.W16_128x128_s3
-        for cls in ("large", "medium"):
-            assert mm.candidates(dt, None, cls, False)[0] == mm.W16_128x128_s3
+        assert mm.candidates(dt, None, "large", False) == \
+            [mm.W16_128x256_s4, mm.W16_128x128_s3, mm.WGMMA16_STANDIN]
+        assert mm.candidates(dt, None, "medium", False)[0] == mm.W16_128x128_s3
         assert not mm.candidates(dt, None, "skinny", True)[0].get("wgmma16")
         assert not any(c.get("wgmma16") for vec in (True, False)
                        for c in mm.candidates(dt, None, "small", vec))
@@ -1556,9 +1559,9 @@ def test_matmul_wgmma16_candidates_and_launch(fam, a_shape, b_shape):
 
 @pytest.mark.parametrize("fam", list(FAMS16))
 def test_wgmma16_not_offered_where_it_cannot_run(fam):
-    """No wgmma16 candidate for K % 8 != 0, a misaligned A or output, a device other than
-    sm_90, or the layouts the kernel does not read: the linear layer (weight (N, K)),
-    matmul_nt, matmul_tn."""
+    """No wgmma16 candidate for an output not 4-byte aligned, a device other than sm_90, or
+    the layouts the kernel does not read: the linear layer (weight (N, K)), matmul_nt,
+    matmul_tn. K % 8 != 0 and a misaligned A are offered (A's padded copy, matmul_pad)."""
     dtype = FAMS16[fam]
 
     def offered(m):
@@ -1572,15 +1575,16 @@ def test_wgmma16_not_offered_where_it_cannot_run(fam):
     mm.matmul(m, m.backend.empty((1023, 1000), dtype), m.backend.empty((1000, 1025), dtype))
     assert offered(m)                                         # (the control)
     for cc, (M, K, N) in ((HOPPER, (1023, 1001, 1025)), (HOPPER, (1023, 996, 1024)),
-                          ((8, 0), (1023, 1000, 1024)), ((10, 0), (1023, 1000, 1024))):
+                          ((8, 0), (1023, 1000, 1024)), ((10, 0), (1023, 1000, 1024)),
+                          ((8, 0), (1023, 997, 1025))):
         m = _w16_recorder(cc)
         mm.matmul(m, m.backend.empty((M, K), dtype), m.backend.empty((K, N), dtype))
-        assert m.seen and not offered(m), (cc, K)
+        assert m.seen and offered(m) == (cc == HOPPER), (cc, K)
     # (one recorder per call: a second call of the same shapes and alignment class would
     # take the first one's memoized choice, test_wgmma16_run_config_gives_way_to_the_standin)
     m = _w16_recorder()
     mm.matmul(m, shifted(m, (1023, 1000)), m.backend.empty((1000, 1024), dtype))
-    assert m.seen and not offered(m)
+    assert m.seen and offered(m)
     m = _w16_recorder()
     mm.matmul(m, m.backend.empty((1023, 1000), dtype), m.backend.empty((1000, 1024), dtype),
               out=shifted(m, (1023, 1024)))
@@ -1597,12 +1601,13 @@ def test_wgmma16_not_offered_where_it_cannot_run(fam):
 @pytest.mark.parametrize("fam", list(FAMS16))
 def test_wgmma16_run_config_gives_way_to_the_standin(fam):
     """run_config of a wgmma16 config on a call it cannot take (a memoized choice for this
-    shape and alignment class meeting other pointers, or another device) launches
-    WGMMA16_STANDIN's mma.sync kernel instead: never the wgmma16 kernel on bad operands."""
+    shape and alignment class meeting an output not 4-byte aligned, or another device)
+    launches WGMMA16_STANDIN's mma.sync kernel instead: never the wgmma16 kernel on bad
+    operands (a misaligned A is copied, test_wgmma16_pads_a_run_config)."""
     dtype = FAMS16[fam]
     M, K, N = 131, 264, 133
     p = mm.plan_shapes((M, K), (K, N))
-    for cc, a_off, o_off in ((HOPPER, 2, 0), (HOPPER, 0, 2), ((8, 0), 0, 0)):
+    for cc, a_off, o_off in ((HOPPER, 0, 2), (HOPPER, 2, 6), ((8, 0), 0, 0), ((8, 0), 2, 0)):
         m = _w16_recorder(cc)
         base_a = m.backend.empty((M * K + 8,), dtype)
         base_o = m.backend.empty((M * N + 8,), dtype)
@@ -1654,14 +1659,15 @@ def test_wgmma16_plan_runner_launches():
     """The per-call plan of a wgmma16 choice (mm.config_runner): B read in place (one
     prepared launch, run_config's grid, threads, shared memory and arguments) where N % 8 == 0
     and B's pointer is 16-byte aligned; else its padded copy in a pool block, then the kernel
-    on that block, the block released; A or the output misaligned: the stand-in's launch."""
+    on that block, the block released; A misaligned: A's padded copy (lda wgmma16_ld(K)) in
+    a block of its own, first; the output not 4-byte aligned: the stand-in's launch."""
     import types
     calls = []
 
     class Pool:
-        def allocate_current(self, nbytes):
+        def allocate_current(self, nbytes):   # (9 << 30, then 10 << 30 in one run)
             calls.append(("alloc", nbytes))
-            return 9 << 30
+            return (9 + sum(c[0] == "alloc" for c in calls) - 1) << 30
 
         def release(self, block):
             calls.append(("release", block))
@@ -1710,11 +1716,181 @@ def test_wgmma16_plan_runner_launches():
                                     (1 << 20, 9 << 30, 3 << 20, M, N, K, K, ld, M * K,
                                      0 if sb == 0 else K * ld))
                     assert release == ("release", 9 << 30)
-                for pa, pc in (((1 << 20) + 2, 3 << 20), (1 << 20, (3 << 20) + 2)):
-                    calls.clear()
-                    run(pa, 2 << 20, pc, 0)
-                    assert [c[0] for c in calls] == [mm.MMA_TEMPLATE]
-                    assert calls[0][4][:3] == (pa, 2 << 20, pc)
+                pa = (1 << 20) + 2
+                calls.clear()
+                run(pa, 2 << 20, 3 << 20, 0)
+                lda, ld = mm.wgmma16_ld(K), mm.wgmma16_ld(N)
+                direct_b = N % 8 == 0
+                names = ["alloc", "strided_copy.cu.j2"] + \
+                    ([] if direct_b else ["alloc", "strided_copy.cu.j2"]) + \
+                    [mm.WGMMA16_TEMPLATE, "release"] + ([] if direct_b else ["release"])
+                assert [c[0] for c in calls] == names
+                assert calls[0] == ("alloc", batch * M * lda * 2)   # (A never broadcast here)
+                assert calls[1][4][:2] == (pa, 9 << 30)
+                assert calls[-2 if direct_b else -3] == (
+                    mm.WGMMA16_TEMPLATE, (tiles, 1, batch), (256, 1, 1), smem,
+                    (9 << 30, (2 << 20) if direct_b else 10 << 30, 3 << 20, M, N, K, lda,
+                     N if direct_b else ld, M * lda,
+                     0 if sb == 0 else K * (N if direct_b else ld)))
+                assert [c[1] for c in calls if c[0] == "release"] == \
+                    [9 << 30] + ([] if direct_b else [10 << 30])
+                calls.clear()
+                run(1 << 20, 2 << 20, (3 << 20) + 2, 0)
+                assert [c[0] for c in calls] == [mm.MMA_TEMPLATE]
+                assert calls[0][4][:3] == (1 << 20, 2 << 20, (3 << 20) + 2)
+
+
+# K % 8 != 0 or A misaligned: A's padded copy (ops/matmul_pad.py). (M, K, N, batch of A, of B)
+PAD_A_SHAPES = [((1023, 997), (997, 1025)), ((65, 7), (7, 33)), ((1, 9), (9, 5)),
+                ((4, 1), (1, 8)), ((3, 130, 9), (3, 9, 201)), ((130, 7), (3, 7, 40)),
+                ((2, 33, 997), (997, 64))]
+
+
+@pytest.mark.parametrize("fam", list(FAMS16))
+@pytest.mark.parametrize("a_shape, b_shape", PAD_A_SHAPES + [((131, 264), (264, 136))],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_wgmma16_pads_a_run_config(fam, a_shape, b_shape):
+    """run_config of each wgmma16 config where K % 8 != 0 (and, last, K % 8 == 0 with A two
+    bytes off its 16-byte boundary): A's planes (one where A is broadcast) copied first into
+    a pool block of rows wgmma16_ld(K) (a strided element copy from A), B's into rows of
+    wgmma16_ld(N) where N % 8 != 0, then the kernel on the copies with the real M, N, K, the
+    padded row strides and the copies' plane strides."""
+    dtype = FAMS16[fam]
+    p = mm.plan_shapes(a_shape, b_shape)
+    for cfg in W16:
+        m = _w16_recorder()
+        if p.K % 8:
+            a = m.backend.empty(a_shape, dtype)
+        else:
+            base = m.backend.empty((int(np.prod(a_shape)) + 8,), dtype)
+            a = CudaTensor(a_shape, dtype, 0, base.ptr + 2, owner=base)
+        b, out = m.backend.empty(b_shape, dtype), m.backend.empty(p.out_shape, dtype)
+        assert not mm.wgmma16_a_direct(a.ptr, p) and mm.wgmma16_usable(
+            m.backend.get_device_info(0), dtype, a, out, p)
+        mm.run_config(m, mm.WGMMA16_TEMPLATE, cfg, a, b, out, p, dtype, False, 0)
+        lda, ldb = mm.wgmma16_ld(p.K), (p.N if p.N % 8 == 0 else mm.wgmma16_ld(p.N))
+        copies, (gemm,) = m.launches[:-1], m.launches[-1:]
+        assert len(copies) == (1 if p.N % 8 == 0 else 2)
+        k, grid, smem, values = gemm
+        tiles = -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"])
+        assert k == mm.wgmma16_params(dtype, cfg) and smem == mm.wgmma_smem(cfg)
+        assert grid == (tiles, 1, p.batch)
+        assert values[2:] == [out.ptr, p.M, p.N, p.K, lda, ldb,
+                              0 if p.stride_a == 0 else p.M * lda,
+                              0 if p.stride_b == 0 else p.K * ldb]
+        copy_k, _, _, copy_v = copies[0]
+        assert copy_k["kind"] == "gather" and copy_v[:2] == [a.ptr, values[0]]
+        assert copy_v[2] == (1 if p.stride_a == 0 else p.batch) * p.M * p.K   # items
+        assert copy_v[4] == 0   # element copies (mode 0)
+        if p.N % 8:
+            assert copies[1][3][:2] == [b.ptr, values[1]]
+        else:
+            assert values[1] == b.ptr
+
+
+def test_wgmma16_pad_a_copy_layout_against_numpy():
+    """The strided copy of A that pad_a_launches plans, its launch arguments decoded and run
+    in NumPy (as test_wgmma16_pad_copy_layout_against_numpy): every plane's (M, K) lands in
+    rows of wgmma16_ld(K), the rest of each row untouched; element copies whatever A's
+    address (K % 8 != 0, or A misaligned where K % 8 == 0)."""
+    import types
+    m = types.SimpleNamespace()
+    rng = np.random.default_rng(9970)
+    for planes, M, K in ((1, 1, 1), (1, 65, 7), (3, 130, 9), (2, 33, 997), (1, 5, 16),
+                         (4, 7, 8)):
+        p = mm.Plan(planes, M, 5, K, 0 if planes == 1 else M * K, 5 * K, (M, 5))
+        ld = mm.wgmma16_ld(K)
+        assert ld % 8 == 0 and K <= ld < K + 8
+        for src_addr in ((2, 16 * 7 + 6) if K % 8 == 0 else (2, 16 * 7 + 6, 1 << 20)):
+            (launch,) = mm.pad_a_launches(m, 0, DT.BFLOAT16, planes, p, src_addr, 1 << 21)
+            args = list(launch.args)
+            items, nd, mode = args[0], args[1], args[2]
+            assert mode == 0 and launch.params["kind"] == "gather"
+            sizes = [args[4 + 3 * k] for k in range(nd)][::-1]
+            si, so = args[28:28 + nd][::-1], args[36:36 + nd][::-1]
+            assert items == int(np.prod(sizes)) == planes * M * K
+            src = rng.standard_normal(planes * M * K)
+            dst = np.full(planes * M * ld, np.nan)
+            idx = np.indices(sizes).reshape(nd, -1)
+            dst[np.tensordot(so, idx, 1)] = src[np.tensordot(si, idx, 1)]
+            got = dst.reshape(planes, M, ld)
+            assert (got[:, :, :K] == src.reshape(planes, M, K)).all()
+            assert np.isnan(got[:, :, K:]).all()
+
+
+class _PlanRecorder(_SkinnyRecorder):
+    """_w16_recorder's recording CudaMath with the per-call plan's backend calls as well:
+    prepared launches record into `launches` / `blocks` as launch_kernel does, pool blocks
+    come from distinct addresses and their allocations and releases are recorded."""
+
+    def __init__(self):
+        super().__init__(True, cc=HOPPER, kind="wgmma16")
+        rec = self
+        self.pool_calls = []
+
+        class Pool:
+            def allocate_current(self, nbytes):
+                rec.pool_calls.append(("alloc", nbytes))
+                return (40 + len(rec.pool_calls)) << 30
+
+            def release(self, block):
+                rec.pool_calls.append(("release", block))
+
+        def prepare_launch(kernel, grid, block, smem, dev):
+            def go(*args):
+                rec.launches.append((rec.kernels[kernel], grid, smem, list(args)))
+                rec.blocks.append(block)
+            return go
+        self.backend.memory_pools = {0: Pool()}
+        self.backend.get_kernel = lambda name, dev: name
+        self.backend.prepare_launch = prepare_launch
+        empty = self.backend.empty
+        self.empties = []
+
+        def recorded_empty(shape, dtype, dev=0):
+            t = empty(shape, dtype, dev)
+            rec.empties.append(t.ptr)
+            return t
+        self.backend.empty = recorded_empty
+
+
+@pytest.mark.parametrize("fam", list(FAMS16))
+@pytest.mark.parametrize("a_shape, b_shape", PAD_A_SHAPES + [((131, 264), (264, 136))],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_wgmma16_plan_replays_padded_launches(fam, a_shape, b_shape):
+    """Where A (and B) are padded, the per-call plan of each wgmma16 config (config_runner)
+    makes exactly run_config's launches: the same kernels, grids, blocks, shared memory and
+    arguments, the general path's pool tensors matched to the plan's pool blocks (allocated
+    in the same order, A's first, each released after the launches); and A misaligned with
+    K % 8 == 0 likewise."""
+    dtype = FAMS16[fam]
+    p = mm.plan_shapes(a_shape, b_shape)
+    for cfg in W16:
+        m = _PlanRecorder()
+        a, b = m.backend.empty(a_shape, dtype), m.backend.empty(b_shape, dtype)
+        if p.K % 8 == 0:   # (A two bytes off its boundary)
+            a = CudaTensor(a_shape, dtype, 0, a.ptr + 2, owner=a)
+        out = m.backend.empty(p.out_shape, dtype)
+        m.launches.clear(), m.blocks.clear(), m.empties.clear()
+        mm.run_config(m, mm.WGMMA16_TEMPLATE, cfg, a, b, out, p, dtype, False, 0)
+        general = (list(m.launches), list(m.blocks))
+        names = {a.ptr: "A", b.ptr: "B", out.ptr: "C"}
+        names.update({ptr: f"block{i}" for i, ptr in enumerate(m.empties)})
+        run = mm.config_runner(m, mm.WGMMA16_TEMPLATE, cfg, p, dtype, False, 0)
+        m.launches.clear(), m.blocks.clear()
+        run(a.ptr, b.ptr, out.ptr, 0)
+        allocs = [addr for kind, addr in
+                  ((c[0], (40 + i + 1) << 30) for i, c in enumerate(m.pool_calls))
+                  if kind == "alloc"]
+        plan_names = {a.ptr: "A", b.ptr: "B", out.ptr: "C"}
+        plan_names.update({ptr: f"block{i}" for i, ptr in enumerate(allocs)})
+        assert len(allocs) == len(m.empties) == (1 if p.N % 8 == 0 else 2)
+        assert [c[1] for c in m.pool_calls if c[0] == "release"] == allocs
+
+        def named(launches, table):
+            return [(k, g, s, [table.get(v, v) for v in vals]) for k, g, s, vals in launches]
+        assert named(m.launches, plan_names) == named(general[0], names)
+        assert m.blocks == general[1]
 
 
 def _need_wgmma16(m):
@@ -1826,6 +2002,68 @@ def test_gpu_wgmma16_public_and_plan_path(m, fam, monkeypatch):
                     if second:
                         mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
                     res = m.matrix_multiply(x, b)
+                assert key in m.plans
+                _check_wgmma16(m, res, ref, scale, K, dtype, (cfg, (M, K, N), second))
+                res.free()
+        for vec in (True, False):
+            mm.memo(m).pop((p, dtype, None, dev, vec), None)
+        m.plans.pop(key, None)
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMS16))
+@pytest.mark.parametrize("a_shape, b_shape", PAD_A_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_wgmma16_padded_a_configs(m, fam, a_shape, b_shape):
+    """Every wgmma16 config through run_config at K in {1, 7, 9, 997} (A's padded copy; the
+    kernel reads k < K of its rows, the rest zero-filled in shared memory), M and N odd,
+    batches with A broadcast and full, into a poisoned output; within _check_wgmma16's
+    bounds."""
+    _need_wgmma16(m)
+    dtype = FAMS16[fam]
+    rng = np.random.default_rng(997)
+    dev = m.backend.current_device
+    a = to_dev(m, rand(rng, a_shape, dtype), dtype)
+    b = to_dev(m, rand(rng, b_shape, dtype), dtype)
+    ref, scale = reference(m, a, b)
+    p = mm.plan_shapes(a.shape, b.shape)
+    for cfg in W16:
+        out = poisoned(m, ref.shape, dtype)
+        mm.run_config(m, mm.WGMMA16_TEMPLATE, cfg, a, b, out, p, dtype,
+                      mm.is_vec_ok(a, b, out, p), dev)
+        _check_wgmma16(m, out, ref, scale, p.K, dtype, (cfg, a_shape, b_shape))
+        out.free()
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMS16))
+def test_gpu_wgmma16_padded_a_public_and_plan_path(m, fam, monkeypatch):
+    """matrix_multiply at K % 8 != 0 (1023x997x1025, 65x7x33, 1x9x5) with each wgmma16
+    config memoized as the call's choice: the general path, then the per-call plan
+    (run_config made to raise), both through A's padded copy; then the autotuner's own
+    choice, twice; all within _check_wgmma16's bounds."""
+    _need_wgmma16(m)
+    dtype = FAMS16[fam]
+    rng = np.random.default_rng(1025)
+    dev = m.backend.current_device
+    for (M, K, N) in ((1023, 997, 1025), (65, 7, 33), (1, 9, 5)):
+        a = to_dev(m, rand(rng, (M, K), dtype), dtype)
+        b = to_dev(m, rand(rng, (K, N), dtype), dtype)
+        ref, scale = reference(m, a, b)
+        p = mm.plan_shapes(a.shape, b.shape)
+        key = ("matmul", a.shape, b.shape, dtype, dtype, dev, dev, None)
+        for cfg in W16 + [None]:
+            for vec in (True, False):
+                if cfg is None:
+                    mm.memo(m).pop((p, dtype, None, dev, vec), None)
+                else:
+                    mm.memo(m)[(p, dtype, None, dev, vec)] = (mm.WGMMA16_TEMPLATE, cfg)
+            m.plans.pop(key, None)
+            for second in (False, True):
+                poisoned(m, ref.shape, dtype).free()
+                with monkeypatch.context() as mp:
+                    if second:
+                        mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
+                    res = m.matrix_multiply(a, b)
                 assert key in m.plans
                 _check_wgmma16(m, res, ref, scale, K, dtype, (cfg, (M, K, N), second))
                 res.free()
@@ -2037,8 +2275,9 @@ def test_tma16_run_config_gives_way_to_wgmma16(fam, t16_stubs):
     p = mm.plan_shapes((M, K), (K, N))
     for cc, a_off, b_off, o_off, want in ((HOPPER, 0, 0, 8, "wgmma16"),
                                           (HOPPER, 0, 8, 0, "wgmma16"),
-                                          (HOPPER, 8, 0, 0, "mma"), (HOPPER, 2, 0, 0, "mma"),
-                                          ((8, 0), 0, 0, 0, "mma")):
+                                          (HOPPER, 8, 0, 0, "wgmma16"),
+                                          (HOPPER, 2, 0, 0, "wgmma16"),
+                                          (HOPPER, 0, 0, 2, "mma"), ((8, 0), 0, 0, 0, "mma")):
         m = _T16Recorder(cc)
         base_a = m.backend.empty((M * K + 8,), dtype)
         base_b = m.backend.empty((K * N + 8,), dtype)
@@ -2050,7 +2289,7 @@ def test_tma16_run_config_gives_way_to_wgmma16(fam, t16_stubs):
             m.launches.clear()
             mm.run_config(m, mm.TMA16_TEMPLATE, cfg, a, b, out, p, dtype, False, 0)
             assert not m.packed
-            k = m.launches[-1][0]   # (after B's padded copy where B is misaligned)
+            k = m.launches[-1][0]   # (after A's, B's padded copies where misaligned)
             assert k == (mm.wgmma16_params(dtype, mm.TMA16_STANDIN) if want == "wgmma16" else
                          mm.kernel_params(mm.MMA_TEMPLATE, dtype, mm.WGMMA16_STANDIN, False))
     m = _T16Recorder()

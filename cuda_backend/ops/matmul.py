@@ -18,10 +18,11 @@ The kernel families, all templated:
   precision="tf32" where K is a multiple of 4: B is first transposed to (N, K) and rounded to
   TF32 (transpose.transpose_tf32) into a pool block, since wgmma reads a TF32 B only K-major.
 - `matmul_wgmma16.cu.j2`: float16 / bfloat16 on Hopper's wgmma (sm_90a), both operands from
-  shared memory, for matrix_multiply's plain GEMM (no epilogue, A not transposed) where K is
-  a multiple of 8 and A 16-byte aligned (wgmma16_ok); B is read in place where N % 8 == 0 and
-  it is 16-byte aligned, else first copied into rows padded to 8 (strided_copy.cu.j2, a pool
-  block). Timed beside the mma.sync configs (MMA_F16); a call it cannot take runs
+  shared memory, for matrix_multiply's plain GEMM (no epilogue, A not transposed, the output
+  4-byte aligned: wgmma16_ok); A is read in place where K % 8 == 0 and it is 16-byte aligned,
+  B where N % 8 == 0 and it is 16-byte aligned, each otherwise first copied into rows padded
+  to 8 (strided_copy.cu.j2, a pool block; matmul_pad), the kernel given the real K and N.
+  Timed beside the mma.sync configs (MMA_F16); a call it cannot take runs
   WGMMA16_STANDIN instead. The linear layers (B given as (N, K)) and matmul_nt / matmul_tn
   keep mma.sync: the kernel reads B only as (K, N) and A only as (M, K).
 - `matmul_tma16.cu.j2`: float16 / bfloat16 on Hopper, warp-specialized: the tensor memory
@@ -103,7 +104,8 @@ from .matmul_kernels import (  # noqa: F401
     TMA16_ARG_TYPES, TMA16_THREADS, blocks_per_sm, has_clusters, has_wgmma, simt_params,
     simt_smem, tn_params, wgmma16_b_direct, wgmma16_ld, wgmma16_ok, wgmma_ok, wgmma_smem)
 from .matmul_launch import (  # noqa: F401
-    compile_kernel, memo, op_name, pad_b_launches, run_config, wgmma16_usable)
+    compile_kernel, memo, op_name, run_config, wgmma16_usable)
+from .matmul_pad import pad_a_launches, pad_b_launches, wgmma16_a_direct  # noqa: F401
 from .matmul_plans import config_runner  # noqa: F401
 from .matmul_shapes import is_vec_ok, shape_class, tune_key  # noqa: F401
 from .matmul_skinny import (  # noqa: F401

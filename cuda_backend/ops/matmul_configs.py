@@ -127,11 +127,12 @@ H_256x128x32 = _mma(256, 128, 32, 64, 64, 3, 1)  # 256 threads, 72 KB
 H_128x256x64 = _mma(128, 256, 64, 64, 64, 3, 1)  # 256 threads, 144 KB
 H_128x128x32 = _mma(128, 128, 32, 64, 64, 4, 2)  # 128 threads, 64 KB
 H_64x64x32 = _mma(64, 64, 32, 32, 32, 4, 4)      # 128 threads, 32 KB
-# wgmma, 16-bit inputs (Hopper only; matrix_multiply's plain GEMM where K % 8 == 0 and A is
-# 16-byte aligned, wgmma16_ok; B is read in place where N % 8 == 0, else copied into rows
-# padded to 8): both operands from shared memory, float32 accumulation. Measured on an H100
-# against torch.matmul (cuBLAS), ratio = torch time / ours, float32 / 16-bit output (the
-# template rendered and timed on its own, CUDA events, L2 flushed before each call):
+# wgmma, 16-bit inputs (Hopper only; matrix_multiply's plain GEMM, wgmma16_ok; A is read in
+# place where K % 8 == 0 and B where N % 8 == 0 (each 16-byte aligned), else copied into rows
+# padded to 8, ops/matmul_pad.py): both operands from shared memory, float32 accumulation.
+# Measured on an H100 against torch.matmul (cuBLAS), ratio = torch time / ours, float32 /
+# 16-bit output (the template rendered and timed on its own, CUDA events, L2 flushed before
+# each call):
 #                         1023x1025x1000   4096^3        8192^3
 #   bf16 128x128 s3      1.84 / 1.96      0.66 / 0.64   0.68 / 0.60
 #   f16  128x128 s3      1.25 / 1.35      0.59 / 0.59   0.62 / 0.60
@@ -222,13 +223,15 @@ L_128x64x16_kc = _simt(128, 64, 16, 8, 8, 4, 3, 2, 3, kc=2)      # 168 regs, 460
 # Configs also rendered for unaligned operands (element loads need more registers; the
 # rest would spill or gain nothing there: 16x8 on 128 threads spills 88 bytes, 8x8 on 256
 # threads with 2 blocks per SM 84).
-# (W16_128x128_s3: the 16-bit wgmma kernel takes N % 8 != 0 and a misaligned B through B's
-# padded copy; K % 8 and A's alignment it needs either way, matmul_launch.launch checks them.)
+# (The 16-bit wgmma configs: K % 8 != 0, N % 8 != 0 and misaligned operands go through A's
+# and B's padded copies, ops/matmul_pad.py; their kernel is the same for both alignment
+# classes. Large unaligned shapes time both, 128x256 s4 first as for aligned ones.)
 SCALAR_OK = (S_128x256x8_16x8_q2, S_128x64x8_q2, S_64x128x8_q2, S_64x64x8_q2, S_32x64x16,
              D_128x64x8, D_64x64x8, D_32x64x8,
-             H_128x128x32, H_64x64x32, T_128x128x32, T_64x64x16, W16_128x128_s3)
-# The config a 16-bit wgmma one gives way to where a call cannot take it (K % 8, A or the
-# output misaligned, no sm_90a, an epilogue or A given transposed): in every 16-bit table
+             H_128x128x32, H_64x64x32, T_128x128x32, T_64x64x16, W16_128x256_s4,
+             W16_128x128_s3)
+# The config a 16-bit wgmma one gives way to where a call cannot take it (the output not
+# 4-byte aligned, no sm_90a, an epilogue or A given transposed): in every 16-bit table
 # (GEMM, linear layer, A-transposed) and rendered for both alignments.
 WGMMA16_STANDIN = H_128x128x32
 # The config a TMA one gives way to where a call cannot take it (a batch, K or N not a multiple

@@ -99,11 +99,10 @@ def wgmma_ok(a: CudaTensor, p: Plan) -> bool:
 
 
 def wgmma16_ok(dtype: CudaDataType, a: CudaTensor, out: CudaTensor, p: Plan) -> bool:
-    """The 16-bit wgmma kernel's operand rules, B aside (wgmma16_b_direct): float16 or
-    bfloat16, K a multiple of 8 and A 16-byte aligned (every 16-byte chunk of A's rows is a
-    cp.async source), the output 4-byte aligned (paired stores where N is even)."""
-    return dtype in (DT.FLOAT16, DT.BFLOAT16) and p.K % WGMMA16_LD == 0 and \
-        a.ptr % 16 == 0 and out.ptr % 4 == 0
+    """The 16-bit wgmma kernel's operand rules, A and B aside (read in place where K, N and
+    their pointers allow 16-byte chunks, else copied into padded rows: matmul_pad): float16
+    or bfloat16, the output 4-byte aligned (paired stores where N is even)."""
+    return dtype in (DT.FLOAT16, DT.BFLOAT16) and out.ptr % 4 == 0
 
 
 def wgmma16_b_direct(pb: int, p: Plan) -> bool:

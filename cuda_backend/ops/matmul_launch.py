@@ -19,8 +19,10 @@ from .matmul_kernels import (FILL_TEMPLATE, GRAD_EPILOGUE, MMA_TEMPLATE, REDUCE_
                              WGMMA16_THREADS, WGMMA_TEMPLATE, blocks_per_sm, compile_tma16,
                              config_template, has_clusters, has_wgmma, kernel_params, simt_smem,
                              splitk_epilogue_params, splitk_reduce_params, takes_k_chunk,
-                             tma16_params, wgmma16_b_direct, wgmma16_ld, wgmma16_ok,
-                             wgmma16_params, wgmma_ok, wgmma_params, wgmma_smem)
+                             tma16_params, wgmma16_b_direct, wgmma16_ok, wgmma16_params,
+                             wgmma_ok, wgmma_params, wgmma_smem)
+from .matmul_pad import (free_all, operand_layout, pad_a_launches, pad_b_launches, planes_of,
+                         run_copies, wgmma16_a_direct)
 from .matmul_shapes import Plan, is_vec_ok, shape_class, tune_key
 from .matmul_skinny import (cluster_candidates, cluster_chunk, cluster_params, cluster_smem,
                             cluster_threads, cluster_tiles, skinny_candidates, skinny_chunk,
@@ -149,7 +151,8 @@ def launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
 def wgmma16_usable(info: Any, dtype: CudaDataType, a: Any, out: Any, p: Plan,
                    epilogue: Optional[str] = None, a_trans: bool = False) -> bool:
     """A call the 16-bit wgmma kernel takes: an sm_90a device, the plain GEMM (no epilogue,
-    A not transposed) and the operand rules of wgmma16_ok (B is copied where it must be)."""
+    A not transposed) and the operand rules of wgmma16_ok (A and B are copied where they
+    must be, matmul_pad)."""
     return epilogue is None and not a_trans and has_wgmma(info) and \
         wgmma16_ok(dtype, a, out, p)
 
@@ -340,53 +343,39 @@ def _run_wgmma(m: Any, cfg: Dict[str, Any], a: CudaTensor, b: CudaTensor, out: C
         bt.free()
 
 
-def pad_b_launches(m: Any, dev: int, dtype: CudaDataType, planes: int, p: Plan, src_addr: int,
-                   dst_addr: int) -> list:
-    """The strided copies (ops/shape_copy.py) of B's planes (K, N) into rows of wgmma16_ld(N)
-    elements: (planes x K, N) rows, the padding columns left unwritten (the kernel reads
-    only N of each row)."""
-    from . import shape_copy
-    ld = wgmma16_ld(p.N)
-    return shape_copy.plan_copy(m, dev, dtype, (planes, p.K, p.N), (p.K * p.N, p.N, 1),
-                                (p.K * ld, ld, 1), src_addr, dst_addr)
-
-
 def _run_wgmma16(m: Any, cfg: Dict[str, Any], a: CudaTensor, b: CudaTensor, out: CudaTensor,
                  p: Plan, dtype: CudaDataType, dev: int, max_z: int) -> None:
     """The 16-bit wgmma kernel over every batch chunk: (A, B, C, M, N, K, lda, ldb, stride_a,
-    stride_b), B read in place (wgmma16_b_direct) or from its padded copy in a pool block,
-    which goes back to the pool after the launches (later work on the stream is ordered
-    after them)."""
+    stride_b), A and B each read in place (wgmma16_a_direct, wgmma16_b_direct) or from its
+    padded copy in a pool block (matmul_pad), the blocks given back after the launches
+    (later work on the stream is ordered after them)."""
     backend = m.backend
     esize = dtype.itemsize
-    planes = 1 if p.stride_b == 0 else p.batch
-    direct = wgmma16_b_direct(b.ptr, p)
-    ldb = p.N if direct else wgmma16_ld(p.N)
-    bp = None if direct else backend.empty((planes * p.K * ldb,), dtype, dev)
+    direct_a, direct_b = wgmma16_a_direct(a.ptr, p), wgmma16_b_direct(b.ptr, p)
+    lda, ldb, stride_a, stride_b = operand_layout(p, direct_a, direct_b)
+    ap = bp = None
     try:
-        src = b
-        if bp is not None:
-            for launch_ in pad_b_launches(m, dev, dtype, planes, p, b.ptr, bp.ptr):
-                kname = cached_kernel(m, launch_.template, dev, launch_.params).name
-                backend.launch_kernel(kname, launch_.grid,
-                                      b if launch_.src_off == 0 else b.ptr + launch_.src_off,
-                                      bp if launch_.dst_off == 0 else bp.ptr + launch_.dst_off,
-                                      *launch_.args, block_size=launch_.block, device_id=dev)
-            src = bp
+        src_a, src_b = a, b
+        if not direct_a:
+            planes = planes_of(p.stride_a, p)
+            ap = src_a = backend.empty((planes * p.M * lda,), dtype, dev)
+            run_copies(m, dev, pad_a_launches(m, dev, dtype, planes, p, a.ptr, ap.ptr), a, ap)
+        if not direct_b:
+            planes = planes_of(p.stride_b, p)
+            bp = src_b = backend.empty((planes * p.K * ldb,), dtype, dev)
+            run_copies(m, dev, pad_b_launches(m, dev, dtype, planes, p, b.ptr, bp.ptr), b, bp)
         kernel = cached_kernel(m, WGMMA16_TEMPLATE, dev, wgmma16_params(dtype, cfg))
         tiles = -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"])
-        stride_b = 0 if p.stride_b == 0 else p.K * ldb
         for b0 in range(0, p.batch, max_z):
             nb = min(max_z, p.batch - b0)
-            pa = a if b0 == 0 else a.ptr + b0 * p.stride_a * esize
-            pb = src if b0 == 0 else src.ptr + b0 * stride_b * esize
+            pa = src_a if b0 == 0 else src_a.ptr + b0 * stride_a * esize
+            pb = src_b if b0 == 0 else src_b.ptr + b0 * stride_b * esize
             pc = out if b0 == 0 else out.ptr + b0 * p.M * p.N * esize
-            backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, p.M, p.N, p.K, p.K,
-                                  ldb, p.stride_a, stride_b, block_size=(WGMMA16_THREADS, 1, 1),
+            backend.launch_kernel(kernel.name, (tiles, 1, nb), pa, pb, pc, p.M, p.N, p.K, lda,
+                                  ldb, stride_a, stride_b, block_size=(WGMMA16_THREADS, 1, 1),
                                   shared_mem=wgmma_smem(cfg), device_id=dev)
     finally:
-        if bp is not None:
-            bp.free()
+        free_all(ap, bp)
 
 
 def _offsets(a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan, b0: int,

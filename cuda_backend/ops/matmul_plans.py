@@ -14,8 +14,10 @@ from .matmul_kernels import (GRAD_EPILOGUE, MMA_TEMPLATE, REDUCE_BLOCK, SIMT_TEM
                              TMA16_TEMPLATE, WGMMA16_LD, WGMMA16_TEMPLATE, WGMMA16_THREADS,
                              WGMMA_TEMPLATE, config_template, has_wgmma, splitk_reduce_params,
                              tma16_params, wgmma16_ld, wgmma16_params, wgmma_params, wgmma_smem)
-from .matmul_launch import (cached_kernel, cluster_setup, config_key, memo, pad_b_launches,
-                            skinny_setup, tiled_kernel)
+from .matmul_launch import (cached_kernel, cluster_setup, config_key, memo, skinny_setup,
+                            tiled_kernel)
+from .matmul_pad import (operand_layout, pad_a_launches, pad_b_launches, planes_of,
+                         prepared_copies)
 from .matmul_shapes import Plan
 from .matmul_splitk import split_chunk
 from .matmul_tma16 import tma16_runner, tma16_shape_ok
@@ -247,12 +249,11 @@ def _wgmma_runner(m: Any, cfg: Dict[str, Any], p: Plan, dev: int, max_z: int) ->
 
 def _wgmma16_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, vec: bool,
                     dev: int, info: Any, epilogue: Optional[str], a_trans: bool) -> Any:
-    """_run_wgmma16's launches: B's padded copy into a pool block where B cannot be read in
-    place (N % 8, or per call its pointer), the kernel over the batch chunks, the block given
-    back; per call, pointers the kernel cannot take (A not 16-byte aligned, the output not
-    4-byte aligned) run WGMMA16_STANDIN's runner instead, as run_config does."""
-    if epilogue is not None or a_trans or not has_wgmma(info) or p.K % WGMMA16_LD or \
-            dtype.itemsize != 2:
+    """_run_wgmma16's launches: A's and B's padded copies into pool blocks where they cannot
+    be read in place (K % 8, N % 8, or per call their pointers: matmul_pad), the kernel over
+    the batch chunks, the blocks given back; per call, an output the kernel cannot take (not
+    4-byte aligned) runs WGMMA16_STANDIN's runner instead, as run_config does."""
+    if epilogue is not None or a_trans or not has_wgmma(info) or dtype.itemsize != 2:
         return config_runner(m, MMA_TEMPLATE, WGMMA16_STANDIN, p, dtype, vec, dev, epilogue,
                              a_trans)
     made: list = []   # the stand-in's runner, made on first use
@@ -263,47 +264,62 @@ def _wgmma16_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, v
         made[0](pa, pb, pc, pbias, pg)
     backend = m.backend
     prep, get = backend.prepare_launch, backend.get_kernel
-    M, N, K, sa, esize = p.M, p.N, p.K, p.stride_a, dtype.itemsize
+    M, N, K, esize = p.M, p.N, p.K, dtype.itemsize
     max_z = info.max_grid_dims[2]
-    planes = 1 if p.stride_b == 0 else p.batch
-    ld = wgmma16_ld(N)
     kernel = get(cached_kernel(m, WGMMA16_TEMPLATE, dev, wgmma16_params(dtype, cfg)).name, dev)
     tiles = -(-M // cfg["bm"]) * -(-N // cfg["bn"])
 
-    def chunks(ldb: int) -> list:
-        stride_b = 0 if p.stride_b == 0 else K * ldb
+    def chunks(direct_a: bool, direct_b: bool) -> list:
+        lda, ldb, sa, sb = operand_layout(p, direct_a, direct_b)
         return [(prep(kernel, (tiles, 1, nb), (WGMMA16_THREADS, 1, 1), wgmma_smem(cfg), dev),
-                 b0 * sa * esize, b0 * stride_b * esize, b0 * M * N * esize,
-                 (M, N, K, K, ldb, sa, stride_b))
+                 b0 * sa * esize, b0 * sb * esize, b0 * M * N * esize,
+                 (M, N, K, lda, ldb, sa, sb))
                 for b0, nb in ((b0, min(max_z, p.batch - b0)) for b0 in range(0, p.batch, max_z))]
-    direct = chunks(N) if N % WGMMA16_LD == 0 else None
-    padded = chunks(ld)
-    # (a copy runs only where N % 8 or B's pointer is off: element copies, whose launches
-    # do not depend on the addresses)
-    copies = [(prep(get(cached_kernel(m, c.template, dev, c.params).name, dev), c.grid,
-                    c.block, 0, dev), c.src_off, c.dst_off, c.args)
-              for c in pad_b_launches(m, dev, dtype, planes, p, 2, 0)]
-    pbytes = planes * K * ld * esize
+    # the kernel's launches by (A read in place, B read in place), made on first use
+    gemms: Dict[Tuple[bool, bool], list] = {}
+    # (a copy runs only where K % 8 (N % 8) or A's (B's) pointer is off: element copies,
+    # whose launches do not depend on the addresses)
+    copies_a = prepared_copies(m, dev, pad_a_launches(m, dev, dtype, planes_of(p.stride_a, p),
+                                                      p, 2, 0))
+    copies_b = prepared_copies(m, dev, pad_b_launches(m, dev, dtype, planes_of(p.stride_b, p),
+                                                      p, 2, 0))
+    abytes = planes_of(p.stride_a, p) * M * wgmma16_ld(K) * esize
+    bbytes = planes_of(p.stride_b, p) * K * wgmma16_ld(N) * esize
+    k_ok, n_ok = K % WGMMA16_LD == 0, N % WGMMA16_LD == 0
     pool = backend.memory_pools[dev]
     alloc, release = pool.allocate_current, pool.release
 
     def run(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
-        if pa & 15 or pc & 3:
+        if pc & 3:
             standin(pa, pb, pc, pbias, pg)
             return
-        if direct is not None and not pb & 15:
-            for go, oa, ob, oc, tail in direct:
+        direct_a, direct_b = k_ok and not pa & 15, n_ok and not pb & 15
+        launches = gemms.get((direct_a, direct_b))
+        if launches is None:
+            launches = gemms[(direct_a, direct_b)] = chunks(direct_a, direct_b)
+        if direct_a and direct_b:
+            for go, oa, ob, oc, tail in launches:
                 go(pa + oa, pb + ob, pc + oc, *tail)
             return
-        block = alloc(pbytes)
+        block_a = block_b = None
         try:
-            pp = int(block)
-            for go, so, do, args in copies:
-                go(pb + so, pp + do, *args)
-            for go, oa, ob, oc, tail in padded:
-                go(pa + oa, pp + ob, pc + oc, *tail)
+            if not direct_a:
+                block_a = alloc(abytes)
+                src, pa = pa, int(block_a)
+                for go, so, do, args in copies_a:
+                    go(src + so, pa + do, *args)
+            if not direct_b:
+                block_b = alloc(bbytes)
+                src, pb = pb, int(block_b)
+                for go, so, do, args in copies_b:
+                    go(src + so, pb + do, *args)
+            for go, oa, ob, oc, tail in launches:
+                go(pa + oa, pb + ob, pc + oc, *tail)
         finally:
-            release(block)   # as the general path's free(): the pool is stream-ordered
+            # as the general path's free(): the pool is stream-ordered
+            for block in (block_a, block_b):
+                if block is not None:
+                    release(block)
     return run
 
 
