@@ -15,7 +15,10 @@ It replays, with the template's own formulas:
 (3) the shared-memory layout: TMA's SWIZZLE_128B boxes (out-of-bounds zero fill) read back
     through the kernel's wgmma descriptors (the canonical 128-byte-swizzle layouts of the PTX
     ISA's "Matrix Descriptor" section, as perf/wgmma16_layout.py models them) give exactly
-    each consumer's A rows and the B tile, for every k-step and slot.
+    each consumer's A rows and the B tile, for every k-step and slot;
+(4) the 16-bit epilogue: the wgmma D fragment, the quad transpose by shuffles and the
+    16-byte stores (edge spans and misaligned C: the paired stores) write every element of
+    C exactly once with its value, bm 128 / 256, bn 128 / 256, with and without bias.
 It checks the kernel against these models, not against the hardware: perf/tma16_check.py
 does that.
 
@@ -327,6 +330,119 @@ def fragments_ok(bm: int, bn: int) -> bool:
     return bool((count == 1).all())
 
 
+def pack2(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """pack_out2 per lane: two float32 values rounded to float16, lo in the low half."""
+    pair = np.stack([lo.astype(np.float16), hi.astype(np.float16)], axis=-1)
+    return np.ascontiguousarray(pair).view(np.uint32)[..., 0]
+
+
+def epilogue16_ok(bm: int, bn: int, M: int, N: int, aligned: bool, with_bias: bool,
+                  rng: np.random.Generator) -> bool:
+    """The 16-bit epilogue over every tile of an M x N C: accumulators taken from a random
+    float32 product through the wgmma D fragment (thread t: d[4 j + 2 h + e] at row
+    16 (t / 32) + (t % 32) / 4 + 8 h, column 8 j + 2 (t % 4) + e), then, per 16-column span,
+    the template's quad transpose (__shfl_xor_sync over 32 lanes at once) and 16-byte
+    stores, or its paired / single stores at the edge and for misaligned C (aligned False).
+    Checks every element of C is written exactly once with float16(acc + bias), that
+    nothing outside C is written, and that each 16-byte store is 16-byte aligned (C's base
+    being so) and each paired store 4-byte aligned."""
+    mi, tiles_m, tiles_n = bm // 128, -(-M // bm), -(-N // bn)
+    D = rng.standard_normal((tiles_m * bm, tiles_n * bn)).astype(np.float32)
+    bias = (rng.standard_normal(tiles_n * bn).astype(np.float32) if with_bias
+            else np.zeros(tiles_n * bn, np.float32))
+    want = (D[:M, :N] + bias[:N]).astype(np.float16)
+    C = np.zeros((M, N), np.float16)
+    count = np.zeros((M, N), np.int32)
+    flat = C.reshape(-1)
+    cflat = count.reshape(-1)
+    vec16 = N % 8 == 0 and aligned
+    pair = N % 2 == 0
+    lane = np.arange(32)
+    q = lane & 3
+    q0, q1 = (q & 1) != 0, (q & 2) != 0
+    ok = True
+
+    def shfl_xor(v: np.ndarray, m: int) -> np.ndarray:
+        return v[lane ^ m]
+
+    def write(r: int, c: int, vals: np.ndarray) -> bool:
+        if not (0 <= r < M and 0 <= c and c + len(vals) <= N):
+            return False
+        flat[r * N + c:r * N + c + len(vals)] = vals
+        cflat[r * N + c:r * N + c + len(vals)] += 1
+        return True
+
+    for tm in range(tiles_m):
+        for tn in range(tiles_n):
+            m0, n0 = tm * bm, tn * bn
+            for cw in range(2):
+                for warp in range(4):
+                    acc = np.zeros((mi, bn // 2, 32), np.float32)   # acc[i][idx] per lane
+                    for i in range(mi):
+                        for j in range(bn // 8):
+                            for h in range(2):
+                                for e in range(2):
+                                    row = (m0 + cw * (bm // 2) + 64 * i + 16 * warp
+                                           + lane // 4 + 8 * h)
+                                    col = n0 + 8 * j + 2 * q + e
+                                    acc[i, 4 * j + 2 * h + e] = D[row, col]
+                    for s in range(bn // 16):
+                        cs = n0 + 16 * s
+                        bb = np.zeros((2, 2, 32), np.float32)
+                        for g in range(2):
+                            c = cs + 8 * g + 2 * q
+                            bb[g, 0] = np.where(c < N, bias[np.minimum(c, len(bias) - 1)], 0)
+                            bb[g, 1] = np.where(c + 1 < N,
+                                                bias[np.minimum(c + 1, len(bias) - 1)], 0)
+                        for i in range(mi):
+                            if vec16 and cs + 16 <= N:
+                                w = [None] * 4
+                                for k in range(4):
+                                    g, h = k & 1, k >> 1
+                                    w[k] = pack2(acc[i, 8 * s + 4 * g + 2 * h] + bb[g, 0],
+                                                 acc[i, 8 * s + 4 * g + 2 * h + 1] + bb[g, 1])
+                                x0 = shfl_xor(np.where(q0, w[0], w[1]), 1)
+                                x1 = shfl_xor(np.where(q0, w[2], w[3]), 1)
+                                w = [np.where(q0, x0, w[0]), np.where(q0, w[1], x0),
+                                     np.where(q0, x1, w[2]), np.where(q0, w[3], x1)]
+                                x0 = shfl_xor(np.where(q1, w[0], w[2]), 2)
+                                x1 = shfl_xor(np.where(q1, w[1], w[3]), 2)
+                                w = [np.where(q1, x0, w[0]), np.where(q1, x1, w[1]),
+                                     np.where(q1, w[2], x0), np.where(q1, w[3], x1)]
+                                words = np.stack(w, axis=1)             # (32 lanes, 4)
+                                for ln in range(32):
+                                    r = (m0 + cw * (bm // 2) + 64 * i + warp * 16 + (ln >> 2)
+                                         + 8 * (q[ln] >> 1))
+                                    if r < M:
+                                        c = cs + 8 * (q[ln] & 1)
+                                        ok &= (r * N + c) * 2 % 16 == 0
+                                        ok &= write(r, c, words[ln].view(np.float16))
+                            else:
+                                for g in range(2):
+                                    for h in range(2):
+                                        v0 = acc[i, 8 * s + 4 * g + 2 * h] + bb[g, 0]
+                                        v1 = acc[i, 8 * s + 4 * g + 2 * h + 1] + bb[g, 1]
+                                        for ln in range(32):
+                                            c = cs + 8 * g + 2 * q[ln]
+                                            r = (m0 + cw * (bm // 2) + 64 * i + warp * 16
+                                                 + (ln >> 2) + h * 8)
+                                            if r >= M:
+                                                continue
+                                            vals = np.array([v0[ln], v1[ln]]).astype(np.float16)
+                                            if pair:
+                                                if c < N:
+                                                    ok &= (r * N + c) * 2 % 4 == 0
+                                                    ok &= write(r, c, vals)
+                                            else:
+                                                if c < N:
+                                                    ok &= write(r, c, vals[:1])
+                                                if c + 1 < N:
+                                                    ok &= write(r, c + 1, vals[1:])
+    ok &= bool((count == 1).all())
+    ok &= bool((C.view(np.uint16) == want.view(np.uint16)).all())
+    return bool(ok)
+
+
 def main() -> int:
     rng = np.random.default_rng(0)
     ok = True
@@ -349,6 +465,14 @@ def main() -> int:
         ok &= good
         print(f"layout bm {bm} bn {bn} stages {stages} at {M}x{N}x{K}: "
               f"{'OK' if good else 'FAIL'}")
+    for bm, bn in ((128, 128), (128, 256), (256, 128), (256, 256)):
+        for M, N, aligned, with_bias in ((200, 264, True, True), (131, 520, True, False),
+                                         (70, 136, False, True), (65, 131, True, True),
+                                         (bm, 2 * bn, True, False)):
+            good = epilogue16_ok(bm, bn, M, N, aligned, with_bias, rng)
+            ok &= good
+            print(f"16-bit epilogue bm {bm} bn {bn} at {M}x{N} aligned {aligned} "
+                  f"bias {with_bias}: {'OK' if good else 'FAIL'}")
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -2526,3 +2526,43 @@ def test_gpu_tma16_public_and_plan_path(m, fam, monkeypatch):
         for vec in (True, False):
             mm.memo(m).pop((p, dtype, None, dev, vec), None)
         m.plans.pop(key, None)
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMS16))
+@pytest.mark.parametrize("M, K, N", [(1000, 64, 1032), (200, 72, 264)], ids=lambda s: str(s))
+def test_gpu_tma16_epilogue_store_paths(m, fam, M, K, N):
+    """The 16-bit epilogue's store paths, N a multiple of 8 but not of 16, M and N of no
+    tile width: C 16-byte aligned (16-byte stores inside N, paired stores for the span
+    across N) through run_config, then C 4 bytes past a 16-byte boundary (paired stores
+    only; tma16_usable declines it, so run_tma16 directly). Each C is a view into a
+    poisoned buffer with 0 (then 2) elements before it and 16 after: every element within
+    the bounds of _check_tma16, no element outside C written."""
+    _need_wgmma16(m)
+    from cuda_backend.ops import matmul_tma16
+    dtype = FAMS16[fam]
+    rng = np.random.default_rng(1618)
+    dev = m.backend.current_device
+    a = to_dev(m, rand(rng, (M, K), dtype), dtype)
+    b = to_dev(m, rand(rng, (K, N), dtype), dtype)
+    ref, scale = reference(m, a, b)
+    p = mm.plan_shapes(a.shape, b.shape)
+    info = m.backend.get_device_info(dev)
+    for cfg in T16:
+        for lead in (0, 2):
+            base = poisoned(m, (lead + M * N + 16,), dtype)
+            out = CudaTensor((M, N), dtype, base.device_id, base.ptr + lead * dtype.itemsize,
+                             owner=base)
+            if lead == 0:
+                assert mm.tma16_usable(info, dtype, a, b, out, p)
+                mm.run_config(m, mm.TMA16_TEMPLATE, cfg, a, b, out, p, dtype, True, dev)
+            else:
+                assert not mm.tma16_usable(info, dtype, a, b, out, p)
+                params = mm.tma16_params(dtype, cfg, dtype)
+                matmul_tma16.run_tma16(m, mm.cached_kernel(m, mm.TMA16_TEMPLATE, dev, params),
+                                       params, cfg, a, b, out, p, dtype, dev, mm.memo(m))
+            _check_tma16(m, out, ref, scale, K, dtype, (cfg, lead, M, K, N))
+            whole = m.to_numpy(base).astype(np.float64)
+            assert np.isnan(whole[:lead]).all() and np.isnan(whole[lead + M * N:]).all(), \
+                (cfg, lead, M, K, N)
+            base.free()
