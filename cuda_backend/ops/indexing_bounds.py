@@ -35,14 +35,16 @@ def _bounds_message(what: str, ax: int, size: int) -> str:
 
 
 def refuse_capture(what: str, dev: int, check_bounds: bool) -> None:
-    """GraphCaptureError when a bounds-checked call is made inside a capture (the host waits
-    for its check); called before anything is allocated, so the capture's pool is untouched."""
+    """GraphCaptureError when a bounds-checked call is made inside a capture (captures take
+    the unchecked calls only, as they always have; the device-side check itself could be
+    replayed: device_errors.py); called before anything is allocated or recorded, so the
+    capture's pool is untouched."""
     if check_bounds:
         from ..streams import capturing
         if capturing(dev):
             raise GraphCaptureError(
-                f"{what} with check_bounds=True cannot be recorded into a CUDA graph (the host "
-                f"waits for its bounds check); pass check_bounds=False inside the capture")
+                f"{what} with check_bounds=True is not recorded into CUDA graphs; pass "
+                f"check_bounds=False inside the capture")
 
 
 def bounds_slot(m: Any, what: str, ax: int, size: int) -> int:

@@ -13,7 +13,8 @@ import numpy as np
 from ..errors import IndexOutOfRangeError, InvalidArgumentError, ShapeMismatchError
 from ..tensor import CudaTensor
 from . import common
-from .indexing_bounds import bounds_slot, checked_indices, host_indices, raise_bounds
+from .indexing_bounds import (bounds_slot, checked_indices, host_indices, raise_bounds,
+                              refuse_capture)
 from .indexing_kernels import (BLOCK, SCATTER_DTYPES, TEMPLATE, check_dims, scatter_params)
 from .shape_copy import MAX_DIMS, grid_blocks, record
 from .shape_layouts import collapse, contiguous_strides, dims_args, one_axis, pad
@@ -78,6 +79,7 @@ def scatter_add(m: Any, target: CudaTensor, indices: Any, src: CudaTensor, axis:
     check_dims(len(sizes), src.shape, "scatter_add")
     n = src.size
     name = m.kernel(TEMPLATE, dev, **scatter_params(target.dtype, idx.dtype)).name
+    refuse_capture("scatter_add", dev, check_bounds)
     record(dev, target, idx, src)
     args = [n, size, ts[ax], len(sizes)] + dims_args(sizes[::-1], 64, MAX_DIMS) + \
         pad(st[::-1], MAX_DIMS) + pad(si[::-1], MAX_DIMS)
@@ -116,6 +118,7 @@ def _scatter_plan(m: Any, name: str, target: CudaTensor, idx: CudaTensor,
         if pt is None or ps is None or pi is None or indices.device_id != dev or \
                 indices.stream is not None or not direct(dev):
             return False
+        refuse_capture("scatter_add", dev, check_bounds)
         go(pt, ps, pi, *args, slot)
         return True
     return run
