@@ -153,7 +153,10 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
 def family_configs(fam: str, old: bool) -> Tuple[str, List[Dict[str, Any]]]:
     dtype, prec, _ = FAMILIES[fam]
     template, _ = mm.gemm_family(dtype, prec)
-    cfgs = list(mm.all_configs(dtype, prec))
+    # the 16-bit wgmma and TMA configs launch through their own paths (their kernels are
+    # timed by perf/wgmma16_check.py and perf/tma16_check.py, and through matrix_multiply by
+    # perf/bench_matmul.py): the sweep times the family template's configs
+    cfgs = [c for c in mm.all_configs(dtype, prec) if not (c.get("wgmma16") or c.get("tma16"))]
     extras = {"fp32": ("SIMT_F32_OLD", "SIMT_F32_EXTRA"), "tf32": ("MMA_TF32_EXTRA",)}
     if old:
         for name in extras.get(fam, ()):
