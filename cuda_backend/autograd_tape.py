@@ -92,6 +92,27 @@ def capturing(device_id: int) -> bool:
 
 
 # -- the tape ---------------------------------------------------------------------------------
+def _of_data(name: str) -> Any:
+    """A read-only Tensor property: the attribute `name` of its CudaTensor `data`."""
+    return property(lambda self: getattr(self.data, name), doc=f"data.{name}")
+
+
+def _unary(rule: str) -> Any:
+    """A Tensor method applying the autograd_ops Function `rule` to the tensor."""
+    def method(self: "Tensor") -> "Tensor":
+        return getattr(autograd_ops, rule).apply(self)
+    return method
+
+
+def _operator(name: str, reflected: bool = False) -> Any:
+    """Tensor's binary operator calling autograd_ops.<name>(self, other) (reflected: (other,
+    self)); the function is looked up per call, autograd_ops being imported last."""
+    def operator(self: "Tensor", other: Any) -> "Tensor":
+        fn = getattr(autograd_ops, name)
+        return fn(other, self) if reflected else fn(self, other)
+    return operator
+
+
 class Tensor:
     """A CudaTensor (`data`) with an optional gradient (`grad`, a CudaTensor) and the Function
     that made it (`_ctx`, None for leaves and for results made without recording)."""
@@ -110,21 +131,10 @@ class Tensor:
         self._index = 0
 
     # -- properties and host access
-    @property
-    def shape(self) -> Tuple[int, ...]:
-        return self.data.shape
-
-    @property
-    def dtype(self) -> CudaDataType:
-        return self.data.dtype
-
-    @property
-    def ndim(self) -> int:
-        return self.data.ndim
-
-    @property
-    def size(self) -> int:
-        return self.data.size
+    shape = _of_data("shape")
+    dtype = _of_data("dtype")
+    ndim = _of_data("ndim")
+    size = _of_data("size")
 
     @property
     def is_leaf(self) -> bool:
@@ -204,32 +214,17 @@ class Tensor:
                 fn.release()
 
     # -- operators
-    def __add__(self, other: Any) -> "Tensor":
-        return autograd_ops.add(self, other)
-
-    def __radd__(self, other: Any) -> "Tensor":
-        return autograd_ops.add(other, self)
-
-    def __sub__(self, other: Any) -> "Tensor":
-        return autograd_ops.sub(self, other)
-
-    def __rsub__(self, other: Any) -> "Tensor":
-        return autograd_ops.sub(other, self)
-
-    def __mul__(self, other: Any) -> "Tensor":
-        return autograd_ops.mul(self, other)
-
-    def __rmul__(self, other: Any) -> "Tensor":
-        return autograd_ops.mul(other, self)
-
-    def __truediv__(self, other: Any) -> "Tensor":
-        return autograd_ops.div(self, other)
+    __add__ = _operator("add")
+    __radd__ = _operator("add", reflected=True)
+    __sub__ = _operator("sub")
+    __rsub__ = _operator("sub", reflected=True)
+    __mul__ = _operator("mul")
+    __rmul__ = _operator("mul", reflected=True)
+    __truediv__ = _operator("div")
+    __matmul__ = _operator("matmul")
 
     def __neg__(self) -> "Tensor":
         return autograd_ops.Neg.apply(self)
-
-    def __matmul__(self, other: "Tensor") -> "Tensor":
-        return autograd_ops.matmul(self, other)
 
     def sum(self, axis: Any = None, keepdims: bool = False) -> "Tensor":
         return autograd_ops.Sum.apply(self, axis=axis, keepdims=keepdims)
@@ -247,29 +242,16 @@ class Tensor:
     def astype(self, dtype: Any) -> "Tensor":
         return autograd_ops.astype(self, dtype)
 
-    def relu(self) -> "Tensor":
-        return autograd_ops.Relu.apply(self)
+    relu = _unary("Relu")
+    sigmoid = _unary("Sigmoid")
+    tanh = _unary("Tanh")
+    exp = _unary("Exp")
+    log = _unary("Log")
+    softmax = _unary("Softmax")
+    log_softmax = _unary("LogSoftmax")
 
     def gelu(self, approximate: str = "tanh") -> "Tensor":
         return autograd_ops.Gelu.apply(self, approximate)
-
-    def sigmoid(self) -> "Tensor":
-        return autograd_ops.Sigmoid.apply(self)
-
-    def tanh(self) -> "Tensor":
-        return autograd_ops.Tanh.apply(self)
-
-    def exp(self) -> "Tensor":
-        return autograd_ops.Exp.apply(self)
-
-    def log(self) -> "Tensor":
-        return autograd_ops.Log.apply(self)
-
-    def softmax(self) -> "Tensor":
-        return autograd_ops.Softmax.apply(self)
-
-    def log_softmax(self) -> "Tensor":
-        return autograd_ops.LogSoftmax.apply(self)
 
 
 def tensor(values: Any, requires_grad: bool = False, dtype: Any = None,

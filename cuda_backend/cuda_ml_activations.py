@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from .errors import InvalidArgumentError
+from .ops import common
 from .ops.common import LazyOp
 from .tensor import CudaTensor
 
@@ -36,11 +37,10 @@ class ActivationGradients:
         m = self.math
         if type(grad_out) is CudaTensor:
             # the per-call plan of (op, dtype, device), made by a first general call
-            plan = m.plans.get((op + "_backward", grad_out.dtype, grad_out.device_id))
-            if plan is not None:
-                res = plan(grad_out, v, alpha)
-                if res is not None:
-                    return res
+            key = (op + "_backward", grad_out.dtype, grad_out.device_id)
+            res = common.planned(m, key, grad_out, v, alpha)
+            if res is not None:
+                return res
         return self._op_act_backward(m, op, grad_out, v, alpha)
 
     def relu_backward(self, grad_out: CudaTensor, x: CudaTensor) -> CudaTensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Tuple, Union
 
+from .ops import common
 from .ops.common import LazyOp
 from .tensor import CudaTensor
 
@@ -128,10 +129,10 @@ class LinearOps:
         if type(causal) is bool and (scale is None or type(scale) is float) and \
                 type(q) is CudaTensor and type(k) is CudaTensor:
             # the plan of ops/attention_backward.py (its plan_key), looked up here too
-            fast = m.plans.get(("flash_attention_backward", q.shape, k.shape, q.dtype,
-                                q.device_id, scale is None, causal))
-            if fast is not None and m.backend.direct_launch(q.device_id):
-                res = fast(grad_out, q, k, v, out, lse, scale)
+            key = ("flash_attention_backward", q.shape, k.shape, q.dtype, q.device_id,
+                   scale is None, causal)
+            if m.backend.direct_launch(q.device_id):
+                res = common.planned(m, key, grad_out, q, k, v, out, lse, scale)
                 if res is not None:
                     return res
         return self._op_flash_attention_backward(m, grad_out, q, k, v, out, lse, scale, causal)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Optional, Tuple
 
+from .ops import common
 from .ops.common import LazyOp, named_method
 from .tensor import CudaTensor
 
@@ -22,12 +23,10 @@ def _softmax_gradient(name: str, log: bool, doc: str
     def method(self: NormalizationOps, grad_out: CudaTensor, y: CudaTensor) -> CudaTensor:
         m = self.math
         if type(grad_out) is CudaTensor:
-            fast = m.plans.get(("softmax_backward", grad_out.shape, grad_out.dtype,
-                                grad_out.device_id, log))
-            if fast is not None:
-                res = fast(grad_out, y)
-                if res is not None:
-                    return res
+            key = ("softmax_backward", grad_out.shape, grad_out.dtype, grad_out.device_id, log)
+            res = common.planned(m, key, grad_out, y)
+            if res is not None:
+                return res
         from .ops import softmax_backward
         return softmax_backward.backward(m, grad_out, y, log=log)
     return named_method(method, "NormalizationOps", name, doc)

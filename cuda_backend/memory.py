@@ -93,8 +93,8 @@ class MemoryPool(StreamOrder):
         self._oom_retries = 0
         self._peak = self._total("active_bytes")
         self._base_blocks = self._total("active_blocks") - self._deferred_blocks
-        self._managed = self._pool.managed_bytes
-        self._large_managed = self._large.managed_bytes if self._large is not None else 0
+        self._seen_managed = [self._pool.managed_bytes,
+                              self._large.managed_bytes if self._large is not None else 0]
 
     # -- the two pools' counters together ------------------------------------------
     def _total(self, counter: str) -> int:
@@ -199,20 +199,13 @@ class MemoryPool(StreamOrder):
         """(Lock held.) Hit or miss, requested bytes and the peak of one allocation (big:
         the large pool served it)."""
         pool, large = self._pool, self._large
-        if big:
-            managed = large.managed_bytes
-            if managed == self._large_managed:
-                self._hits += 1
-            else:
-                self._misses += 1
-                self._large_managed = managed
+        managed = (large if big else pool).managed_bytes
+        seen = self._seen_managed      # [small pool's, large pool's] at the last allocation
+        if managed == seen[big]:
+            self._hits += 1
         else:
-            managed = pool.managed_bytes
-            if managed == self._managed:
-                self._hits += 1
-            else:
-                self._misses += 1
-                self._managed = managed
+            self._misses += 1
+            seen[big] = managed
         self._total_requested += nbytes
         active = pool.active_bytes
         if large is not None:
@@ -227,10 +220,10 @@ class MemoryPool(StreamOrder):
     def _free_held(self) -> None:
         """The pools' free_held(), then the managed bytes a hit leaves unchanged."""
         self._pool.free_held()
-        self._managed = self._pool.managed_bytes
+        self._seen_managed[0] = self._pool.managed_bytes
         if self._large is not None:
             self._large.free_held()
-            self._large_managed = self._large.managed_bytes
+            self._seen_managed[1] = self._large.managed_bytes
 
     def _retry_after_oom(self, nbytes: int, big: bool = False) -> Any:
         """Wait for stream-ordered frees, free cached blocks, collect garbage, retry once;
@@ -240,7 +233,7 @@ class MemoryPool(StreamOrder):
             self._oom_retries += 1
             self._flush_deferred()
             self._free_held()
-            self._managed = self._large_managed = -1    # a miss, whatever the bytes say
+            self._seen_managed[:] = [-1, -1]    # a miss, whatever the bytes say
             try:
                 return (self._large if big else self._pool).allocate(nbytes)
             except self._oom_errors:

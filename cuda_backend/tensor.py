@@ -57,23 +57,27 @@ class CudaTensor(TensorOperators):
 
     __slots__ = ("shape", "dtype", "device_id", "_block", "_ptr", "_pool", "_owner",
                  "_host", "stream", "size", "nbytes", "on_host", "_exports", "__weakref__")
+    shape: Tuple[int, ...]
+    dtype: CudaDataType
+    device_id: int
+    _ptr: int                  # None once freed (free())
+    _block: Any
+    _pool: Any
+    _owner: Any
+    _host: Optional[np.ndarray]
+    stream: Any
+    size: int
+    nbytes: int
+    on_host: bool
+    _exports: int
 
     def __init__(self, shape: Tuple[int, ...], dtype: CudaDataType, device_id: int,
                  ptr: int, block: Any = None, pool: Any = None, owner: Any = None,
                  host: Optional[np.ndarray] = None) -> None:
-        self.shape = tuple(shape)
-        self.dtype = dtype
-        self.device_id = device_id
-        self._ptr = ptr
-        self._block = block
-        self._pool = pool
-        self._owner = owner
-        self._host = host
-        self.on_host = host is not None  # fallback mode: the data lives in host memory
-        self.stream = None  # the stream it was last used on; None: the legacy default stream
-        self.size = size = math.prod(self.shape)
-        self.nbytes = size * dtype.itemsize
-        self._exports = 0   # DLPack exports a consumer still holds (dlpack.py)
+        shape = tuple(shape)
+        size = math.prod(shape)
+        _set_slots(self, shape, dtype, device_id, ptr, block, pool, owner, host, None, size,
+                   size * dtype.itemsize)
 
     # -- basic properties ---------------------------------------------------------
     @property
@@ -332,20 +336,28 @@ def pool_tensor(shape: Tuple[int, ...], dtype: CudaDataType, device_id: int, blo
     slot as __init__ does (tests/test_elementwise.py checks that they agree), without its
     conversions and arithmetic."""
     t = _new(CudaTensor)
+    _set_slots(t, shape, dtype, device_id, int(block), block, pool, None, None,
+               block.stream if type(block) is StreamBlock else None, size, nbytes)
+    return t
+
+
+def _set_slots(t: CudaTensor, shape: Tuple[int, ...], dtype: CudaDataType, device_id: int,
+               ptr: int, block: Any, pool: Any, owner: Any, host: Optional[np.ndarray],
+               stream: Any, size: int, nbytes: int) -> None:
+    """Every slot of a new CudaTensor (CudaTensor.__init__ and pool_tensor)."""
     t.shape = shape
     t.dtype = dtype
     t.device_id = device_id
-    t._ptr = int(block)
+    t._ptr = ptr
     t._block = block
     t._pool = pool
-    t._owner = None
-    t._host = None
-    t.on_host = False
-    t.stream = block.stream if type(block) is StreamBlock else None
+    t._owner = owner
+    t._host = host
+    t.on_host = host is not None  # fallback mode: the data lives in host memory
+    t.stream = stream   # the stream it was last used on; None: the legacy default stream
     t.size = size
     t.nbytes = nbytes
-    t._exports = 0
-    return t
+    t._exports = 0      # DLPack exports a consumer still holds (dlpack.py)
 
 
 def device_view(x: CudaTensor, shape: Tuple[int, ...]) -> CudaTensor:

@@ -266,13 +266,20 @@ def remember_plan(m: Any, key: tuple, plan: Any) -> Any:
     A plan is made by an op's general path after it has checked its operands and launched
     once; it is a callable taking the operands (and out=) that allocates its result and calls
     `PreparedLaunch`es, returning None when the call is not one it can take (then the
-    general path runs). The op's entry looks it up with `m.plans.get(key)` and calls it only
-    when `m.backend.direct_launch(device)` is True."""
+    general path runs). The op's entry runs it through `planned` (only when
+    `m.backend.direct_launch(device)` is True, unless the plan checks that itself)."""
     plans = m.plans
     if len(plans) >= MAX_PLANS:
         plans.clear()
     plans[key] = plan
     return plan
+
+
+def planned(m: Any, key: tuple, *args: Any) -> Any:
+    """What the per-call plan kept under key returns for args: the op's result, or None where
+    there is no plan or the plan leaves this call to the general path."""
+    plan = m.plans.get(key)
+    return None if plan is None else plan(*args)
 
 
 def plan_memory(m: Any, dev: int) -> Tuple[Any, Any, Any]:

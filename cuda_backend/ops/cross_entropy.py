@@ -167,13 +167,11 @@ def cross_entropy(m: Any, logits: CudaTensor, labels: CudaTensor, reduction: str
     if type(logits) is CudaTensor and type(labels) is CudaTensor and \
             type(ignore_index) is int and type(reduction) is str and \
             type(check_labels) is bool and type(return_row_stats) is bool:
-        fast = m.plans.get(("cross_entropy", logits.shape, logits.dtype, labels.dtype,
-                            logits.device_id, reduction, ignore_index, check_labels,
-                            return_row_stats))
-        if fast is not None:
-            res = fast(logits, labels)
-            if res is not None:
-                return res
+        key = ("cross_entropy", logits.shape, logits.dtype, labels.dtype, logits.device_id,
+               reduction, ignore_index, check_labels, return_row_stats)
+        res = common.planned(m, key, logits, labels)
+        if res is not None:
+            return res
     name = "cross_entropy"
     N, C, dev = check_operands(name, logits, labels, reduction, ignore_index, check_labels)
     if not isinstance(return_row_stats, (bool, np.bool_)):
@@ -270,13 +268,11 @@ def cross_entropy_backward(m: Any, logits: CudaTensor, labels: CudaTensor,
     if type(logits) is CudaTensor and type(labels) is CudaTensor and \
             type(ignore_index) is int and type(grad_loss) is float and \
             type(reduction) is str and type(check_labels) is bool:
-        fast = m.plans.get(("cross_entropy_backward", logits.shape, logits.dtype, labels.dtype,
-                            logits.device_id, reduction, ignore_index, check_labels,
-                            row_stats is not None))
-        if fast is not None:
-            res = fast(logits, labels, grad_loss, row_stats)
-            if res is not None:
-                return res
+        key = ("cross_entropy_backward", logits.shape, logits.dtype, labels.dtype,
+               logits.device_id, reduction, ignore_index, check_labels, row_stats is not None)
+        res = common.planned(m, key, logits, labels, grad_loss, row_stats)
+        if res is not None:
+            return res
     name = "cross_entropy_backward"
     N, C, dev = check_operands(name, logits, labels, reduction, ignore_index, check_labels)
     ignore_index = int(ignore_index)

@@ -155,12 +155,9 @@ def _alpha_plan(start: Callable, op: str, dtype: CudaDataType, dev: int,
     def alpha_plan(x: CudaTensor, alpha: Any = default) -> Optional[CudaTensor]:
         px = x._ptr
         n = x.size
-        if px is None or not n or x.stream is not None or not direct(dev):
-            return None
-        a = conv(alpha)
-        if a is None:
-            return None
-        return start(x.shape, n, x.nbytes, px, px, 0, a, 0)
+        usable = px is not None and n and x.stream is None and direct(dev)
+        a = conv(alpha) if usable else None
+        return None if a is None else start(x.shape, n, x.nbytes, px, px, 0, a, 0)
     return alpha_plan
 
 
@@ -247,9 +244,7 @@ def make_fill_plan(m: Any, dtype: CudaDataType, dev: int) -> Optional[Callable]:
         # t.dtype is dtype and t.device_id == dev: the plan's key says so
         pt = t._ptr
         n = t.size
-        if pt is None or not n or t.stream is not None or not direct(dev):
-            return None
-        v = conv(value)
+        v = conv(value) if pt is not None and n and t.stream is None and direct(dev) else None
         if v is None:
             return None
         grid = -(-n // FILL_BLOCK)

@@ -101,12 +101,11 @@ def batch_norm(m: Any, x: CudaTensor, gamma: CudaTensor, beta: CudaTensor, mean:
             type(momentum) is float and type(training) is bool:
         # the per-call plan (ops/common.py remember_plan); float eps and momentum only (no
         # equal-valued bool reaches it unchecked), bool training (hashable)
-        fast = m.plans.get(("batch_norm", x.shape, x.dtype, x.device_id, eps, momentum,
-                            training))
-        if fast is not None and m.backend.direct_launch(x.device_id):
-            res = fast(x, gamma, beta, mean, var)
-            if res is not None:
-                return res
+        key = ("batch_norm", x.shape, x.dtype, x.device_id, eps, momentum, training)
+        direct = m.backend.direct_launch(x.device_id)
+        res = common.planned(m, key, x, gamma, beta, mean, var) if direct else None
+        if res is not None:
+            return res
     dev, eps, momentum = _bn_checks(x, gamma, beta, mean, var, eps, momentum, training, out)
     if not m.gpu:
         return _bn_host(m, x, gamma, beta, mean, var, eps, training, momentum, out)
@@ -199,12 +198,11 @@ def layer_norm(m: Any, x: CudaTensor, weight: Optional[CudaTensor],
     if out is None and type(x) is CudaTensor and type(eps) is float:
         # the per-call plan (ops/common.py remember_plan); float eps only, so that no
         # equal-valued bool reaches it unchecked
-        fast = m.plans.get(("layer_norm", x.shape, x.dtype, x.device_id, eps, weight is None,
-                            bias is None))
-        if fast is not None and m.backend.direct_launch(x.device_id):
-            res = fast(x, weight, bias)
-            if res is not None:
-                return res
+        key = ("layer_norm", x.shape, x.dtype, x.device_id, eps, weight is None, bias is None)
+        direct = m.backend.direct_launch(x.device_id)
+        res = common.planned(m, key, x, weight, bias) if direct else None
+        if res is not None:
+            return res
     common.check_tensor(x, "x")
     if x.ndim < 1:
         raise InvalidArgumentError(f"layer_norm needs at least 1 dimension, got shape {x.shape}")

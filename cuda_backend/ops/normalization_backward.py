@@ -193,12 +193,11 @@ def layer_norm_backward(m: Any, grad_out: CudaTensor, x: CudaTensor,
     if type(x) is CudaTensor and type(eps) is float:
         # the per-call plan (ops/common.py remember_plan); float eps only, so that no
         # equal-valued bool reaches it unchecked
-        fast = m.plans.get(("layer_norm_backward", x.shape, x.dtype, x.device_id, eps,
-                            weight is None))
-        if fast is not None and m.backend.direct_launch(x.device_id):
-            res = fast(grad_out, x, weight)
-            if res is not None:
-                return res
+        key = ("layer_norm_backward", x.shape, x.dtype, x.device_id, eps, weight is None)
+        direct = m.backend.direct_launch(x.device_id)
+        res = common.planned(m, key, grad_out, x, weight) if direct else None
+        if res is not None:
+            return res
     op = "layer_norm_backward"
     g = common.check_tensor(grad_out, "grad_out")
     common.check_tensor(x, "x")
@@ -254,12 +253,12 @@ def batch_norm_backward(m: Any, grad_out: CudaTensor, input: CudaTensor, gamma: 
     statistics (biased variance), training=False with running_mean and running_var (both
     required then). grad_gamma and grad_beta have shape (C,), all in the input's dtype."""
     if type(input) is CudaTensor and type(eps) is float and type(training) is bool:
-        fast = m.plans.get(("batch_norm_backward", input.shape, input.dtype, input.device_id,
-                            eps, training))
-        if fast is not None and m.backend.direct_launch(input.device_id):
-            res = fast(grad_out, input, gamma, running_mean, running_var)
-            if res is not None:
-                return res
+        key = ("batch_norm_backward", input.shape, input.dtype, input.device_id, eps, training)
+        direct = m.backend.direct_launch(input.device_id)
+        res = common.planned(m, key, grad_out, input, gamma, running_mean,
+                             running_var) if direct else None
+        if res is not None:
+            return res
     g, x, training, eps, dtype, dev = _bn_checks(grad_out, input, gamma, eps, training,
                                                  running_mean, running_var)
     if not m.gpu:

@@ -101,12 +101,10 @@ def pool2d(m: Any, kind: str, x: CudaTensor, pool_size: Pair, stride: Optional[P
             (type(padding) is int or _plain(padding)):
         # the per-call plan (ops/common.py remember_plan): int or (int, int) window, stride
         # and padding only (no equal-valued float or bool reaches it unchecked)
-        fast = m.plans.get((_OP_NAME.get(kind), x.shape, x.dtype, x.device_id, pool_size,
-                            stride, padding))
-        if fast is not None and m.backend.direct_launch(x.device_id):
-            res = fast(x)
-            if res is not None:
-                return res
+        key = (_OP_NAME.get(kind), x.shape, x.dtype, x.device_id, pool_size, stride, padding)
+        res = common.planned(m, key, x) if m.backend.direct_launch(x.device_id) else None
+        if res is not None:
+            return res
     op, k, s, p, shape = _checked(kind, x, pool_size, stride, padding)
     if out is not None:
         common.check_out(out, x, shape)

@@ -270,12 +270,12 @@ def pool2d_backward(m: Any, kind: str, grad_out: CudaTensor, x: CudaTensor, pool
             (stride is None or _plain(stride)) and _plain(padding):
         # the per-call plan (ops/common.py remember_plan): int or (int, int) window
         # parameters only (an equal-valued float or bool, 2.0 or True, must reach the checks)
-        fast = m.plans.get((PUBLIC.get(kind), grad_out.shape, x.shape, grad_out.dtype,
-                            grad_out.device_id, pool_size, stride, padding))
-        if fast is not None and m.backend.direct_launch(grad_out.device_id):
-            res = fast(grad_out, x)
-            if res is not None:
-                return res
+        key = (PUBLIC.get(kind), grad_out.shape, x.shape, grad_out.dtype, grad_out.device_id,
+               pool_size, stride, padding)
+        direct = m.backend.direct_launch(grad_out.device_id)
+        res = common.planned(m, key, grad_out, x) if direct else None
+        if res is not None:
+            return res
     if kind not in KINDS:
         raise InvalidArgumentError(f"pool kind must be 'max' or 'avg', got {kind!r}")
     op = PUBLIC[kind]

@@ -184,11 +184,10 @@ def permute(m: Any, x: CudaTensor, axes: Any, what: str = "permute") -> CudaTens
     """x with its axes reordered (out.shape[i] = x.shape[axes[i]]), as a new contiguous
     tensor; a view when the order leaves the memory layout unchanged."""
     if type(x) is CudaTensor and type(axes) is tuple:
-        plan = m.plans.get(("permute", x.shape, x.dtype, axes, x.device_id))
-        if plan is not None and m.backend.direct_launch(x.device_id):
-            res = plan(x)
-            if res is not None:
-                return res
+        key = ("permute", x.shape, x.dtype, axes, x.device_id)
+        res = common.planned(m, key, x) if m.backend.direct_launch(x.device_id) else None
+        if res is not None:
+            return res
     x = common.check_tensor(x, "tensor")
     perm = _axes_permutation(axes, x.ndim, what)
     shape = tuple(x.shape[a] for a in perm)
@@ -226,11 +225,9 @@ def getitem(m: Any, x: CudaTensor, key: Any) -> CudaTensor:
     is one int32/int64 CudaTensor is take(x, key, axis=0)."""
     tok = key_token(key) if type(x) is CudaTensor and m.gpu else None
     if tok is not None:
-        plan = m.plans.get(("getitem", x.shape, x.dtype, x.device_id, tok))
-        if plan is not None:
-            res = plan(x)
-            if res is not None:
-                return res
+        res = common.planned(m, ("getitem", x.shape, x.dtype, x.device_id, tok), x)
+        if res is not None:
+            return res
     x = common.check_tensor(x, "tensor")
     if isinstance(key, CudaTensor):
         from . import indexing
@@ -285,11 +282,9 @@ def split(m: Any, x: CudaTensor, indices_or_sections: Any, axis: int = 0) -> Lis
     are made by one "cat" launch per 8 pieces."""
     key = _split_key(x, indices_or_sections, axis) if m.gpu else None
     if key is not None:
-        plan = m.plans.get(key)
-        if plan is not None:
-            res = plan(x)
-            if res is not None:
-                return cast(List[CudaTensor], res)
+        res = common.planned(m, key, x)
+        if res is not None:
+            return cast(List[CudaTensor], res)
     x = common.check_tensor(x, "tensor")
     if x.ndim == 0:
         raise InvalidArgumentError("split needs a tensor of at least 1 dimension, got a 0-d one")
@@ -377,11 +372,9 @@ def _split_copy(m: Any, x: CudaTensor, ax: int, spans: List[Tuple[int, int]],
 def broadcast_to(m: Any, x: CudaTensor, shape: Any) -> CudaTensor:
     """np.broadcast_to, materialized (tensors are contiguous): a new tensor of shape."""
     if type(x) is CudaTensor and type(shape) is tuple and m.gpu:
-        plan = m.plans.get(("broadcast_to", x.shape, x.dtype, x.device_id, shape))
-        if plan is not None:
-            res = plan(x)
-            if res is not None:
-                return res
+        res = common.planned(m, ("broadcast_to", x.shape, x.dtype, x.device_id, shape), x)
+        if res is not None:
+            return res
     x = common.check_tensor(x, "tensor")
     key_shape = shape
     shape = normalize_shape(shape)
@@ -417,11 +410,9 @@ def broadcast_to(m: Any, x: CudaTensor, shape: Any) -> CudaTensor:
 def astype(m: Any, x: CudaTensor, dtype: Any) -> CudaTensor:
     """A new tensor of x's values converted to dtype (NumPy's astype; see the module doc)."""
     if type(x) is CudaTensor and m.gpu and (type(dtype) is str or type(dtype) is CudaDataType):
-        plan = m.plans.get(("astype", x.shape, x.dtype, dtype, x.device_id))
-        if plan is not None:
-            res = plan(x)
-            if res is not None:
-                return res
+        res = common.planned(m, ("astype", x.shape, x.dtype, dtype, x.device_id), x)
+        if res is not None:
+            return res
     x = common.check_tensor(x, "tensor")
     dst = CudaDataType.from_any(dtype)
     if dst is x.dtype:

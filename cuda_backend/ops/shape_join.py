@@ -35,11 +35,9 @@ def concatenate(m: Any, tensors: Any, axis: Optional[int] = 0) -> CudaTensor:
     dims before axis, each input a contiguous run of every row)."""
     key = _concat_key(m, tensors, axis)
     if key is not None:
-        plan = m.plans.get(key)
-        if plan is not None and m.backend.direct_launch(key[3]):
-            res = plan(tensors)
-            if res is not None:
-                return res
+        res = common.planned(m, key, tensors) if m.backend.direct_launch(key[3]) else None
+        if res is not None:
+            return res
     ts = _tensor_list(tensors, "concatenate")
     if axis is None:
         ts = [make_view(t, (t.size,)) for t in ts]
@@ -112,11 +110,9 @@ def stack(m: Any, tensors: Any, axis: int = 0) -> CudaTensor:
     key = _concat_key(m, tensors, axis)
     if key is not None:
         key = ("stack",) + key[1:]
-        plan = m.plans.get(key)
-        if plan is not None and m.backend.direct_launch(key[3]):
-            res = plan(tensors)
-            if res is not None:
-                return res
+        res = common.planned(m, key, tensors) if m.backend.direct_launch(key[3]) else None
+        if res is not None:
+            return res
     ts = _tensor_list(tensors, "stack")
     shape = ts[0].shape
     for i, t in enumerate(ts[1:], 1):

@@ -192,11 +192,10 @@ def softmax(m: Any, x: CudaTensor, log: bool = False,
     """softmax(x) (or log_softmax with log=True) over the last axis; a 0-d tensor is one row
     of one element. `out` (optional) must match x's shape, dtype and device."""
     if out is None and type(x) is CudaTensor:
-        fast = m.plans.get(("softmax", x.shape, x.dtype, x.device_id, log))
-        if fast is not None and m.backend.direct_launch(x.device_id):
-            res = fast(x)
-            if res is not None:
-                return res
+        fast = ("softmax", x.shape, x.dtype, x.device_id, log)
+        res = common.planned(m, fast, x) if m.backend.direct_launch(x.device_id) else None
+        if res is not None:
+            return res
     what = "log_softmax" if log else "softmax"
     x = common.check_tensor(x, "tensor")
     common.require_dtype(x, common.FLOATS, what)

@@ -125,11 +125,10 @@ def candidates(dtype: CudaDataType, rows: int, cols: int, *ptrs: int) -> List[Di
 def transpose(m: Any, x: CudaTensor, out: Optional[CudaTensor] = None) -> CudaTensor:
     """(rows, cols) -> (cols, rows); (batch, rows, cols) -> (batch, cols, rows)."""
     if out is None and type(x) is CudaTensor:
-        fast = m.plans.get(("matrix_transpose", x.shape, x.dtype, x.device_id))
-        if fast is not None and m.backend.direct_launch(x.device_id):
-            res = fast(x)
-            if res is not None:
-                return res
+        key = ("matrix_transpose", x.shape, x.dtype, x.device_id)
+        res = common.planned(m, key, x) if m.backend.direct_launch(x.device_id) else None
+        if res is not None:
+            return res
     common.check_tensor(x, "tensor")
     if x.ndim not in (2, 3):
         raise InvalidArgumentError(
