@@ -2157,30 +2157,35 @@ def _check_packed(buf, dtype, cfg, a_ptr, b_ptr, c_ptr, M, N, K):
 
 
 def test_tma16_configs_render_for_sm_90a():
-    """The TMA configs are candidates of float16 and bfloat16's GEMM only (not the linear
-    layer's, not the A-transposed GEMM's, no other dtype), listed once per dtype with the
-    input dtype's output, rendered without #error for sm_90a with the dtype's wgmma."""
+    """The TMA configs are candidates of the float16, bfloat16 and TF32 GEMMs only (not the
+    linear layer's, not the A-transposed GEMM's, no other family), listed once per dtype
+    with the input dtype's output, rendered without #error for sm_90a with the dtype's
+    wgmma (TF32: k8, B's K-major descriptor, one B load per slot)."""
     from cuda_backend.kernels import TEMPLATE_ARCH, KernelGenerator
     gen = KernelGenerator(backend=object())
     assert TEMPLATE_ARCH[mm.TMA16_TEMPLATE] == "sm_90a"
-    for dt in (DT.FLOAT16, DT.BFLOAT16):
-        assert [c for c in mm.all_configs(dt, None) if c.get("tma16")] == T16
+    for dt, prec in ((DT.FLOAT16, None), (DT.BFLOAT16, None), (DT.FLOAT32, "tf32")):
+        assert [c for c in mm.all_configs(dt, prec) if c.get("tma16")] == T16
         assert not any(c.get("tma16") for vec in (True, False)
-                       for c in mm.linear_configs(dt, None, vec) + mm.tn_configs(dt, None, vec)
-                       + mm.candidates(dt, None, "large", False))
-    for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT32, "tf32"), (DT.FLOAT32, "ieee"),
-                     (DT.FLOAT64, None)):
+                       for c in mm.linear_configs(dt, prec, vec) + mm.tn_configs(dt, prec, vec)
+                       + mm.candidates(dt, prec, "large", False))
+    for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT32, "ieee"), (DT.FLOAT64, None)):
         assert not any(c.get("tma16") for c in mm.all_configs(dt, prec))
     sets = mm.template_variants()[mm.TMA16_TEMPLATE]
-    assert sets == [mm.tma16_params(dt, c) for dt in (DT.FLOAT16, DT.BFLOAT16) for c in T16]
+    assert sets == [mm.tma16_params(dt, c) for dt in (DT.FLOAT32, DT.FLOAT16, DT.BFLOAT16)
+                    for c in T16]
     for params in sets:
         assert params["out_ctype"] == params["ctype"]
         _, src = gen.render_kernel(mm.TMA16_TEMPLATE, **params)
-        wt = "f16" if params["dtype"] == "float16" else "bf16"
-        assert f"m64n{params['bn']}k16.f32.{wt}.{wt}" in src and "#error" not in src
+        wt, k = {"float16": ("f16", 16), "bfloat16": ("bf16", 16),
+                 "float32": ("tf32", 8)}[params["dtype"]]
+        assert f"m64n{params['bn']}k{k}.f32.{wt}.{wt}" in src and "#error" not in src
         assert f"#define BM {params['bm']}" in src and f"#define STAGES {params['stages']}" in src
+        assert f"#define BK {128 // (4 if wt == 'tf32' else 2)} " in src
     assert mm.tma16_params(DT.FLOAT16, T16[0], DT.FLOAT32)["out_ctype"] == "float"
     assert mm.TMA16_STANDIN == mm.W16_128x128_s3 and mm.TMA16_THREADS == 384
+    assert mm.tma_standin(DT.FLOAT32) == mm.T_128x128x32 in mm.SCALAR_OK
+    assert mm.tma_standin(DT.BFLOAT16) == mm.TMA16_STANDIN
 
 
 @pytest.mark.parametrize("fam", list(FAMS16))
@@ -2566,3 +2571,85 @@ def test_gpu_tma16_epilogue_store_paths(m, fam, M, K, N):
             assert np.isnan(whole[:lead]).all() and np.isnan(whole[lead + M * N:]).all(), \
                 (cfg, lead, M, K, N)
             base.free()
+
+
+# -- TMA + wgmma TF32: matmul_tma16.cu.j2 for float32 with precision="tf32" ------------------
+def _check_tma_tf32(m, out, ref, scale, K, what):
+    """The TF32 family's bound on ||out - ref|| / || |A| @ |B| ||, and elementwise: A's
+    values truncated to TF32 by the tensor cores (|error| < 2^-10 |a|), Bt rounded to TF32
+    by the transpose (<= 2^-11 |b|), K float32 additions:
+        |out - ref| <= (2^-10 + 2^-11 + 2^-21 + K 2^-23) S + K 2^-52 S."""
+    got = m.to_numpy(out).astype(np.float64)
+    err = rel_err(got, ref, scale)
+    assert err <= FAMILIES["tf32"][2], (what, err)
+    elem = (2.0 ** -10 + 2.0 ** -11 + 2.0 ** -21 + K * 2.0 ** -23 + K * 2.0 ** -52) * scale
+    worst = np.max(np.abs(got - ref) - elem)
+    assert worst <= 0, (what, float(np.max(np.abs(got - ref) / (elem + 1e-300))))
+
+
+@gpu
+@pytest.mark.parametrize("M, K, N", [
+    (1, 4, 1), (1, 1000, 1031), (77, 36, 129), (131, 260, 136), (257, 12, 513),
+    (1023, 1000, 1025), (2049, 1004, 2056)], ids=lambda s: str(s))
+def test_gpu_tma_tf32_configs(m, M, K, N):
+    """Every TMA config through run_config as TF32 (float32 operands; B transposed and
+    rounded into Bt first) into a poisoned float32 output: M and N of no tile width (odd N:
+    the element stores), K = 4 x odd (partial k-tiles zero-filled by the tensor maps), more
+    tiles than SMs (the persistent loop); within _check_tma_tf32's bounds."""
+    _need_wgmma16(m)
+    dtype = DT.FLOAT32
+    rng = np.random.default_rng(3232)
+    dev = m.backend.current_device
+    a = to_dev(m, rand(rng, (M, K), dtype), dtype)
+    b = to_dev(m, rand(rng, (K, N), dtype), dtype)
+    ref, scale = reference(m, a, b)
+    p = mm.plan_shapes(a.shape, b.shape)
+    info = m.backend.get_device_info(dev)
+    for cfg in T16:
+        out = poisoned(m, ref.shape, dtype)
+        assert mm.tma16_usable(info, dtype, a, b, out, p)
+        mm.run_config(m, mm.TMA16_TEMPLATE, cfg, a, b, out, p, dtype, True, dev)
+        _check_tma_tf32(m, out, ref, scale, K, (cfg, M, K, N))
+        out.free()
+
+
+@gpu
+def test_gpu_tma_tf32_public_and_plan_path(m, monkeypatch):
+    """matrix_multiply(precision="tf32") with each TMA config memoized as the call's choice:
+    the general path, then the per-call plan (run_config made to raise); then A one element
+    off its 16-byte boundary (the plan dropped first): the general path and the plan both run
+    the mma.sync TF32 stand-in; K not a multiple of 4 is not offered the TMA configs at all
+    (tma16_shape_ok); all within the bounds."""
+    _need_wgmma16(m)
+    dtype = DT.FLOAT32
+    rng = np.random.default_rng(3233)
+    dev = m.backend.current_device
+    assert not mm.tma16_shape_ok(dtype, mm.plan_shapes((64, 66), (66, 64)))
+    for (M, K, N) in ((1023, 1000, 1025), (300, 296, 512)):
+        a, b = to_dev(m, rand(rng, (M, K), dtype), dtype), to_dev(m, rand(rng, (K, N), dtype),
+                                                                   dtype)
+        ref, scale = reference(m, a, b)
+        base = m.create_tensor((M * K + 4,), dtype)
+        a_off = CudaTensor((M, K), dtype, base.device_id, base.ptr + 4, owner=base)
+        m.backend.copy_to_device(m.to_numpy(a), a_off)
+        p = mm.plan_shapes(a.shape, b.shape)
+        key = ("matmul", a.shape, b.shape, dtype, dtype, dev, dev, "tf32")
+        for cfg in T16:
+            for vec in (True, False):
+                mm.memo(m)[(p, dtype, "tf32", dev, vec)] = (mm.TMA16_TEMPLATE, cfg)
+            m.plans.pop(key, None)
+            for x, second in ((a, False), (a, True), (a_off, False), (a_off, True)):
+                if x is a_off and not second:
+                    m.plans.pop(key, None)
+                poisoned(m, ref.shape, dtype).free()
+                with monkeypatch.context() as mp:
+                    if second:
+                        mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
+                    res = m.matrix_multiply(x, b, precision="tf32")
+                assert key in m.plans
+                _check_tma_tf32(m, res, ref, scale, K, (cfg, (M, K, N), second))
+                res.free()
+        for vec in (True, False):
+            mm.memo(m).pop((p, dtype, "tf32", dev, vec), None)
+        m.plans.pop(key, None)
+        base.free()

@@ -186,9 +186,13 @@ W_128x256_s4 = _wgmma(128, 256, 4, 1)    # 256 thr, 186 regs, 197632 B
 W_128x256_s3 = _wgmma(128, 256, 3, 1)    # 256 thr, 186 regs, 148480 B
 W_64x128_s3 = _wgmma(64, 128, 3, 3)      # 128 thr, 126 regs, 74752 B: 3 blocks per SM
 W_64x256_s4 = _wgmma(64, 256, 4, 1)      # 128 thr, 186 regs, 164864 B
+# TMA + wgmma TF32 (the TMA configs above: matmul_tma16.cu.j2 renders TF32 for float32; where
+# K % 4 == 0 and A, C are 16-byte aligned, one matrix; B transposed into Bt first, as for
+# the wgmma configs; ops/matmul_tma16.py tma16_usable).
 MMA_TF32 = {
-    "large": [W_128x128_s3, W_128x256_s4, W_128x256_s3, W_64x128_s3, W_128x128_s4,
-              T_128x256x32, T_256x128x32, T_128x128x32],
+    "large": [T16_128x256_s4, T16_256x128_s4, T16_128x128_s5, W_128x128_s3, W_128x256_s4,
+              W_128x256_s3, W_64x128_s3, W_128x128_s4, T_128x256x32, T_256x128x32,
+              T_128x128x32],
     "medium": [W_128x128_s3, W_64x128_s3, T_128x128x32, T_64x64x16],
     "skinny": [W_64x128_s3, T_64x64x16, T_128x128x32],
     "small": [T_64x64x16],
@@ -238,6 +242,13 @@ WGMMA16_STANDIN = H_128x128x32
 # of 8, an operand or the output not 16-byte aligned, no sm_90a, an epilogue, A transposed):
 # the 16-bit wgmma kernel, itself giving way to WGMMA16_STANDIN where it must.
 TMA16_STANDIN = W16_128x128_s3
+# ... and for TF32 (float32): the mma.sync TF32 kernel, which takes every alignment.
+TMA_TF32_STANDIN = T_128x128x32
+
+
+def tma_standin(dtype: CudaDataType) -> Dict[str, Any]:
+    """The config a TMA one gives way to for this dtype (TMA16_STANDIN, TMA_TF32_STANDIN)."""
+    return TMA_TF32_STANDIN if dtype is DT.FLOAT32 else TMA16_STANDIN
 # The one-kernel linear layer (x @ Wᵀ with an epilogue) chooses from these subsets of the
 # GEMM tables: the best configs of each class, without split-K, few enough that rendering
 # them for every family keeps the variant list short.

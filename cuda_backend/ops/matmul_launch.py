@@ -13,7 +13,7 @@ from ..errors import InvalidArgumentError
 from ..kernels import dtype_params
 from ..tensor import CudaTensor
 from . import common
-from .matmul_configs import TMA16_STANDIN, WGMMA16_STANDIN, candidates, gemm_family
+from .matmul_configs import WGMMA16_STANDIN, candidates, gemm_family, tma_standin
 from .matmul_kernels import (FILL_TEMPLATE, GRAD_EPILOGUE, MMA_TEMPLATE, REDUCE_BLOCK,
                              SIMT_TEMPLATE, SKINNY_TEMPLATE, TMA16_TEMPLATE, WGMMA16_TEMPLATE,
                              WGMMA16_THREADS, WGMMA_TEMPLATE, blocks_per_sm, compile_tma16,
@@ -108,7 +108,7 @@ def launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
             cands = [c for c in cands if not c.get("wgmma")] or \
                 [c for c in gemm_family(dtype, prec)[1]["small"] if not c.get("wgmma")]
         if not tma16_usable(info, dtype, a, b, out, p, epilogue, a_trans):
-            cands = [c for c in cands if not c.get("tma16")] or [TMA16_STANDIN]
+            cands = [c for c in cands if not c.get("tma16")] or [tma_standin(dtype)]
         if not wgmma16_usable(info, dtype, a, out, p, epilogue, a_trans):
             cands = [c for c in cands if not c.get("wgmma16")] or [WGMMA16_STANDIN]
         if template == SIMT_TEMPLATE and not is_linear:
@@ -210,8 +210,12 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
             run_tma16(m, cached_kernel(m, TMA16_TEMPLATE, dev, params), params, cfg, a, b, out,
                       p, dtype, dev, memo(m))
             return
+        if dtype is DT.FLOAT32:   # (declined, TF32: the mma.sync TF32 kernel)
+            run_config(m, MMA_TEMPLATE, tma_standin(dtype), a, b, out, p, dtype, vec, dev,
+                       epilogue=epilogue, bias=bias, a_trans=a_trans, grad=grad)
+            return
         # (declined: the 16-bit wgmma kernel, which gives way to mma.sync where it must)
-        template, cfg = WGMMA16_TEMPLATE, TMA16_STANDIN
+        template, cfg = WGMMA16_TEMPLATE, tma_standin(dtype)
     if template == WGMMA16_TEMPLATE:
         if not wgmma16_usable(info, dtype, a, out, p, epilogue, a_trans):
             # (a config memoized for this shape and alignment class; these pointers or this

@@ -4,12 +4,12 @@ shapes with the operands' pointers; the split-K workspace and the wgmma kernels'
 from the pool per call."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..dtypes import CudaDataType
 from ..tensor import CudaTensor
 from . import common
-from .matmul_configs import TMA16_STANDIN, WGMMA16_STANDIN
+from .matmul_configs import WGMMA16_STANDIN, tma_standin
 from .matmul_kernels import (GRAD_EPILOGUE, MMA_TEMPLATE, REDUCE_BLOCK, SIMT_TEMPLATE,
                              TMA16_TEMPLATE, WGMMA16_LD, WGMMA16_TEMPLATE, WGMMA16_THREADS,
                              WGMMA_TEMPLATE, config_template, has_wgmma, splitk_reduce_params,
@@ -193,25 +193,17 @@ def _chunks_runner(m: Any, kernel: Any, tiles: int, threads: int, smem: int, p: 
     return run_chunks
 
 
-def _wgmma_runner(m: Any, cfg: Dict[str, Any], p: Plan, dev: int, max_z: int) -> Any:
-    """_run_wgmma's launches: B transposed and rounded into a pool block (the transpose's
-    config from its access width, which depends on the pointers: per call), the wgmma
-    kernel over the batch chunks, the block given back."""
+def _bt_runner(m: Any, p: Plan, dev: int, launch: Callable[..., None]) -> Any:
+    """run(pa, pb, pc, pbias, pg=0): B (K, N) transposed and rounded to TF32 into a pool
+    block Bt (N, K) (transpose_tf32's launches; its config follows the access width, which
+    depends on the pointers: per call), then launch(pa, pbt, pc, pbias), the block given
+    back (stream-ordered, as bt.free())."""
     from . import transpose as tr
     backend = m.backend
     prep, get = backend.prepare_launch, backend.get_kernel
-    M, N, K, sa = p.M, p.N, p.K, p.stride_a
+    N, K = p.N, p.K
     planes = 1 if p.stride_b == 0 else p.batch
     btbytes = planes * N * K * 4
-    kernel = get(cached_kernel(m, WGMMA_TEMPLATE, dev, wgmma_params(cfg)).name, dev)
-    threads = cfg["bm"] // 64 * 128
-    tiles = -(-M // cfg["bm"]) * -(-N // cfg["bn"])
-    stride_bt = 0 if p.stride_b == 0 else N * K
-    chunks = []
-    for b0 in range(0, p.batch, max_z):
-        nb = min(max_z, p.batch - b0)
-        chunks.append((prep(kernel, (tiles, 1, nb), (threads, 1, 1), wgmma_smem(cfg), dev),
-                       b0 * sa * 4, b0 * stride_bt * 4, b0 * M * N * 4, (M, N, K, sa, stride_bt)))
     shape16, shape8 = K % 4 == 0 and N % 4 == 0, K % 2 == 0 and N % 2 == 0
     transposes: Dict[int, list] = {}   # access width -> [(launch, plane offset, args)]
     t_max_z = tr.max_grid_z(m, dev)
@@ -231,7 +223,7 @@ def _wgmma_runner(m: Any, cfg: Dict[str, Any], p: Plan, dev: int, max_z: int) ->
     pool = backend.memory_pools[dev]
     alloc, release = pool.allocate_current, pool.release
 
-    def run(pa: int, pb: int, pc: int, pbias: int) -> None:
+    def run(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
         block = alloc(btbytes)
         try:
             pbt = int(block)
@@ -240,11 +232,31 @@ def _wgmma_runner(m: Any, cfg: Dict[str, Any], p: Plan, dev: int, max_z: int) ->
             launches = transposes.get(vb) or transpose_launches(vb, pb, pbt)
             for go, off, args in launches:
                 go(pb + off, pbt + off, *args)
-            for go, oa, obt, oc, tail in chunks:
-                go(pa + oa, pbt + obt, pc + oc, *tail)
+            launch(pa, pbt, pc, pbias)
         finally:
             release(block)   # as bt.free(): the pool is stream-ordered
     return run
+
+
+def _wgmma_runner(m: Any, cfg: Dict[str, Any], p: Plan, dev: int, max_z: int) -> Any:
+    """_run_wgmma's launches: B transposed and rounded into a pool block (_bt_runner), the
+    wgmma kernel over the batch chunks."""
+    prep, get = m.backend.prepare_launch, m.backend.get_kernel
+    M, N, K, sa = p.M, p.N, p.K, p.stride_a
+    kernel = get(cached_kernel(m, WGMMA_TEMPLATE, dev, wgmma_params(cfg)).name, dev)
+    threads = cfg["bm"] // 64 * 128
+    tiles = -(-M // cfg["bm"]) * -(-N // cfg["bn"])
+    stride_bt = 0 if p.stride_b == 0 else N * K
+    chunks = []
+    for b0 in range(0, p.batch, max_z):
+        nb = min(max_z, p.batch - b0)
+        chunks.append((prep(kernel, (tiles, 1, nb), (threads, 1, 1), wgmma_smem(cfg), dev),
+                       b0 * sa * 4, b0 * stride_bt * 4, b0 * M * N * 4, (M, N, K, sa, stride_bt)))
+
+    def launch(pa: int, pbt: int, pc: int, pbias: int) -> None:
+        for go, oa, obt, oc, tail in chunks:
+            go(pa + oa, pbt + obt, pc + oc, *tail)
+    return _bt_runner(m, p, dev, launch)
 
 
 def _wgmma16_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, vec: bool,
@@ -325,16 +337,33 @@ def _wgmma16_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, v
 
 def _tma16_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, vec: bool,
                   dev: int, info: Any, epilogue: Optional[str], a_trans: bool) -> Any:
-    """run_config's TMA launch (matmul_tma16.tma16_runner); a call it cannot take at these
-    shapes runs TMA16_STANDIN's runner, and so do (per call) pointers it cannot take."""
+    """run_config's TMA launch (matmul_tma16.tma16_runner; TF32: behind B's transpose,
+    _bt_runner); a call it cannot take at these shapes runs the standin's runner
+    (tma_standin: the 16-bit wgmma one, TF32's mma.sync one), and so do (per call) pointers
+    it cannot take."""
+    tf32 = dtype is DT.FLOAT32
+
     def standin() -> Any:
-        return config_runner(m, WGMMA16_TEMPLATE, TMA16_STANDIN, p, dtype, vec, dev, epilogue,
-                             a_trans)
+        return config_runner(m, MMA_TEMPLATE if tf32 else WGMMA16_TEMPLATE, tma_standin(dtype),
+                             p, dtype, vec, dev, epilogue, a_trans)
     if epilogue is not None or a_trans or not has_wgmma(info) or not tma16_shape_ok(dtype, p):
         return standin()
     params = tma16_params(dtype, cfg)
     kernel = cached_kernel(m, TMA16_TEMPLATE, dev, params)
-    return tma16_runner(m, kernel, params, cfg, p, dtype, dev, memo(m), standin)
+    run = tma16_runner(m, kernel, params, cfg, p, dtype, dev, memo(m), standin)
+    if not tf32:
+        return run
+    made: list = []
+    through_bt = _bt_runner(m, p, dev, run)
+
+    def run_tf32(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
+        if (pa | pc) & 15:     # (Bt, a pool block, is aligned; A and C must be too)
+            if not made:
+                made.append(standin())
+            made[0](pa, pb, pc, pbias, pg)
+            return
+        through_bt(pa, pb, pc, pbias)
+    return run_tf32
 
 
 def _skinny_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, vec: bool,

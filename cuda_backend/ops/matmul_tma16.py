@@ -1,4 +1,5 @@
-"""Matmul launches of the TMA 16-bit kernel (templates/matmul_tma16.cu.j2): which calls it takes
+"""Matmul launches of the TMA kernel (templates/matmul_tma16.cu.j2, float16 / bfloat16, and TF32
+for float32 with precision="tf32", B then transposed into Bt first): which calls it takes
 (`tma16_usable`), its parameter layout (read once per compiled kernel), its tensor maps
 (encoded per call, the last few kept per launch site) and its launches: the general path's
 (`run_tma16`, from matmul_launch.run_config) and the per-call plan's (`tma16_runner`, from
@@ -18,23 +19,33 @@ from .matmul_kernels import TMA16_THREADS, has_wgmma, wgmma_smem
 from .matmul_shapes import Plan
 
 DT = CudaDataType
-TMA16_LD = 8        # K and N multiples of 8 elements: 16-byte row strides for TMA
-BK = 64             # the kernel's k-tile: one 128-byte swizzle row of 16-bit elements
+TMA16_LD = 8        # 16-bit: K and N multiples of 8 elements (16-byte row strides for TMA)
 MAPS_KEPT = 8       # tensor maps kept per launch site (MapCache)
 
 
+def k_tile(dtype: CudaDataType) -> int:
+    """The kernel's k-tile: one 128-byte swizzle row (64 16-bit elements, 32 float32)."""
+    return 128 // dtype.itemsize
+
+
 def tma16_shape_ok(dtype: CudaDataType, p: Plan) -> bool:
-    """The shapes the TMA kernel takes: float16 / bfloat16, one matrix (no batch), M, N,
-    K >= 1, K and N multiples of 8 (A's and B's row strides multiples of 16 bytes)."""
-    return dtype in (DT.FLOAT16, DT.BFLOAT16) and p.batch == 1 and \
-        min(p.M, p.N, p.K) >= 1 and p.K % TMA16_LD == 0 and p.N % TMA16_LD == 0
+    """The shapes the TMA kernel takes: one matrix (no batch), M, N, K >= 1; float16 /
+    bfloat16 with K and N multiples of 8 (A's and B's row strides multiples of 16 bytes),
+    float32 (TF32) with K a multiple of 4 (A's and Bt's)."""
+    if p.batch != 1 or min(p.M, p.N, p.K) < 1:
+        return False
+    if dtype is DT.FLOAT32:
+        return p.K % 4 == 0
+    return dtype in (DT.FLOAT16, DT.BFLOAT16) and p.K % TMA16_LD == 0 and \
+        p.N % TMA16_LD == 0
 
 
 def tma16_usable(info: Any, dtype: CudaDataType, a: Any, b: Any, out: Any, p: Plan,
                  epilogue: Optional[str] = None, a_trans: bool = False) -> bool:
     """A call the TMA kernel takes: an sm_90a device, the plain GEMM (no epilogue, A as
     (M, K), B as (K, N)), tma16_shape_ok, A, B and C 16-byte aligned (TMA's global
-    addresses; C's paired stores), C in the input dtype or float32."""
+    addresses; C's paired stores), C in the input dtype or float32. (A float32 call is a
+    TF32 one: the TMA configs are in the TF32 tables only.)"""
     return epilogue is None and not a_trans and has_wgmma(info) and \
         tma16_shape_ok(dtype, p) and not (a.ptr | b.ptr | out.ptr) & 15 and \
         out.dtype in (dtype, DT.FLOAT32)
@@ -131,22 +142,42 @@ def launch_site(m: Any, kernel: Any, params: Dict[str, Any], cfg: Dict[str, Any]
     return site
 
 
+def b_map(maps: MapCache, pb: int, dtype: CudaDataType, p: Plan, bn: int) -> bytes:
+    """B's tensor map: 16-bit B (K, N) in boxes of 64 x 64 (k, n); TF32's Bt (N, K) at pb in
+    boxes of bn x 32 (n, k)."""
+    bk = k_tile(dtype)
+    if dtype is DT.FLOAT32:
+        return maps.get(pb, dtype, p.N, p.K, bn, bk)
+    return maps.get(pb, dtype, p.K, p.N, bk, bk)
+
+
 def run_tma16(m: Any, kernel: Any, params: Dict[str, Any], cfg: Dict[str, Any],
               a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan, dtype: CudaDataType,
               dev: int, cache: Dict[Any, Any]) -> None:
-    """The general path's launch (a call tma16_usable takes): tensor maps of A (box bm x 64)
-    and B (box 64 x 64), the buffer packed at the kernel's offsets, launched in the device's
-    context on the current stream (a `with stream:` block's, else the legacy default), the
-    operands' use recorded on it as Launcher.launch records it."""
+    """The general path's launch (a call tma16_usable takes): tensor maps of A (box bm x the
+    k-tile) and of B (b_map; TF32: Bt = B transposed and rounded to TF32 into a pool block
+    first, given back after the launch), the buffer packed at the kernel's offsets, launched
+    in the device's context on the current stream (a `with stream:` block's, else the legacy
+    default), the operands' use recorded on it as Launcher.launch records it."""
     prepared, pack, maps = launch_site(m, kernel, params, cfg, p, dev, cache)
-    buf = pack(maps.get(a.ptr, dtype, p.M, p.K, cfg["bm"], BK),
-               maps.get(b.ptr, dtype, p.K, p.N, BK, BK), out.ptr)
-    with m.backend.activate(dev):
-        stream = streams.current_pycuda_stream(dev)
-        for t in (a, b, out):
-            if type(t) is CudaTensor and t.stream is not stream:
-                record_stream(t, stream)
-        prepared.launch_packed(buf, stream)
+    bt = None
+    if dtype is DT.FLOAT32:
+        from . import transpose
+        bt = m.backend.empty((p.N * p.K,), dtype, dev)
+    try:
+        if bt is not None:
+            transpose.transpose_tf32(m, b, bt, 1, p.K, p.N, dev)
+        buf = pack(maps.get(a.ptr, dtype, p.M, p.K, cfg["bm"], k_tile(dtype)),
+                   b_map(maps, (b if bt is None else bt).ptr, dtype, p, cfg["bn"]), out.ptr)
+        with m.backend.activate(dev):
+            stream = streams.current_pycuda_stream(dev)
+            for t in (a, b, out):
+                if type(t) is CudaTensor and t.stream is not stream:
+                    record_stream(t, stream)
+            prepared.launch_packed(buf, stream)
+    finally:
+        if bt is not None:
+            bt.free()   # back to the pool: later work on the stream is ordered after
 
 
 def tma16_runner(m: Any, kernel: Any, params: Dict[str, Any], cfg: Dict[str, Any], p: Plan,
@@ -154,11 +185,12 @@ def tma16_runner(m: Any, kernel: Any, params: Dict[str, Any], cfg: Dict[str, Any
                  standin: Callable[[], Any]) -> Any:
     """run(pa, pb, pc, pbias, pg=0): the per-call plan's launch (the device's context
     current, the legacy default stream: plans run only then); pointers the kernel cannot
-    take (not 16-byte aligned) run standin()'s runner, made on first use."""
+    take (not 16-byte aligned) run standin()'s runner, made on first use. TF32: pb is Bt's
+    (the caller transposes B)."""
     prepared, pack, maps = launch_site(m, kernel, params, cfg, p, dev, cache)
     go = prepared.launch_packed
     get = maps.get
-    M, N, K, bm = p.M, p.N, p.K, cfg["bm"]
+    M, K, bm, bn, bk = p.M, p.K, cfg["bm"], cfg["bn"], k_tile(dtype)
     made: list = []
 
     def run(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
@@ -167,5 +199,5 @@ def tma16_runner(m: Any, kernel: Any, params: Dict[str, Any], cfg: Dict[str, Any
                 made.append(standin())
             made[0](pa, pb, pc, pbias, pg)
             return
-        go(pack(get(pa, dtype, M, K, bm, BK), get(pb, dtype, K, N, BK, BK), pc))
+        go(pack(get(pa, dtype, M, K, bm, bk), b_map(maps, pb, dtype, p, bn), pc))
     return run
