@@ -23,6 +23,7 @@ DT = CudaDataType
 MAP_BYTES = 128
 # CUtensorMapDataType values (cuda.h)
 DATA_TYPES = {DT.FLOAT16: 6, DT.FLOAT32: 7, DT.BFLOAT16: 9}
+TFLOAT32 = 11   # float32 in memory, rounded to TF32 (to nearest) as the box is copied
 INTERLEAVE_NONE, SWIZZLE_NONE, SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZERO = 0, 0, 3, 3, 0
 BOX_MAX = 256            # elements per box dimension
 SWIZZLE_SPAN = 128       # bytes of a box's inner dimension under the 128-byte swizzle
@@ -136,11 +137,14 @@ def clear_encoder() -> None:
 
 
 def encode_2d(ptr: int, dtype: CudaDataType, rows: int, cols: int, row_stride_bytes: int,
-              box_rows: int, box_cols: int, swizzle128: bool = True) -> bytes:
+              box_rows: int, box_cols: int, swizzle128: bool = True,
+              round_tf32: bool = False) -> bytes:
     """The 128 bytes of a 2-D tiled tensor map over a row-major (rows, cols) matrix at device
     address ptr: boxes of box_rows x box_cols elements, 128-byte swizzle (swizzle128) or
-    none, L2 promotion 256 bytes, out-of-bounds elements read as zeros."""
-    code = DATA_TYPES.get(dtype)
+    none, L2 promotion 256 bytes, out-of-bounds elements read as zeros. round_tf32 (float32
+    only): the copy rounds each value to TF32 (to nearest; tests/test_matmul.py
+    test_gpu_tma_tf32_rounds_a measures it)."""
+    code = TFLOAT32 if round_tf32 and dtype is DT.FLOAT32 else DATA_TYPES.get(dtype)
     if code is None:
         raise InvalidArgumentError(
             f"tensor maps here take float16, bfloat16 or float32, got {dtype.name_str}")

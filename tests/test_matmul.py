@@ -2386,15 +2386,21 @@ def test_tensor_maps_encode_2d_checks_and_order(monkeypatch):
                         lambda: lambda *a: calls.append(a) or bytes(128))
     assert tensor_maps.encode_2d(0x1000, DT.BFLOAT16, 1023, 1000, 2000, 128, 64) == bytes(128)
     tensor_maps.encode_2d(0x1000, DT.FLOAT16, 3, 8, 16, 64, 64, swizzle128=False)
+    tensor_maps.encode_2d(0x1000, DT.FLOAT32, 3, 8, 32, 64, 8, round_tf32=True)
+    tensor_maps.encode_2d(0x1000, DT.FLOAT32, 3, 8, 32, 64, 8)
+    tensor_maps.encode_2d(0x1000, DT.FLOAT16, 3, 8, 16, 64, 8, round_tf32=True)
     assert calls == [(0x1000, 9, (1000, 1023), (2000,), (64, 128), 3),
-                     (0x1000, 6, (8, 3), (16,), (64, 64), 0)]
+                     (0x1000, 6, (8, 3), (16,), (64, 64), 0),
+                     (0x1000, 11, (8, 3), (32,), (8, 64), 3),    # TFLOAT32: rounds as copied
+                     (0x1000, 7, (8, 3), (32,), (8, 64), 3),
+                     (0x1000, 6, (8, 3), (16,), (8, 64), 3)]     # (16-bit: no TF32 rounding)
     for bad in ((0x1008, DT.FLOAT16, 8, 8, 16, 8, 8), (0x1000, DT.FLOAT16, 8, 8, 24, 8, 8),
                 (0x1000, DT.FLOAT16, 8, 16, 16, 8, 8), (0x1000, DT.FLOAT16, 0, 8, 16, 8, 8),
                 (0x1000, DT.FLOAT16, 8, 8, 16, 8, 128), (0x1000, DT.FLOAT16, 8, 8, 16, 300, 8),
                 (0x1000, DT.FLOAT64, 8, 8, 64, 8, 8)):
         with pytest.raises(InvalidArgumentError):
             tensor_maps.encode_2d(*bad)
-    assert len(calls) == 2
+    assert len(calls) == 5
     monkeypatch.undo()
 
     def no_driver():
@@ -2575,14 +2581,14 @@ def test_gpu_tma16_epilogue_store_paths(m, fam, M, K, N):
 
 # -- TMA + wgmma TF32: matmul_tma16.cu.j2 for float32 with precision="tf32" ------------------
 def _check_tma_tf32(m, out, ref, scale, K, what):
-    """The TF32 family's bound on ||out - ref|| / || |A| @ |B| ||, and elementwise: A's
-    values truncated to TF32 by the tensor cores (|error| < 2^-10 |a|), Bt rounded to TF32
-    by the transpose (<= 2^-11 |b|), K float32 additions:
-        |out - ref| <= (2^-10 + 2^-11 + 2^-21 + K 2^-23) S + K 2^-52 S."""
+    """The TF32 family's bound on ||out - ref|| / || |A| @ |B| ||, and elementwise: A
+    rounded to TF32 by the tensor map's copy and Bt by the transpose (each <= 2^-11 of the
+    value, test_gpu_tma_tf32_rounds_a), K float32 additions:
+        |out - ref| <= (2^-11 + 2^-11 + 2^-22 + K 2^-23) S + K 2^-52 S."""
     got = m.to_numpy(out).astype(np.float64)
     err = rel_err(got, ref, scale)
     assert err <= FAMILIES["tf32"][2], (what, err)
-    elem = (2.0 ** -10 + 2.0 ** -11 + 2.0 ** -21 + K * 2.0 ** -23 + K * 2.0 ** -52) * scale
+    elem = (2.0 ** -10 + 2.0 ** -22 + K * 2.0 ** -23 + K * 2.0 ** -52) * scale
     worst = np.max(np.abs(got - ref) - elem)
     assert worst <= 0, (what, float(np.max(np.abs(got - ref) / (elem + 1e-300))))
 
@@ -2653,3 +2659,29 @@ def test_gpu_tma_tf32_public_and_plan_path(m, monkeypatch):
             mm.memo(m).pop((p, dtype, "tf32", dev, vec), None)
         m.plans.pop(key, None)
         base.free()
+
+
+@gpu
+def test_gpu_tma_tf32_rounds_a(m):
+    """The TF32 kernel's A reaches the tensor cores rounded to TF32 to nearest (the tensor
+    map's TFLOAT32 type), not truncated: with B = ones in row 0, C[r, :] = round(A[r, 0]):
+    1 + 3 2^-12 -> 1 + 2^-10, 1 + 2^-12 -> 1, 1 + 5 2^-13 -> 1 + 2^-10, -(1 + 3 2^-12) ->
+    -(1 + 2^-10); B's values are TF32 already (the transpose rounds them too)."""
+    _need_wgmma16(m)
+    dtype = DT.FLOAT32
+    dev = m.backend.current_device
+    A = np.zeros((128, 128), np.float32)
+    vals = [1 + 3 * 2.0 ** -12, 1 + 2.0 ** -12, 1 + 5 * 2.0 ** -13, -(1 + 3 * 2.0 ** -12)]
+    want = [1 + 2.0 ** -10, 1.0, 1 + 2.0 ** -10, -(1 + 2.0 ** -10)]
+    A[:4, 0] = vals
+    B = np.zeros((128, 136), np.float32)
+    B[0, :] = 1.0
+    a, b = to_dev(m, A, dtype), to_dev(m, B, dtype)
+    p = mm.plan_shapes(a.shape, b.shape)
+    for cfg in T16:
+        out = poisoned(m, (128, 136), dtype)
+        mm.run_config(m, mm.TMA16_TEMPLATE, cfg, a, b, out, p, dtype, True, dev)
+        c = m.to_numpy(out)
+        assert c[:4, 0].tolist() == want and (c[:4] == c[:4, :1]).all(), (cfg, c[:4, 0])
+        assert not c[4:].any()
+        out.free()

@@ -63,12 +63,13 @@ class MapCache:
     def get(self, ptr: int, dtype: CudaDataType, rows: int, cols: int, box_rows: int,
             box_cols: int) -> bytes:
         """The map of a row-major (rows, cols) matrix at ptr (dense rows), boxes of
-        box_rows x box_cols, 128-byte swizzle (tensor_maps.encode_2d)."""
+        box_rows x box_cols, 128-byte swizzle (tensor_maps.encode_2d); float32 (the TF32
+        kernel's) rounded to TF32 as it is copied."""
         key = (ptr, dtype, rows, cols, box_rows, box_cols)
         tmap = self.maps.get(key)
         if tmap is None:
             tmap = tensor_maps.encode_2d(ptr, dtype, rows, cols, cols * dtype.itemsize,
-                                         box_rows, box_cols)
+                                         box_rows, box_cols, round_tf32=dtype is DT.FLOAT32)
             if len(self.maps) >= MAPS_KEPT:
                 del self.maps[next(iter(self.maps))]   # the oldest
             self.maps[key] = tmap
