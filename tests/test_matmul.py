@@ -1968,19 +1968,17 @@ def test_gpu_wgmma16_batch_over_grid_z(m, fam):
             out.free()
 
 
-@gpu
-@pytest.mark.parametrize("fam", list(FAMS16))
-def test_gpu_wgmma16_public_and_plan_path(m, fam, monkeypatch):
-    """matrix_multiply with each wgmma16 config memoized as the call's choice (both alignment
-    classes): the general path, then the per-call plan (run_config made to raise), aligned
-    (N % 8 == 0) and not (N odd: the padded copy); then A one element off its 16-byte
-    boundary, same shapes, the plan dropped first: the general path (run_config's stand-in)
-    and the plan (its runner's stand-in); all within the bounds."""
-    _need_wgmma16(m)
-    dtype = FAMS16[fam]
-    rng = np.random.default_rng(9786)
+def _memoized_public_and_plan_path(m, monkeypatch, dtype, prec, template, cfgs, check, seed,
+                                   shapes=((1023, 1000, 1025), (300, 296, 512))):
+    """matrix_multiply(precision=prec) with each of cfgs (of `template`) memoized as the
+    call's choice (both alignment classes), at each (M, K, N) of shapes: the
+    general path, then the per-call plan (run_config made to raise); then A one element
+    past its 16-byte boundary, the plan dropped first: the general path
+    (run_config's stand-in) and the plan (its runner's stand-in); each result checked by
+    check(res, ref, scale, K, what)."""
+    rng = np.random.default_rng(seed)
     dev = m.backend.current_device
-    for (M, K, N) in ((1023, 1000, 1025), (300, 296, 512)):
+    for (M, K, N) in shapes:
         av, bv = rand(rng, (M, K), dtype), rand(rng, (K, N), dtype)
         a, b = to_dev(m, av, dtype), to_dev(m, bv, dtype)
         ref, scale = reference(m, a, b)
@@ -1989,10 +1987,10 @@ def test_gpu_wgmma16_public_and_plan_path(m, fam, monkeypatch):
         m.backend.copy_to_device(m.to_numpy(a) if dtype is not DT.BFLOAT16 else
                                  to_bfloat16_bits(m.to_numpy(a)), a_off)
         p = mm.plan_shapes(a.shape, b.shape)
-        key = ("matmul", a.shape, b.shape, dtype, dtype, dev, dev, None)
-        for cfg in W16:
+        key = ("matmul", a.shape, b.shape, dtype, dtype, dev, dev, prec)
+        for cfg in cfgs:
             for vec in (True, False):
-                mm.memo(m)[(p, dtype, None, dev, vec)] = (mm.WGMMA16_TEMPLATE, cfg)
+                mm.memo(m)[(p, dtype, prec, dev, vec)] = (template, cfg)
             m.plans.pop(key, None)
             for x, second in ((a, False), (a, True), (a_off, False), (a_off, True)):
                 if x is a_off and not second:
@@ -2001,13 +1999,28 @@ def test_gpu_wgmma16_public_and_plan_path(m, fam, monkeypatch):
                 with monkeypatch.context() as mp:
                     if second:
                         mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
-                    res = m.matrix_multiply(x, b)
+                    res = m.matrix_multiply(x, b, precision=prec)
                 assert key in m.plans
-                _check_wgmma16(m, res, ref, scale, K, dtype, (cfg, (M, K, N), second))
+                check(res, ref, scale, K, (cfg, (M, K, N), second))
                 res.free()
         for vec in (True, False):
-            mm.memo(m).pop((p, dtype, None, dev, vec), None)
+            mm.memo(m).pop((p, dtype, prec, dev, vec), None)
         m.plans.pop(key, None)
+        base.free()
+
+
+@gpu
+@pytest.mark.parametrize("fam", list(FAMS16))
+def test_gpu_wgmma16_public_and_plan_path(m, fam, monkeypatch):
+    """_memoized_public_and_plan_path over the wgmma16 configs: aligned (N % 8 == 0) and
+    not (N odd: the padded copy), A off its boundary: the stand-ins; all within the
+    bounds."""
+    _need_wgmma16(m)
+    dtype = FAMS16[fam]
+    _memoized_public_and_plan_path(
+        m, monkeypatch, dtype, None, mm.WGMMA16_TEMPLATE, W16,
+        lambda res, ref, scale, K, what: _check_wgmma16(m, res, ref, scale, K, dtype, what),
+        9786)
 
 
 @gpu
@@ -2501,42 +2514,14 @@ def test_gpu_tma16_configs(m, fam, M, K, N):
 @gpu
 @pytest.mark.parametrize("fam", list(FAMS16))
 def test_gpu_tma16_public_and_plan_path(m, fam, monkeypatch):
-    """matrix_multiply with each TMA config memoized as the call's choice (both alignment
-    classes): the general path, then the per-call plan (run_config made to raise); then A one
-    element off its 16-byte boundary, the plan dropped first: the general path (run_config's
-    stand-ins) and the plan (its runner's stand-in); all within the bounds."""
+    """_memoized_public_and_plan_path over the TMA configs (16-bit) at shapes the TMA kernel
+    takes (N % 8 == 0), A off its boundary: the stand-ins; all within the bounds."""
     _need_wgmma16(m)
     dtype = FAMS16[fam]
-    rng = np.random.default_rng(1617)
-    dev = m.backend.current_device
-    for (M, K, N) in ((1023, 1000, 1032), (300, 296, 512)):
-        av, bv = rand(rng, (M, K), dtype), rand(rng, (K, N), dtype)
-        a, b = to_dev(m, av, dtype), to_dev(m, bv, dtype)
-        ref, scale = reference(m, a, b)
-        base = m.create_tensor((M * K + 8,), dtype)
-        a_off = CudaTensor((M, K), dtype, base.device_id, base.ptr + dtype.itemsize, owner=base)
-        m.backend.copy_to_device(m.to_numpy(a) if dtype is not DT.BFLOAT16 else
-                                 to_bfloat16_bits(m.to_numpy(a)), a_off)
-        p = mm.plan_shapes(a.shape, b.shape)
-        key = ("matmul", a.shape, b.shape, dtype, dtype, dev, dev, None)
-        for cfg in T16:
-            for vec in (True, False):
-                mm.memo(m)[(p, dtype, None, dev, vec)] = (mm.TMA16_TEMPLATE, cfg)
-            m.plans.pop(key, None)
-            for x, second in ((a, False), (a, True), (a_off, False), (a_off, True)):
-                if x is a_off and not second:
-                    m.plans.pop(key, None)
-                poisoned(m, ref.shape, dtype).free()
-                with monkeypatch.context() as mp:
-                    if second:
-                        mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
-                    res = m.matrix_multiply(x, b)
-                assert key in m.plans
-                _check_tma16(m, res, ref, scale, K, dtype, (cfg, (M, K, N), second))
-                res.free()
-        for vec in (True, False):
-            mm.memo(m).pop((p, dtype, None, dev, vec), None)
-        m.plans.pop(key, None)
+    _memoized_public_and_plan_path(
+        m, monkeypatch, dtype, None, mm.TMA16_TEMPLATE, T16,
+        lambda res, ref, scale, K, what: _check_tma16(m, res, ref, scale, K, dtype, what),
+        1617, shapes=((1023, 1000, 1032), (300, 296, 512)))
 
 
 @gpu
@@ -2621,44 +2606,14 @@ def test_gpu_tma_tf32_configs(m, M, K, N):
 
 @gpu
 def test_gpu_tma_tf32_public_and_plan_path(m, monkeypatch):
-    """matrix_multiply(precision="tf32") with each TMA config memoized as the call's choice:
-    the general path, then the per-call plan (run_config made to raise); then A one element
-    off its 16-byte boundary (the plan dropped first): the general path and the plan both run
-    the mma.sync TF32 stand-in; K not a multiple of 4 is not offered the TMA configs at all
-    (tma16_shape_ok); all within the bounds."""
+    """_memoized_public_and_plan_path over the TMA configs as TF32 (precision="tf32"): the
+    stand-ins (mma.sync TF32) for A off its boundary; K not a multiple of 4 is not offered
+    the TMA configs at all (tma16_shape_ok); all within _check_tma_tf32's bounds."""
     _need_wgmma16(m)
-    dtype = DT.FLOAT32
-    rng = np.random.default_rng(3233)
-    dev = m.backend.current_device
-    assert not mm.tma16_shape_ok(dtype, mm.plan_shapes((64, 66), (66, 64)))
-    for (M, K, N) in ((1023, 1000, 1025), (300, 296, 512)):
-        a, b = to_dev(m, rand(rng, (M, K), dtype), dtype), to_dev(m, rand(rng, (K, N), dtype),
-                                                                   dtype)
-        ref, scale = reference(m, a, b)
-        base = m.create_tensor((M * K + 4,), dtype)
-        a_off = CudaTensor((M, K), dtype, base.device_id, base.ptr + 4, owner=base)
-        m.backend.copy_to_device(m.to_numpy(a), a_off)
-        p = mm.plan_shapes(a.shape, b.shape)
-        key = ("matmul", a.shape, b.shape, dtype, dtype, dev, dev, "tf32")
-        for cfg in T16:
-            for vec in (True, False):
-                mm.memo(m)[(p, dtype, "tf32", dev, vec)] = (mm.TMA16_TEMPLATE, cfg)
-            m.plans.pop(key, None)
-            for x, second in ((a, False), (a, True), (a_off, False), (a_off, True)):
-                if x is a_off and not second:
-                    m.plans.pop(key, None)
-                poisoned(m, ref.shape, dtype).free()
-                with monkeypatch.context() as mp:
-                    if second:
-                        mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
-                    res = m.matrix_multiply(x, b, precision="tf32")
-                assert key in m.plans
-                _check_tma_tf32(m, res, ref, scale, K, (cfg, (M, K, N), second))
-                res.free()
-        for vec in (True, False):
-            mm.memo(m).pop((p, dtype, "tf32", dev, vec), None)
-        m.plans.pop(key, None)
-        base.free()
+    assert not mm.tma16_shape_ok(DT.FLOAT32, mm.plan_shapes((64, 66), (66, 64)))
+    _memoized_public_and_plan_path(
+        m, monkeypatch, DT.FLOAT32, "tf32", mm.TMA16_TEMPLATE, T16,
+        lambda res, ref, scale, K, what: _check_tma_tf32(m, res, ref, scale, K, what), 3233)
 
 
 @gpu
