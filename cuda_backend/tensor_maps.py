@@ -165,6 +165,35 @@ def encode_2d(ptr: int, dtype: CudaDataType, rows: int, cols: int, row_stride_by
                          SWIZZLE_128B if swizzle128 else SWIZZLE_NONE)
 
 
+def encode_tiled(ptr: int, dtype: CudaDataType, dims: Sequence[int],
+                 strides_bytes: Sequence[int], box: Sequence[int],
+                 round_tf32: bool = False) -> bytes:
+    """The 128 bytes of a tiled tensor map of rank len(dims) (2 to 5) at device address ptr:
+    dims innermost first (dims[0] contiguous), strides_bytes those of dims[1:], boxes of
+    `box` elements, 128-byte swizzle (box[0] at most 128 bytes), L2 promotion 256 bytes,
+    out-of-bounds elements (negative coordinates too) read as zeros; round_tf32 as in
+    encode_2d."""
+    code = TFLOAT32 if round_tf32 and dtype is DT.FLOAT32 else DATA_TYPES.get(dtype)
+    if code is None:
+        raise InvalidArgumentError(
+            f"tensor maps here take float16, bfloat16 or float32, got {dtype.name_str}")
+    dims, strides, box = tuple(dims), tuple(strides_bytes), tuple(box)
+    if not 2 <= len(dims) <= 5 or len(strides) != len(dims) - 1 or len(box) != len(dims) or \
+            min(dims) < 1:
+        raise InvalidArgumentError(
+            f"a tiled tensor map takes 2 to 5 dims >= 1, one stride fewer and a box per dim; "
+            f"got dims {dims}, strides {strides}, box {box}")
+    if ptr % 16 or any(st % 16 for st in strides):
+        raise InvalidArgumentError(
+            f"a tensor map needs a 16-byte aligned address and strides that are multiples of "
+            f"16 bytes, got address {ptr:#x}, strides {strides}")
+    if not all(1 <= b <= BOX_MAX for b in box) or box[0] * dtype.itemsize > SWIZZLE_SPAN:
+        raise InvalidArgumentError(
+            f"a tensor map box has 1 to {BOX_MAX} elements per dimension and, under the "
+            f"128-byte swizzle, at most {SWIZZLE_SPAN} bytes in its innermost one; got {box}")
+    return get_encoder()(ptr, code, dims, strides, box, SWIZZLE_128B)
+
+
 def function_layout(lib: Any, func: int) -> ParamLayout:
     """cuFuncGetParamInfo over every parameter of the CUfunction `func` (driver 12.4+)."""
     try:

@@ -829,3 +829,127 @@ def test_fallback_mode_subprocess(tmp_path):
     assert rel_err(res["float32_ieee"], ref) <= 1e-6
     assert rel_err(res["float32_tf32"], ref) <= 1e-3
     assert rel_err(res["bfloat16_None"], ref) <= 2e-2
+
+
+# -- TF32 on the TMA + wgmma kernel (ops/conv2d_tma.py) -------------------------------------
+TMA_SHAPES = [
+    ((2, 3, 9, 70), (5, 3, 3, 3), (2, 1), (1, 1), (1, 1), 1),        # C=3, K=5, stride_h 2
+    ((1, 40, 5, 130), (130, 40, 3, 3), (1, 1), (2, 1), (2, 1), 1),   # 2 chunks, K past 128
+    ((2, 16, 4, 64), (32, 16, 1, 1), (1, 1), (0, 0), (1, 1), 1),     # 1x1, Q = 64
+    ((1, 8, 7, 100), (16, 8, 5, 5), (1, 1), (2, 2), (1, 1), 1),      # 5x5, padding 2
+]
+
+
+def tma_tf32_bound(xh, wh, bh, case):
+    """Per element: x and w rounded to TF32 by the tensor maps' copies (2^-11 each), d =
+    R*S*ceil(Cgp/32)*32 float32 additions and the bias's: (2^-10 + 2^-22 + (d + 2) 2^-23)
+    (|x| ⊛ |w| + |b|)."""
+    _, ws, s, p, d, g = case
+    depth = ws[2] * ws[3] * -(-ws[1] // 32) * 32
+    mag = ref_conv(np.abs(xh), np.abs(wh), None if bh is None else np.abs(bh), s, p, d, g)
+    return (2.0 ** -10 + 2.0 ** -22 + (depth + 2) * 2.0 ** -23) * mag + 1e-30
+
+
+def test_tma_conv_candidates_and_render():
+    """The TMA configs are offered for TF32 convolutions of one group, column stride 1 and
+    Q >= 64 on sm_90 only (128 x 256 first past 128 output channels), and render the
+    4-d / 3-d box loads without #error."""
+    info = SimpleNamespace(compute_capability=(9, 0))
+    g = geo.plan((2, 16, 8, 64), (200, 16, 3, 3), ConvolutionConfig(3, padding=1))
+    assert cc.tma_candidates(g, DT.FLOAT32, "tf32", info) == [cc.C_TMA_128x256_s4,
+                                                              cc.C_TMA_128x128_s5]
+    small_k = geo.plan((2, 16, 8, 64), (64, 16, 3, 3), ConvolutionConfig(3, padding=1))
+    assert cc.tma_candidates(small_k, DT.FLOAT32, "tf32", info) == [cc.C_TMA_128x128_s5]
+    assert cc.config_family(cc.C_TMA_128x128_s5) == "tma"
+    for geom, dt, prec, inf in (
+            (g, DT.FLOAT32, None, info), (g, DT.FLOAT16, None, info),
+            (g, DT.FLOAT32, "tf32", SimpleNamespace(compute_capability=(8, 0))),
+            (geo.plan((2, 16, 8, 63), (64, 16, 3, 3), ConvolutionConfig(3, padding=1)),
+             DT.FLOAT32, "tf32", info),
+            (geo.plan((2, 16, 8, 140), (64, 16, 3, 3), ConvolutionConfig(3, stride=2)),
+             DT.FLOAT32, "tf32", info),
+            (geo.plan((2, 16, 8, 64), (64, 8, 3, 3), ConvolutionConfig(3, padding=1,
+                                                                       groups=2)),
+             DT.FLOAT32, "tf32", info)):
+        assert cc.tma_candidates(geom, dt, prec, inf) == []
+    from cuda_backend.ops import conv2d_tma
+    gen = KernelGenerator(backend=object())
+    for cfg in cc.TMA_CONFIGS:
+        _, src = gen.render_kernel("matmul_tma16.cu.j2", **conv2d_tma.params(cfg))
+        assert "#error" not in src and "cp.async.bulk.tensor.4d" in src and \
+            "cp.async.bulk.tensor.3d" in src and f"m64n{cfg['bn']}k8.f32.tf32.tf32" in src
+
+
+def _need_hopper(m):
+    from cuda_backend.ops.matmul_kernels import has_wgmma
+    if not has_wgmma(m.backend.get_device_info(m.backend.current_device)):
+        pytest.skip("the TMA kernel needs a Hopper GPU (sm_90a)")
+
+
+@gpu
+@pytest.mark.parametrize("cfg", cc.TMA_CONFIGS, ids=lambda c: "tma_{bm}x{bn}_s{stages}".format(**c))
+def test_tma_conv_every_config(m, cfg):
+    """Each TMA config through run_config (the mma repacks, the kernel, the workspaces back
+    to the pool) into a poisoned output, with and without a bias, on every TMA_SHAPES case
+    (partial channel chunks, output channels and output rows; padding, dilation, row
+    stride): every element within tma_tf32_bound."""
+    _need_hopper(m)
+    rng = np.random.default_rng(32)
+    dev = m.backend.current_device
+    pool = m.backend.memory_pools[dev]
+    for case in TMA_SHAPES:
+        xs, ws, s, p, d, g = case
+        geom = geo.plan(xs, ws, config_of(case))
+        x, xh = make(m, rng, xs, DT.FLOAT32)
+        w, wh = make(m, rng, ws, DT.FLOAT32)
+        b, bh = make(m, rng, (ws[0],), DT.FLOAT32)
+        for bias, bias_h in ((b, bh), (None, None)):
+            out = poisoned(m, geom.out_shape, DT.FLOAT32)
+            before = pool.get_stats()["active_memory"]
+            cl.run_config(m, cfg, x, w, bias, geom, out, dev)
+            assert pool.get_stats()["active_memory"] == before
+            check_finite(m.to_numpy(out), ref_conv(xh, wh, bias_h, s, p, d, g),
+                         tma_tf32_bound(xh, wh, bias_h, case), (cfg, case, bias is not None))
+            out.free()
+        for t in (x, w, b):
+            t.free()
+
+
+@gpu
+@pytest.mark.parametrize("cfg", cc.TMA_CONFIGS, ids=lambda c: "tma_{bm}x{bn}_s{stages}".format(**c))
+def test_tma_conv_public_and_plan_path(ml, cfg, monkeypatch):
+    """conv2d(precision="tf32") with a TMA config memoized as the geometry's choice: the
+    general path, then the per-call plan (launch made to raise), with a bias; both within
+    tma_tf32_bound."""
+    m = ml.math
+    _need_hopper(m)
+    rng = np.random.default_rng(33)
+    dev = m.backend.current_device
+    case = TMA_SHAPES[1]
+    xs, ws, s, p, d, g = case
+    conf = config_of(case)
+    geom = geo.plan(xs, ws, conf)
+    x, xh = make(m, rng, xs, DT.FLOAT32)
+    w, wh = make(m, rng, ws, DT.FLOAT32)
+    b, bh = make(m, rng, (ws[0],), DT.FLOAT32)
+    m.__dict__.setdefault("_conv2d_configs", {})[(geom, DT.FLOAT32, "tf32", dev)] = cfg
+    key = cl.plan_key(x, w, conf, False, "tf32")
+    m.plans.pop(key, None)
+    ref = ref_conv(xh, wh, bh, s, p, d, g)
+    bnd = tma_tf32_bound(xh, wh, bh, case)
+    for second in (False, True):
+        with monkeypatch.context() as mp:
+            if second:
+                mp.setattr("cuda_backend.ops.conv2d.launch", _no_launch)
+            out = ml.conv2d(x, w, conf, b, precision="tf32")
+        assert key in m.plans
+        check_finite(m.to_numpy(out), ref, bnd, (cfg, second))
+        out.free()
+    m.plans.pop(key, None)
+    m._conv2d_configs.pop((geom, DT.FLOAT32, "tf32", dev), None)
+    for t in (x, w, b):
+        t.free()
+
+
+def _no_launch(*args, **kwargs):
+    raise AssertionError("the general path ran where the per-call plan should have")

@@ -67,6 +67,12 @@ H_128x64x32 = _mma(128, 64, 32, 64, 32, 4, 2)    # 128 threads, 48 KB
 H_64x64x32 = _mma(64, 64, 32, 32, 32, 4, 4)      # 128 threads, 32 KB
 H_64x32x32 = _mma(64, 32, 32, 32, 32, 4, 4)      # 64 threads, 24 KB
 F16_CONFIGS = (H_128x128x64, H_128x128x32, H_128x64x32, H_64x64x32, H_64x32x32)
+# TMA + wgmma TF32 (templates/matmul_tma16.cu.j2 with conv=1, ops/conv2d_tma.py): a tile is bm
+# output columns of one output row x bn output channels; 384 threads (one producer, two
+# consumer warpgroups), persistent grid; the "tma" key names the kernel (config_family).
+C_TMA_128x128_s5 = {"bm": 128, "bn": 128, "stages": 5, "group_m": 8, "tma": True}
+C_TMA_128x256_s4 = {"bm": 128, "bn": 256, "stages": 4, "group_m": 8, "tma": True}
+TMA_CONFIGS = (C_TMA_128x256_s4, C_TMA_128x128_s5)
 
 
 def family(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> str:
@@ -88,8 +94,21 @@ def x3_fits(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> bool:
 
 
 def config_family(cfg: Dict[str, Any]) -> str:
-    """'mma' or 'simt': which kernel (and repacks) a tile config runs."""
+    """'tma', 'mma' or 'simt': which kernel a tile config runs ('tma' takes the mma one's
+    repacks: workspaces)."""
+    if cfg.get("tma"):
+        return "tma"
     return "mma" if "wm" in cfg else "simt"
+
+
+def tma_candidates(g: Geometry, dtype: CudaDataType, prec: Optional[str],
+                   info: Any) -> List[Dict[str, Any]]:
+    """The TMA configs for a convolution ops/conv2d_tma.py's `usable` takes (none else):
+    128 x 128, and 128 x 256 first where there are more than 128 output channels."""
+    from .conv2d_tma import usable
+    if not usable(g, dtype, prec, info):
+        return []
+    return [C_TMA_128x256_s4, C_TMA_128x128_s5] if g.Kg > 128 else [C_TMA_128x128_s5]
 
 
 def padded_channels(g: Geometry, dtype: CudaDataType) -> int:
@@ -160,7 +179,8 @@ def choose(m: Any, op: str, g: Geometry, dtype: CudaDataType, prec: Optional[str
         raise InvalidArgumentError(
             f"conv2d: groups={g.groups} with {g.Kg} output channels per group is over the "
             f"grid limits {info.max_grid_dims}")
-    cands = candidates(g, dtype, prec, info.multiprocessor_count)
+    cands = tma_candidates(g, dtype, prec, info) + \
+        candidates(g, dtype, prec, info.multiprocessor_count)
     if len(cands) == 1:
         return cands[0]
     return m.autotuner.pick(op, shape_key(g, dtype, prec), cands, run, device_id=dev)

@@ -47,11 +47,11 @@ def launch(m: Any, x: CudaTensor, w: CudaTensor, bias: Optional[CudaTensor], g: 
             cfg = memo[mkey] = choose(m, "conv2d_x3simt", g, dtype, prec, run_any, dev)
         run_any(cfg)
         return cfg
-    run_family = run_simt if fam == "simt" else run_mma
     with workspaces(m, fam, x, w, g, dev) as (xa, wt):
-        # the candidates timed on the same repacked operands
+        # the candidates timed on the same repacked operands (the TMA configs take the mma
+        # ones' repacks)
         def run(c: Dict[str, int]) -> None:
-            run_family(m, c, xa, wt, bias, g, out, dev)
+            run_repacked(m, c, xa, wt, bias, g, out, dev)
         if cfg is None:
             cfg = memo[mkey] = choose(m, f"conv2d_{fam}", g, dtype, prec, run, dev)
         run(cfg)
@@ -62,9 +62,20 @@ def run_config(m: Any, cfg: Dict[str, Any], x: CudaTensor, w: CudaTensor,
                bias: Optional[CudaTensor], g: Geometry, out: CudaTensor, dev: int) -> None:
     """One tile config (SIMT or mma, any dtype it renders for) over the whole output, with
     the repacks its kernel needs; the workspaces go back to the pool after the launch."""
+    with workspaces(m, config_family(cfg), x, w, g, dev) as (xa, wt):
+        run_repacked(m, cfg, xa, wt, bias, g, out, dev)
+
+
+def run_repacked(m: Any, cfg: Dict[str, Any], xa: CudaTensor, wt: CudaTensor,
+                 bias: Optional[CudaTensor], g: Geometry, out: CudaTensor, dev: int) -> None:
+    """One tile config over the whole output from its family's repacked operands
+    (workspaces): run_simt, run_mma or the TMA kernel (ops/conv2d_tma.py)."""
     fam = config_family(cfg)
-    with workspaces(m, fam, x, w, g, dev) as (xa, wt):
-        (run_simt if fam == "simt" else run_mma)(m, cfg, xa, wt, bias, g, out, dev)
+    if fam == "tma":
+        from .conv2d_tma import run_tma
+        run_tma(m, cfg, xa, wt, bias, g, out, dev, m.__dict__.setdefault("_conv2d_kernels", {}))
+        return
+    (run_simt if fam == "simt" else run_mma)(m, cfg, xa, wt, bias, g, out, dev)
 
 
 @contextlib.contextmanager
@@ -285,11 +296,19 @@ def fast_plan(m: Any, g: Geometry, dtype: CudaDataType, prec: Optional[str], dev
                      (device_grid_1d(m, wt_size, dev), 1, 1), (256, 1, 1), 0, dev)
         wargs = (g.Cg, g.R * g.S, cgp, wt_size)
         assert cfg is not None
-        threads = (cfg["bm"] // cfg["wm"]) * (cfg["bn"] // cfg["wn"]) * 32
-        go = prep(get_kernel(m, MMA_TEMPLATE, dev, {**dtype_params(dtype), **cfg}),
-                  (-(-g.M // cfg["bm"]), -(-g.Kg // cfg["bn"]), g.groups), (threads, 1, 1),
-                  mma_shared_bytes(cfg, dtype), dev)
-        args = (g.H, g.W, ct, cgp, g.Kg, g.K, g.P, g.Q, g.R, g.S, *geo)
+        if fam == "tma":    # (the mma repacks, then ops/conv2d_tma.py's launch)
+            from .conv2d_tma import runner
+            tma = runner(m, cfg, g, dev, m.__dict__.setdefault("_conv2d_kernels", {}))
+
+            def go(pxt: int, pwt: int, pb: int, po: int, *_: Any) -> None:
+                tma(pxt, pwt, pb, po)
+            args = ()
+        else:
+            threads = (cfg["bm"] // cfg["wm"]) * (cfg["bn"] // cfg["wn"]) * 32
+            go = prep(get_kernel(m, MMA_TEMPLATE, dev, {**dtype_params(dtype), **cfg}),
+                      (-(-g.M // cfg["bm"]), -(-g.Kg // cfg["bn"]), g.groups),
+                      (threads, 1, 1), mma_shared_bytes(cfg, dtype), dev)
+            args = (g.H, g.W, ct, cgp, g.Kg, g.K, g.P, g.Q, g.R, g.S, *geo)
 
     def run(x: CudaTensor, w: CudaTensor, bias: Any) -> Optional[CudaTensor]:
         px, pw = x._ptr, w._ptr

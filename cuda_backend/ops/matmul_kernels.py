@@ -28,6 +28,7 @@ TMA16_THREADS = 384     # a producer and two consumer warpgroups per block
 # is not the kernel's layout: its launches pack at the offsets tensor_maps.param_layout reads
 # (launch_packed).
 TMA16_ARG_TYPES = "128s128sPiii"
+TMA_CONV_ARG_TYPES = "128s128sPP" + "i" * 12   # the conv=1 signature (ops/conv2d_tma.py)
 SKINNY_TEMPLATE = "matmul_skinny.cu.j2"
 FILL_TEMPLATE = "fill.cu.j2"
 # the linear layer's epilogues (matmul.linear)
@@ -211,7 +212,8 @@ def compile_tma16(m: Any, dev: int, params: Dict[str, Any]) -> Any:
     name, source = m.generator.render_kernel(TMA16_TEMPLATE, **dict(params))
     return m.backend.compile_kernel(name, source, device_id=dev,
                                     arch=template_arch(TMA16_TEMPLATE),
-                                    arg_types=TMA16_ARG_TYPES)
+                                    arg_types=TMA_CONV_ARG_TYPES if params.get("conv") else
+                                    TMA16_ARG_TYPES)
 
 
 def splitk_epilogue_params(dtype: CudaDataType, epilogue: str) -> Dict[str, Any]:
