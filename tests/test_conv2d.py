@@ -840,20 +840,25 @@ TMA_SHAPES = [
 ]
 
 
-def tma_tf32_bound(xh, wh, bh, case):
-    """Per element: x and w rounded to TF32 by the tensor maps' copies (2^-11 each), d =
-    R*S*ceil(Cgp/32)*32 float32 additions and the bias's: (2^-10 + 2^-22 + (d + 2) 2^-23)
-    (|x| ⊛ |w| + |b|)."""
+def tma_bound(xh, wh, bh, case, dtype, ref):
+    """Per element, the TMA kernel's arithmetic: float32 (TF32) x and w rounded to TF32 by
+    the tensor maps' copies (2^-11 each); 16-bit ones exact (their products exact in
+    float32); d = R*S*ceil(Cgp/k)*k float32 additions and the bias's; a 16-bit output
+    rounded once (u = 2^-11 float16, 2^-8 bfloat16):
+        (1 + u) (r + (d + 2) 2^-23) (|x| ⊛ |w| + |b|) + u |ref|, r = 2^-10 + 2^-22 (TF32)."""
     _, ws, s, p, d, g = case
-    depth = ws[2] * ws[3] * -(-ws[1] // 32) * 32
+    k = 32 if dtype is DT.FLOAT32 else 64
+    depth = ws[2] * ws[3] * -(-ws[1] // k) * k
+    r = 2.0 ** -10 + 2.0 ** -22 if dtype is DT.FLOAT32 else 0.0
+    u = {DT.FLOAT32: 0.0, DT.FLOAT16: 2.0 ** -11, DT.BFLOAT16: 2.0 ** -8}[dtype]
     mag = ref_conv(np.abs(xh), np.abs(wh), None if bh is None else np.abs(bh), s, p, d, g)
-    return (2.0 ** -10 + 2.0 ** -22 + (depth + 2) * 2.0 ** -23) * mag + 1e-30
+    return (1 + u) * (r + (depth + 2) * 2.0 ** -23) * mag + u * np.abs(ref) + 1e-30
 
 
 def test_tma_conv_candidates_and_render():
-    """The TMA configs are offered for TF32 convolutions of one group, column stride 1 and
-    Q >= 64 on sm_90 only (128 x 256 first past 128 output channels), and render the
-    4-d / 3-d box loads without #error."""
+    """The TMA configs are offered for TF32, float16 and bfloat16 convolutions of one group,
+    column stride 1 and Q >= 64 on sm_90 only (128 x 256 first past 128 output channels),
+    and render the 4-d / 3-d box loads without #error (16-bit: B K-major, no transpose)."""
     info = SimpleNamespace(compute_capability=(9, 0))
     g = geo.plan((2, 16, 8, 64), (200, 16, 3, 3), ConvolutionConfig(3, padding=1))
     assert cc.tma_candidates(g, DT.FLOAT32, "tf32", info) == [cc.C_TMA_128x256_s4,
@@ -861,8 +866,10 @@ def test_tma_conv_candidates_and_render():
     small_k = geo.plan((2, 16, 8, 64), (64, 16, 3, 3), ConvolutionConfig(3, padding=1))
     assert cc.tma_candidates(small_k, DT.FLOAT32, "tf32", info) == [cc.C_TMA_128x128_s5]
     assert cc.config_family(cc.C_TMA_128x128_s5) == "tma"
+    for dt in (DT.FLOAT16, DT.BFLOAT16):
+        assert cc.tma_candidates(small_k, dt, None, info) == [cc.C_TMA_128x128_s5]
     for geom, dt, prec, inf in (
-            (g, DT.FLOAT32, None, info), (g, DT.FLOAT16, None, info),
+            (g, DT.FLOAT32, None, info), (g, DT.FLOAT32, "ieee", info),
             (g, DT.FLOAT32, "tf32", SimpleNamespace(compute_capability=(8, 0))),
             (geo.plan((2, 16, 8, 63), (64, 16, 3, 3), ConvolutionConfig(3, padding=1)),
              DT.FLOAT32, "tf32", info),
@@ -875,9 +882,12 @@ def test_tma_conv_candidates_and_render():
     from cuda_backend.ops import conv2d_tma
     gen = KernelGenerator(backend=object())
     for cfg in cc.TMA_CONFIGS:
-        _, src = gen.render_kernel("matmul_tma16.cu.j2", **conv2d_tma.params(cfg))
-        assert "#error" not in src and "cp.async.bulk.tensor.4d" in src and \
-            "cp.async.bulk.tensor.3d" in src and f"m64n{cfg['bn']}k8.f32.tf32.tf32" in src
+        for dt, mma in ((DT.FLOAT32, "k8.f32.tf32.tf32"), (DT.FLOAT16, "k16.f32.f16.f16"),
+                        (DT.BFLOAT16, "k16.f32.bf16.bf16")):
+            _, src = gen.render_kernel("matmul_tma16.cu.j2", **conv2d_tma.params(cfg, dt))
+            assert "#error" not in src and "cp.async.bulk.tensor.4d" in src and \
+                "cp.async.bulk.tensor.3d" in src and f"m64n{cfg['bn']}{mma}" in src
+            assert ("p, 1, 1;" if dt is DT.FLOAT32 else "p, 1, 1, 0, 0;") in src
 
 
 def _need_hopper(m):
@@ -886,30 +896,37 @@ def _need_hopper(m):
         pytest.skip("the TMA kernel needs a Hopper GPU (sm_90a)")
 
 
+TMA_FAMS = {"tf32": (DT.FLOAT32, "tf32"), "fp16": (DT.FLOAT16, None),
+            "bf16": (DT.BFLOAT16, None)}
+
+
 @gpu
+@pytest.mark.parametrize("fam", list(TMA_FAMS))
 @pytest.mark.parametrize("cfg", cc.TMA_CONFIGS, ids=lambda c: "tma_{bm}x{bn}_s{stages}".format(**c))
-def test_tma_conv_every_config(m, cfg):
+def test_tma_conv_every_config(m, cfg, fam):
     """Each TMA config through run_config (the mma repacks, the kernel, the workspaces back
     to the pool) into a poisoned output, with and without a bias, on every TMA_SHAPES case
     (partial channel chunks, output channels and output rows; padding, dilation, row
-    stride): every element within tma_tf32_bound."""
+    stride): every element within tma_bound."""
     _need_hopper(m)
+    dtype, _ = TMA_FAMS[fam]
     rng = np.random.default_rng(32)
     dev = m.backend.current_device
     pool = m.backend.memory_pools[dev]
     for case in TMA_SHAPES:
         xs, ws, s, p, d, g = case
         geom = geo.plan(xs, ws, config_of(case))
-        x, xh = make(m, rng, xs, DT.FLOAT32)
-        w, wh = make(m, rng, ws, DT.FLOAT32)
-        b, bh = make(m, rng, (ws[0],), DT.FLOAT32)
+        x, xh = make(m, rng, xs, dtype)
+        w, wh = make(m, rng, ws, dtype)
+        b, bh = make(m, rng, (ws[0],), dtype)
         for bias, bias_h in ((b, bh), (None, None)):
-            out = poisoned(m, geom.out_shape, DT.FLOAT32)
+            out = poisoned(m, geom.out_shape, dtype)
             before = pool.get_stats()["active_memory"]
             cl.run_config(m, cfg, x, w, bias, geom, out, dev)
             assert pool.get_stats()["active_memory"] == before
-            check_finite(m.to_numpy(out), ref_conv(xh, wh, bias_h, s, p, d, g),
-                         tma_tf32_bound(xh, wh, bias_h, case), (cfg, case, bias is not None))
+            ref = ref_conv(xh, wh, bias_h, s, p, d, g)
+            check_finite(m.to_numpy(out), ref, tma_bound(xh, wh, bias_h, case, dtype, ref),
+                         (cfg, fam, case, bias is not None))
             out.free()
         for t in (x, w, b):
             t.free()
@@ -920,7 +937,7 @@ def test_tma_conv_every_config(m, cfg):
 def test_tma_conv_public_and_plan_path(ml, cfg, monkeypatch):
     """conv2d(precision="tf32") with a TMA config memoized as the geometry's choice: the
     general path, then the per-call plan (launch made to raise), with a bias; both within
-    tma_tf32_bound."""
+    tma_bound."""
     m = ml.math
     _need_hopper(m)
     rng = np.random.default_rng(33)
@@ -936,7 +953,7 @@ def test_tma_conv_public_and_plan_path(ml, cfg, monkeypatch):
     key = cl.plan_key(x, w, conf, False, "tf32")
     m.plans.pop(key, None)
     ref = ref_conv(xh, wh, bh, s, p, d, g)
-    bnd = tma_tf32_bound(xh, wh, bh, case)
+    bnd = tma_bound(xh, wh, bh, case, DT.FLOAT32, ref)
     for second in (False, True):
         with monkeypatch.context() as mp:
             if second:

@@ -67,9 +67,10 @@ H_128x64x32 = _mma(128, 64, 32, 64, 32, 4, 2)    # 128 threads, 48 KB
 H_64x64x32 = _mma(64, 64, 32, 32, 32, 4, 4)      # 128 threads, 32 KB
 H_64x32x32 = _mma(64, 32, 32, 32, 32, 4, 4)      # 64 threads, 24 KB
 F16_CONFIGS = (H_128x128x64, H_128x128x32, H_128x64x32, H_64x64x32, H_64x32x32)
-# TMA + wgmma TF32 (templates/matmul_tma16.cu.j2 with conv=1, ops/conv2d_tma.py): a tile is bm
-# output columns of one output row x bn output channels; 384 threads (one producer, two
-# consumer warpgroups), persistent grid; the "tma" key names the kernel (config_family).
+# TMA + wgmma, TF32 and 16-bit (templates/matmul_tma16.cu.j2 with conv=1, ops/conv2d_tma.py): a
+# tile is bm
+# output columns of one output row x bn output channels; 384 threads (one producer,
+# two consumer warpgroups), persistent grid; the "tma" key names the kernel (config_family).
 C_TMA_128x128_s5 = {"bm": 128, "bn": 128, "stages": 5, "group_m": 8, "tma": True}
 C_TMA_128x256_s4 = {"bm": 128, "bn": 256, "stages": 4, "group_m": 8, "tma": True}
 TMA_CONFIGS = (C_TMA_128x256_s4, C_TMA_128x128_s5)

@@ -298,7 +298,7 @@ def fast_plan(m: Any, g: Geometry, dtype: CudaDataType, prec: Optional[str], dev
         assert cfg is not None
         if fam == "tma":    # (the mma repacks, then ops/conv2d_tma.py's launch)
             from .conv2d_tma import runner
-            tma = runner(m, cfg, g, dev, m.__dict__.setdefault("_conv2d_kernels", {}))
+            tma = runner(m, cfg, g, dtype, dev, m.__dict__.setdefault("_conv2d_kernels", {}))
 
             def go(pxt: int, pwt: int, pb: int, po: int, *_: Any) -> None:
                 tma(pxt, pwt, pb, po)
