@@ -837,6 +837,8 @@ TMA_SHAPES = [
     ((1, 40, 5, 130), (130, 40, 3, 3), (1, 1), (2, 1), (2, 1), 1),   # 2 chunks, K past 128
     ((2, 16, 4, 64), (32, 16, 1, 1), (1, 1), (0, 0), (1, 1), 1),     # 1x1, Q = 64
     ((1, 8, 7, 100), (16, 8, 5, 5), (1, 1), (2, 2), (1, 1), 1),      # 5x5, padding 2
+    ((2, 16, 13, 28), (24, 16, 3, 3), (1, 1), (1, 1), (1, 1), 1),    # 4 rows a tile, P % 4
+    ((1, 8, 9, 9), (16, 8, 3, 3), (1, 1), (0, 0), (1, 1), 1),        # one tile past P
 ]
 
 
@@ -866,12 +868,19 @@ def test_tma_conv_candidates_and_render():
     small_k = geo.plan((2, 16, 8, 64), (64, 16, 3, 3), ConvolutionConfig(3, padding=1))
     assert cc.tma_candidates(small_k, DT.FLOAT32, "tf32", info) == [cc.C_TMA_128x128_s5]
     assert cc.config_family(cc.C_TMA_128x128_s5) == "tma"
+    from cuda_backend.ops import conv2d_tma
+    q28 = geo.plan((2, 16, 13, 28), (24, 16, 3, 3), ConvolutionConfig(3, padding=1))
+    assert cc.tma_candidates(q28, DT.FLOAT32, "tf32", info) == [cc.C_TMA_128x128_s5]
+    assert [conv2d_tma.tile_rows(geom, 128) for geom in (q28, g, small_k)] == [4, 2, 2]
+    assert conv2d_tma.tile_rows(geo.plan((2, 16, 8, 140), (64, 16, 3, 3),
+                                         ConvolutionConfig(3, padding=1)), 128) == 1
     for dt in (DT.FLOAT16, DT.BFLOAT16):
         assert cc.tma_candidates(small_k, dt, None, info) == [cc.C_TMA_128x128_s5]
     for geom, dt, prec, inf in (
             (g, DT.FLOAT32, None, info), (g, DT.FLOAT32, "ieee", info),
             (g, DT.FLOAT32, "tf32", SimpleNamespace(compute_capability=(8, 0))),
-            (geo.plan((2, 16, 8, 63), (64, 16, 3, 3), ConvolutionConfig(3, padding=1)),
+            (geo.plan((2, 16, 8, 63), (64, 16, 3, 3), ConvolutionConfig(3, stride=(2, 1),
+                                                                       padding=1)),
              DT.FLOAT32, "tf32", info),
             (geo.plan((2, 16, 8, 140), (64, 16, 3, 3), ConvolutionConfig(3, stride=2)),
              DT.FLOAT32, "tf32", info),
@@ -879,7 +888,6 @@ def test_tma_conv_candidates_and_render():
                                                                        groups=2)),
              DT.FLOAT32, "tf32", info)):
         assert cc.tma_candidates(geom, dt, prec, inf) == []
-    from cuda_backend.ops import conv2d_tma
     gen = KernelGenerator(backend=object())
     for cfg in cc.TMA_CONFIGS:
         for dt, mma in ((DT.FLOAT32, "k8.f32.tf32.tf32"), (DT.FLOAT16, "k16.f32.f16.f16"),

@@ -22,17 +22,24 @@ from .matmul_kernels import TMA16_THREADS, compile_tma16, has_wgmma, tma16_param
 from .matmul_tma16 import kernel_layout
 
 DT = CudaDataType
-MIN_Q = 64          # output rows narrower than this waste most of a 128-column tile
+MIN_Q = 64          # with a row stride: output rows narrower waste most of a tile
 MAPS_KEPT = 8
 
 
 def usable(g: Geometry, dtype: CudaDataType, prec: Optional[str], info: Any) -> bool:
     """The convolutions the TMA kernel takes: an sm_90a device, float32 with precision
     "tf32", float16 or bfloat16, one group, column stride 1 (a box's columns are consecutive
-    input columns), Q >= MIN_Q."""
+    input columns), and Q >= MIN_Q or row stride 1 (then a tile takes whole output rows:
+    tile_rows)."""
     return has_wgmma(info) and ((dtype is DT.FLOAT32 and prec == "tf32") or
                                 dtype in (DT.FLOAT16, DT.BFLOAT16)) and \
-        g.groups == 1 and g.sw == 1 and g.Q >= MIN_Q
+        g.groups == 1 and g.sw == 1 and (g.Q >= MIN_Q or g.sh == 1)
+
+
+def tile_rows(g: Geometry, bm: int) -> int:
+    """Output rows per tile: as many whole rows as bm holds where at least two fit and the
+    row stride is 1 (consecutive input rows: one box), else 1 (bm columns of one row)."""
+    return bm // g.Q if g.sh == 1 and 2 * g.Q <= bm else 1
 
 
 def k_tile(dtype: CudaDataType) -> int:
@@ -60,9 +67,10 @@ def _maps(g: Geometry, cfg: Dict[str, Any], dtype: CudaDataType, pxt: int,
     """(A's map over the NHWC input at pxt, B's over the KRSC filter at pwt)."""
     cgp, es, bk = padded_channels(g, dtype), dtype.itemsize, k_tile(dtype)
     row = g.W * cgp * es
+    rows = tile_rows(g, cfg["bm"])
+    box = (bk, g.Q, rows, 1) if rows > 1 else (bk, cfg["bm"], 1, 1)
     tm_a = tensor_maps.encode_tiled(pxt, dtype, (cgp, g.W, g.H, g.N),
-                                    (cgp * es, row, row * g.H), (bk, cfg["bm"], 1, 1),
-                                    round_tf32=True)
+                                    (cgp * es, row, row * g.H), box, round_tf32=True)
     rs = g.R * g.S
     tm_b = tensor_maps.encode_tiled(pwt, dtype, (cgp, rs, g.K), (cgp * es, rs * cgp * es),
                                     (bk, 1, cfg["bn"]), round_tf32=True)
@@ -80,12 +88,14 @@ def runner(m: Any, cfg: Dict[str, Any], g: Geometry, dtype: CudaDataType, dev: i
         return site
     k = kernel(m, cfg, dtype, dev, cache)
     layout = kernel_layout(m, k, params(cfg, dtype), dev, cache)
-    tiles = g.N * g.P * -(-g.Q // cfg["bm"]) * -(-g.K // cfg["bn"])
+    rows = tile_rows(g, cfg["bm"])
+    per_image = -(-g.P // rows) * (1 if rows > 1 else -(-g.Q // cfg["bm"]))
+    tiles = g.N * per_image * -(-g.K // cfg["bn"])
     sms = m.backend.get_device_info(dev).multiprocessor_count
     prepared = m.backend.prepare_launch(k, (max(1, min(tiles, sms)), 1, 1),
                                         (TMA16_THREADS, 1, 1), wgmma_smem(cfg), dev)
     cchunks = -(-padded_channels(g, dtype) // k_tile(dtype))
-    ints = (g.N, g.P, g.Q, g.K, cchunks, g.R, g.S, g.sh, g.ph, g.pw, g.dh, g.dw)
+    ints = (g.N, g.P, g.Q, g.K, cchunks, g.R, g.S, g.sh, g.ph, g.pw, g.dh, g.dw, rows)
     base = tensor_maps.pack_params([("128s", bytes(128)), ("128s", bytes(128)), ("Q", 0),
                                     ("Q", 0)] + [("i", v) for v in ints], layout)
     (oa, _), (ob, _), (oc, _), (obias, _) = layout[0][:4]

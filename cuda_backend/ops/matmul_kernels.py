@@ -28,7 +28,7 @@ TMA16_THREADS = 384     # a producer and two consumer warpgroups per block
 # is not the kernel's layout: its launches pack at the offsets tensor_maps.param_layout reads
 # (launch_packed).
 TMA16_ARG_TYPES = "128s128sPiii"
-TMA_CONV_ARG_TYPES = "128s128sPP" + "i" * 12   # the conv=1 signature (ops/conv2d_tma.py)
+TMA_CONV_ARG_TYPES = "128s128sPP" + "i" * 13   # the conv=1 signature (ops/conv2d_tma.py)
 SKINNY_TEMPLATE = "matmul_skinny.cu.j2"
 FILL_TEMPLATE = "fill.cu.j2"
 # the linear layer's epilogues (matmul.linear)
