@@ -866,16 +866,18 @@ def test_tma_conv_candidates_and_render():
     assert cc.tma_candidates(g, DT.FLOAT32, "tf32", info) == [cc.C_TMA_128x256_s4,
                                                               cc.C_TMA_128x128_s5]
     small_k = geo.plan((2, 16, 8, 64), (64, 16, 3, 3), ConvolutionConfig(3, padding=1))
-    assert cc.tma_candidates(small_k, DT.FLOAT32, "tf32", info) == [cc.C_TMA_128x128_s5]
+    assert cc.tma_candidates(small_k, DT.FLOAT32, "tf32", info) == [cc.C_TMA_128x64_s7]
+    mid_k = geo.plan((2, 16, 8, 64), (65, 16, 3, 3), ConvolutionConfig(3, padding=1))
+    assert cc.tma_candidates(mid_k, DT.FLOAT32, "tf32", info) == [cc.C_TMA_128x128_s5]
     assert cc.config_family(cc.C_TMA_128x128_s5) == "tma"
     from cuda_backend.ops import conv2d_tma
     q28 = geo.plan((2, 16, 13, 28), (24, 16, 3, 3), ConvolutionConfig(3, padding=1))
-    assert cc.tma_candidates(q28, DT.FLOAT32, "tf32", info) == [cc.C_TMA_128x128_s5]
+    assert cc.tma_candidates(q28, DT.FLOAT32, "tf32", info) == [cc.C_TMA_128x64_s7]
     assert [conv2d_tma.tile_rows(geom, 128) for geom in (q28, g, small_k)] == [4, 2, 2]
     assert conv2d_tma.tile_rows(geo.plan((2, 16, 8, 140), (64, 16, 3, 3),
                                          ConvolutionConfig(3, padding=1)), 128) == 1
     for dt in (DT.FLOAT16, DT.BFLOAT16):
-        assert cc.tma_candidates(small_k, dt, None, info) == [cc.C_TMA_128x128_s5]
+        assert cc.tma_candidates(small_k, dt, None, info) == [cc.C_TMA_128x64_s7]
     for geom, dt, prec, inf in (
             (g, DT.FLOAT32, None, info), (g, DT.FLOAT32, "ieee", info),
             (g, DT.FLOAT32, "tf32", SimpleNamespace(compute_capability=(8, 0))),

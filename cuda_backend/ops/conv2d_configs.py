@@ -73,7 +73,8 @@ F16_CONFIGS = (H_128x128x64, H_128x128x32, H_128x64x32, H_64x64x32, H_64x32x32)
 # two consumer warpgroups), persistent grid; the "tma" key names the kernel (config_family).
 C_TMA_128x128_s5 = {"bm": 128, "bn": 128, "stages": 5, "group_m": 8, "tma": True}
 C_TMA_128x256_s4 = {"bm": 128, "bn": 256, "stages": 4, "group_m": 8, "tma": True}
-TMA_CONFIGS = (C_TMA_128x256_s4, C_TMA_128x128_s5)
+C_TMA_128x64_s7 = {"bm": 128, "bn": 64, "stages": 7, "group_m": 8, "tma": True}
+TMA_CONFIGS = (C_TMA_128x256_s4, C_TMA_128x128_s5, C_TMA_128x64_s7)
 
 
 def family(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> str:
@@ -105,10 +106,13 @@ def config_family(cfg: Dict[str, Any]) -> str:
 def tma_candidates(g: Geometry, dtype: CudaDataType, prec: Optional[str],
                    info: Any) -> List[Dict[str, Any]]:
     """The TMA configs for a convolution ops/conv2d_tma.py's `usable` takes (none else):
-    128 x 128, and 128 x 256 first where there are more than 128 output channels."""
+    128 x 64 for up to 64 output channels, 128 x 128, and 128 x 256 first where there are
+    more than 128."""
     from .conv2d_tma import usable
     if not usable(g, dtype, prec, info):
         return []
+    if g.Kg <= 64:
+        return [C_TMA_128x64_s7]
     return [C_TMA_128x256_s4, C_TMA_128x128_s5] if g.Kg > 128 else [C_TMA_128x128_s5]
 
 
