@@ -139,18 +139,28 @@ def _split_runner(m: Any, kernel: Any, tiles: int, threads: int, smem: int, bk: 
     n = batch * M * N
     grid = common.grid_1d(n, REDUCE_BLOCK, info.multiprocessor_count, waves=4)
     reduce = prep(get(red.name, dev), (grid, 1, 1), (REDUCE_BLOCK, 1, 1), 0, dev)
-    pool = backend.memory_pools[dev]
+
+    def run_split(pa: int, pb: int, pc: int, pw: int) -> None:
+        gemm(pa, pb, pw, M, N, K, sa, sb, batch, chunk)
+        reduce(pw, pc, n, splits)
+    return _with_workspace(m, dev, wbytes, run_split)
+
+
+def _with_workspace(m: Any, dev: int, nbytes: int, body: Callable[[int, int, int, int], None]
+                    ) -> Callable[..., None]:
+    """run(pa, pb, pc, pbias, pg=0): body(pa, pb, pc, pw) with pw a pool block of nbytes,
+    given back after the launches body makes (as a workspace's free(): the pool is
+    stream-ordered)."""
+    pool = m.backend.memory_pools[dev]
     alloc, release = pool.allocate_current, pool.release
 
-    def run_split(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
-        block = alloc(wbytes)
+    def run(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
+        block = alloc(nbytes)
         try:
-            pw = int(block)
-            gemm(pa, pb, pw, M, N, K, sa, sb, batch, chunk)
-            reduce(pw, pc, n, splits)
+            body(pa, pb, pc, int(block))
         finally:
-            release(block)   # as work.free(): the pool is stream-ordered
-    return run_split
+            release(block)
+    return run
 
 
 def _chunks_runner(m: Any, kernel: Any, tiles: int, threads: int, smem: int, p: Plan,
@@ -196,8 +206,8 @@ def _chunks_runner(m: Any, kernel: Any, tiles: int, threads: int, smem: int, p: 
 def _bt_runner(m: Any, p: Plan, dev: int, launch: Callable[..., None]) -> Any:
     """run(pa, pb, pc, pbias, pg=0): B (K, N) transposed and rounded to TF32 into a pool
     block Bt (N, K) (transpose_tf32's launches; its config follows the access width, which
-    depends on the pointers: per call), then launch(pa, pbt, pc, pbias), the block given
-    back (stream-ordered, as bt.free())."""
+    depends on the pointers: per call), then launch(pa, pbt, pc, 0) (no bias: the GEMM's
+    own), the block given back (_with_workspace)."""
     from . import transpose as tr
     backend = m.backend
     prep, get = backend.prepare_launch, backend.get_kernel
@@ -220,22 +230,14 @@ def _bt_runner(m: Any, p: Plan, dev: int, launch: Callable[..., None]) -> Any:
             transposes[vb] = out
         return out
 
-    pool = backend.memory_pools[dev]
-    alloc, release = pool.allocate_current, pool.release
-
-    def run(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
-        block = alloc(btbytes)
-        try:
-            pbt = int(block)
-            both = pb | pbt
-            vb = 16 if shape16 and not both & 15 else (8 if shape8 and not both & 7 else 4)
-            launches = transposes.get(vb) or transpose_launches(vb, pb, pbt)
-            for go, off, args in launches:
-                go(pb + off, pbt + off, *args)
-            launch(pa, pbt, pc, pbias)
-        finally:
-            release(block)   # as bt.free(): the pool is stream-ordered
-    return run
+    def run(pa: int, pb: int, pc: int, pbt: int) -> None:
+        both = pb | pbt
+        vb = 16 if shape16 and not both & 15 else (8 if shape8 and not both & 7 else 4)
+        launches = transposes.get(vb) or transpose_launches(vb, pb, pbt)
+        for go, off, args in launches:
+            go(pb + off, pbt + off, *args)
+        launch(pa, pbt, pc, 0)
+    return _with_workspace(m, dev, btbytes, run)
 
 
 def _wgmma_runner(m: Any, cfg: Dict[str, Any], p: Plan, dev: int, max_z: int) -> Any:
