@@ -76,22 +76,24 @@ class MapCache:
         return tmap
 
 
-def probe_cubin(m: Any, kernel_name: str, params: Dict[str, Any]) -> bytes:
+def probe_cubin(m: Any, kernel_name: str, params: Dict[str, Any],
+                template: str = "matmul_tma16.cu.j2") -> bytes:
     """A cubin of the template's probe (the kernel's parameter list, an empty body) under
     the kernel's name: what tensor_maps.param_layout loads a second time where PyCUDA's
     Function has no handle."""
     import pycuda.compiler
-    source = m.generator.render("matmul_tma16.cu.j2", kernel_name=kernel_name,
-                                **dict(params, probe=1))
+    source = m.generator.render(template, kernel_name=kernel_name, **dict(params, probe=1))
     cubin: bytes = pycuda.compiler.compile(source, arch="compute_90a", code="sm_90a",
                                            no_extern_c=True, cache_dir=False)
     return cubin
 
 
 def kernel_layout(m: Any, kernel: Any, params: Dict[str, Any], dev: int,
-                  cache: Dict[Any, Any]) -> tensor_maps.ParamLayout:
+                  cache: Dict[Any, Any],
+                  template: str = "matmul_tma16.cu.j2") -> tensor_maps.ParamLayout:
     """The compiled kernel's parameter layout, read once (cached in `cache` by its name and
-    device) in the device's context."""
+    device) in the device's context (template: the one it was rendered from, for the
+    probe)."""
     key = ("tma16_layout", kernel.name, dev)
     layout = cache.get(key)
     if layout is None:
@@ -99,7 +101,8 @@ def kernel_layout(m: Any, kernel: Any, params: Dict[str, Any], dev: int,
             if getattr(kernel.function, "handle", None):
                 layout = tensor_maps.param_layout(kernel)
             else:
-                layout = tensor_maps.param_layout(kernel, probe_cubin(m, kernel.name, params))
+                layout = tensor_maps.param_layout(kernel, probe_cubin(m, kernel.name, params,
+                                                                      template))
         cache[key] = layout
     return layout
 

@@ -1,0 +1,100 @@
+"""flash_attention's float16 / bfloat16 forward on Hopper's TMA + wgmma
+(templates/flash_attention_tma.cu.j2): which calls it takes (`usable`), its configs, tensor
+maps (3-d over the contiguous (batch * heads, seq, head_dim) q, k, v, boxes of 64 of
+head_dim) and launch. The kernel takes three CUtensorMaps by value, so the argument buffer
+is packed at the offsets cuFuncGetParamInfo gives (ops/matmul_tma16.py kernel_layout) and
+sent with PreparedLaunch.launch_packed."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+from .. import streams, tensor_maps
+from ..dtypes import CudaDataType
+from ..kernels import dtype_params, template_arch
+from ..memory_streams import record_stream
+from ..tensor import CudaTensor
+from .matmul_kernels import has_wgmma
+from .matmul_tma16 import kernel_layout
+
+DT = CudaDataType
+TEMPLATE = "flash_attention_tma.cu.j2"
+ARG_TYPES = "128s128s128sPPiifi"
+BQ = 128            # query rows per block
+THREADS = 384
+MAPS_KEPT = 8
+# keys per tile and ring depth by head_dim (227 KB of shared memory at most)
+CONFIGS: Dict[int, List[Dict[str, Any]]] = {
+    64: [{"bkv": 128, "stages": 3, "tma": True}],
+    128: [{"bkv": 128, "stages": 2, "tma": True}],
+}
+
+
+def usable(info: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor) -> bool:
+    """A call the kernel takes: an sm_90a device, float16 / bfloat16, q (b, h, sq, d) and
+    k, v (b, h, skv, d) contiguous with d 64 or 128, 16-byte aligned, skv >= 1."""
+    return has_wgmma(info) and q.dtype in (DT.FLOAT16, DT.BFLOAT16) and q.ndim == 4 and \
+        q.shape[3] in (64, 128) and k.shape == v.shape and k.shape[:2] == q.shape[:2] and \
+        k.shape[3] == q.shape[3] and k.shape[2] >= 1 and q.shape[2] >= 1 and \
+        not (q.ptr | k.ptr | v.ptr) & 15
+
+
+def params(cfg: Dict[str, Any], dtype: CudaDataType, hd: int) -> Dict[str, Any]:
+    return {**dtype_params(dtype), "hd": hd, "bkv": cfg["bkv"], "stages": cfg["stages"]}
+
+
+def shared_bytes(cfg: Dict[str, Any], hd: int) -> int:
+    """Q's tile, the K / V ring and 1 KB of alignment slack."""
+    return BQ * hd * 2 + cfg["stages"] * 2 * cfg["bkv"] * hd * 2 + 1024
+
+
+def _site(m: Any, cfg: Dict[str, Any], dtype: CudaDataType, hd: int, dev: int,
+          cache: Dict[Any, Any]) -> Tuple[Any, Any, Dict[tuple, Tuple[bytes, bytes, bytes]]]:
+    """(kernel, parameter layout, map cache) of a config, made once per device in cache."""
+    key = ("fa_tma_site", cfg["bkv"], cfg["stages"], dtype, hd, dev)
+    site = cache.get(key)
+    if site is None:
+        p = params(cfg, dtype, hd)
+        name, source = m.generator.render_kernel(TEMPLATE, **p)
+        kernel = m.backend.compile_kernel(name, source, device_id=dev,
+                                          arch=template_arch(TEMPLATE), arg_types=ARG_TYPES)
+        layout = kernel_layout(m, kernel, p, dev, cache, TEMPLATE)
+        site = cache[key] = (kernel, layout, {})
+    return site
+
+
+def _maps(dtype: CudaDataType, hd: int, bkv: int, bh: int, sq: int, skv: int, pq: int,
+          pk: int, pv: int) -> Tuple[bytes, bytes, bytes]:
+    def enc(ptr: int, seq: int, rows: int) -> bytes:
+        return tensor_maps.encode_tiled(ptr, dtype, (hd, seq, bh), (hd * 2, seq * hd * 2),
+                                        (64, rows, 1))
+    return enc(pq, sq, BQ), enc(pk, skv, bkv), enc(pv, skv, 64)
+
+
+def run(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor, v: CudaTensor,
+        out: CudaTensor, lse: Optional[CudaTensor], scale: float, causal: bool,
+        cache: Dict[Any, Any]) -> None:
+    """One launch over every (batch, head) and query tile, in the device's context on the
+    current stream; out (and lse, float32 (b, h, sq)) written."""
+    b, h, sq, hd = q.shape
+    skv = k.shape[2]
+    dev, dtype = q.device_id, q.dtype
+    kernel, layout, maps = _site(m, cfg, dtype, hd, dev, cache)
+    mkey = (q.ptr, k.ptr, v.ptr, b * h, sq, skv)
+    tms = maps.get(mkey)
+    if tms is None:
+        if len(maps) >= MAPS_KEPT:
+            del maps[next(iter(maps))]
+        tms = maps[mkey] = _maps(dtype, hd, cfg["bkv"], b * h, sq, skv, q.ptr, k.ptr, v.ptr)
+    buf = tensor_maps.pack_params(
+        [("128s", tms[0]), ("128s", tms[1]), ("128s", tms[2]), ("Q", out.ptr),
+         ("Q", 0 if lse is None else lse.ptr), ("i", sq), ("i", skv),
+         ("f", scale * math.log2(math.e)), ("i", int(causal))], layout)
+    prepared = m.backend.prepare_launch(kernel, (-(-sq // BQ), b * h, 1), (THREADS, 1, 1),
+                                        shared_bytes(cfg, hd), dev)
+    with m.backend.activate(dev):
+        stream = streams.current_pycuda_stream(dev)
+        for t in (q, k, v, out, lse):
+            if type(t) is CudaTensor and t.stream is not stream:
+                record_stream(t, stream)
+        prepared.launch_packed(buf, stream)
