@@ -431,3 +431,123 @@ def test_plan_path(ml, dtype, monkeypatch):
             sc = 1.0 / math.sqrt(shape[4]) if scale is None else scale
             err = rel_err(m.to_numpy(y), ref_attention(qh, kh, vh, sc, causal))
             assert err <= BOUNDS[dtype], f"{shape} {dtype.name_str} (plan: {second}): {err:.3g}"
+
+
+# -- the TMA + wgmma forward (ops/attention_tma.py) ------------------------------------------
+HALF = (DT.FLOAT16, DT.BFLOAT16)
+TMA_SHAPES = [(2, 2, 3 * 128 + 5, 2 * 128 + 7), (1, 3, 77, 77), (2, 2, 300, 513),
+              (1, 1, 1, 1), (1, 1, 129, 64)]
+
+
+def _need_hopper(m):
+    from cuda_backend.ops.matmul_kernels import has_wgmma
+    if not has_wgmma(m.backend.get_device_info(m.backend.current_device)):
+        pytest.skip("the TMA kernel needs a Hopper GPU (sm_90a)")
+
+
+def ref_lse(q, k, scale, causal):
+    """float64 log-sum-exp of each query row's scaled scores (causal: keys j <= i)."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+    if causal:
+        s = np.where(np.triu(np.ones(s.shape[-2:], bool), 1), -np.inf, s)
+    mx = s.max(axis=-1, keepdims=True)
+    return (mx + np.log(np.exp(s - mx).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+def lse_bound(q, k, scale, d, skv):
+    """Per row: the scores' float32 accumulation (d 2^-24 scale sum |q_i k_i|, at the row's
+    largest), the float32 sum of skv terms (skv 2^-23), exp2 / log2 approximations and the
+    final rounding (2^-20 |lse|, 2^-20)."""
+    q, k = np.abs(np.asarray(q, np.float64)), np.abs(np.asarray(k, np.float64))
+    mag = (np.matmul(q, np.swapaxes(k, -1, -2)) * abs(scale)).max(axis=-1)
+    return d * 2.0 ** -24 * mag + skv * 2.0 ** -23 + 2.0 ** -20
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name_str)
+def test_tma_every_config(m, dtype, hd, causal):
+    """Each TMA config through attention_tma.run into a poisoned output and lse: query and
+    key lengths of no tile multiple, seq_q != seq_kv both ways, one query and one key;
+    within the dtype's bound and lse within lse_bound."""
+    from cuda_backend.ops import attention_tma
+    _need_hopper(m)
+    rng = np.random.default_rng(7117)
+    cache = {}
+    for cfg in attention_tma.CONFIGS[hd]:
+        for b, h, sq, skv in TMA_SHAPES:
+            (q, k, v), (qh, kh, vh) = qkv(m, rng, (b, h, sq, skv, hd), dtype)
+            out = poisoned(m, q.shape, dtype)
+            lse = poisoned(m, (b, h, sq), DT.FLOAT32)
+            sc = 1.0 / math.sqrt(hd)
+            assert attention_tma.usable(m.backend.get_device_info(q.device_id), q, k, v)
+            attention_tma.run(m, cfg, q, k, v, out, lse, sc, causal, cache)
+            err = rel_err(m.to_numpy(out), ref_attention(qh, kh, vh, sc, causal),
+                          ref_attention(qh, kh, vh, sc, causal, magnitude=True))
+            assert err <= BOUNDS[dtype], (cfg, (b, h, sq, skv), causal, err)
+            got = m.to_numpy(lse).astype(np.float64)
+            want = ref_lse(qh, kh, sc, causal)
+            assert np.isfinite(got).all()
+            assert (np.abs(got - want) <= lse_bound(qh, kh, sc, hd, skv)).all(), \
+                (cfg, (b, h, sq, skv), float(np.max(np.abs(got - want))))
+            for t in (q, k, v, out, lse):
+                t.free()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name_str)
+def test_tma_public_and_plan_path(ml, dtype, monkeypatch):
+    """flash_attention (with and without return_lse) with the TMA config chosen: the general
+    path, then the per-call plan (the general path made to raise), a given scale, causal and
+    not; then q one element off its 16-byte boundary: the plan declines and the general path
+    runs the default config; all within the bounds."""
+    from cuda_backend.ops import attention_tma
+    m = ml.math
+    _need_hopper(m)
+    rng = np.random.default_rng(7118)
+    dev = m.backend.current_device
+
+    def pick_tma(m_, op, cands, *args):
+        tma = [c for c in cands if c.get("tma")]
+        return tma[0] if tma else cands[0]
+    monkeypatch.setattr(fa, "shape_class_choice", pick_tma)
+    for shape, scale, causal in (((2, 3, 200, 130, 64), None, False),
+                                 ((1, 2, 257, 257, 128), 0.05, True)):
+        (q, k, v), (qh, kh, vh) = qkv(m, rng, shape, dtype)
+        sc = 1.0 / math.sqrt(shape[4]) if scale is None else scale
+        ref = ref_attention(qh, kh, vh, sc, causal)
+        for lse_too in (False, True):
+            name = fa.LSE_PLAN if lse_too else "flash_attention"
+            key = (name, q.shape, k.shape, v.shape, dtype, dtype, dtype, dev, dev, dev,
+                   scale is None, causal)
+            m.plans.pop(key, None)
+            for second in (False, True):
+                with monkeypatch.context() as mp:
+                    if second:
+                        mp.setattr(fa, "_compute", _no_general_path)
+                    res = ml.flash_attention(q, k, v, scale=scale, causal=causal,
+                                             return_lse=lse_too)
+                y, lse = res if lse_too else (res, None)
+                assert key in m.plans
+                err = rel_err(m.to_numpy(y), ref)
+                assert err <= BOUNDS[dtype], (shape, lse_too, second, err)
+                if lse is not None:
+                    got = m.to_numpy(lse).astype(np.float64)
+                    assert (np.abs(got - ref_lse(qh, kh, sc, causal)) <=
+                            lse_bound(qh, kh, sc, shape[4], shape[3])).all()
+                    lse.free()
+                y.free()
+        if dtype is DT.FLOAT16:   # (one dtype is enough: the same code path)
+            from cuda_backend.tensor import CudaTensor
+            base = m.create_tensor((q.size + 8,), dtype)
+            q_off = CudaTensor(q.shape, dtype, base.device_id, base.ptr + 2, owner=base)
+            m.backend.copy_to_device(m.to_numpy(q), q_off)
+            assert not attention_tma.usable(m.backend.get_device_info(dev), q_off, k, v)
+            y = ml.flash_attention(q_off, k, v, scale=scale, causal=causal)
+            assert rel_err(m.to_numpy(y), ref) <= BOUNDS[dtype]
+            y.free()
+            base.free()
+        for t in (q, k, v):
+            t.free()

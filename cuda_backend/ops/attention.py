@@ -259,6 +259,9 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
     shape = q.shape
     B, Hh, Sq, D = shape
     Skv = k.shape[2]
+    if cfg.get("tma"):
+        from . import attention_tma
+        return attention_tma.plan(m, cfg, q, k, causal, with_lse)
     kernel = m.backend.get_kernel(_kernel(m, TEMPLATE, dev, {**dtype_params(dtype), **cfg}).name,
                                   dev)
     blocks = B * Hh * -(-Sq // block_rows(cfg))
@@ -329,20 +332,32 @@ def _compute(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor, out: CudaTenso
         if lse is not None and lse.size:
             _fill_zero(m, lse, dev, -math.inf)
         return None
-    def run(cfg: Dict[str, Any]) -> None:
-        run_config(m, cfg, q, k, v, out, sc, causal, lse)
+    from . import attention_tma as tma
+    usable = tma.usable(m.backend.get_device_info(dev), q, k, v)
 
-    cfg = pick_config(m, dtype, dev, contiguous_problem(q.shape, k.shape), causal, run)
+    def run(cfg: Dict[str, Any]) -> None:
+        if cfg.get("tma"):
+            tma.run(m, cfg, q, k, v, out, lse, sc, causal,
+                    m.__dict__.setdefault("_attention_kernels", {}))
+        else:
+            run_config(m, cfg, q, k, v, out, sc, causal, lse)
+
+    cfg = pick_config(m, dtype, dev, contiguous_problem(q.shape, k.shape), causal, run,
+                      tma.CONFIGS.get(D, []) if usable else [])
+    if cfg.get("tma") and not usable:   # (a choice of this shape class for other operands)
+        cfg = configs(dtype, padded_head_dim(D))[0]
     run(cfg)
     return cfg
 
 
 def pick_config(m: Any, dtype: CudaDataType, dev: int, p: Problem, causal: bool,
-                run: Callable[[Dict[str, Any]], None]) -> Dict[str, Any]:
-    """The forward's config for a problem (shape_class_choice over `configs`)."""
+                run: Callable[[Dict[str, Any]], None],
+                extra: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
+    """The forward's config for a problem (shape_class_choice over `configs`, and `extra`:
+    the TMA kernel's, ops/attention_tma.py, where the call can take it)."""
     hd = padded_head_dim(p.d)
-    return shape_class_choice(m, "flash_attention", configs(dtype, hd), dtype, hd, dev, p,
-                              causal, run)
+    cands = configs(dtype, hd) + [dict(c) for c in extra or []]
+    return shape_class_choice(m, "flash_attention", cands, dtype, hd, dev, p, causal, run)
 
 
 def shape_class_choice(m: Any, op: str, cands: List[Dict[str, Any]], dtype: CudaDataType,

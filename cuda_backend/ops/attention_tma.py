@@ -13,7 +13,7 @@ from .. import streams, tensor_maps
 from ..dtypes import CudaDataType
 from ..kernels import dtype_params, template_arch
 from ..memory_streams import record_stream
-from ..tensor import CudaTensor
+from ..tensor import CudaTensor, pool_tensor
 from .matmul_kernels import has_wgmma
 from .matmul_tma16 import kernel_layout
 
@@ -25,8 +25,8 @@ THREADS = 384
 MAPS_KEPT = 8
 # keys per tile and ring depth by head_dim (227 KB of shared memory at most)
 CONFIGS: Dict[int, List[Dict[str, Any]]] = {
-    64: [{"bkv": 128, "stages": 3, "tma": True}],
-    128: [{"bkv": 128, "stages": 2, "tma": True}],
+    64: [{"hd": 64, "bkv": 128, "stages": 3, "tma": True}],
+    128: [{"hd": 128, "bkv": 128, "stages": 2, "tma": True}],
 }
 
 
@@ -71,30 +71,87 @@ def _maps(dtype: CudaDataType, hd: int, bkv: int, bh: int, sq: int, skv: int, pq
     return enc(pq, sq, BQ), enc(pk, skv, bkv), enc(pv, skv, 64)
 
 
+def launcher(m: Any, cfg: Dict[str, Any], q_shape: Tuple[int, ...], seq_kv: int,
+             dtype: CudaDataType, dev: int, cache: Dict[Any, Any]) -> Any:
+    """launch(pq, pk, pv, po, plse, scale, causal, stream=None) for contiguous operands of
+    these shapes (plse 0: no lse), made once per (config, shapes, device) in cache; the
+    tensor maps of the last MAPS_KEPT pointer triples kept."""
+    b, h, sq, hd = q_shape
+    key = ("fa_tma_launch", cfg["bkv"], cfg["stages"], dtype, q_shape, seq_kv, dev)
+    go = cache.get(key)
+    if go is not None:
+        return go
+    kernel, layout, _ = _site(m, cfg, dtype, hd, dev, cache)
+    prepared = m.backend.prepare_launch(kernel, (-(-sq // BQ), b * h, 1), (THREADS, 1, 1),
+                                        shared_bytes(cfg, hd), dev)
+    send = prepared.launch_packed
+    maps: Dict[tuple, Tuple[bytes, bytes, bytes]] = {}
+    log2e = math.log2(math.e)
+
+    def launch(pq: int, pk: int, pv: int, po: int, plse: int, scale: float, causal: bool,
+               stream: Any = None) -> None:
+        tms = maps.get((pq, pk, pv))
+        if tms is None:
+            if len(maps) >= MAPS_KEPT:
+                del maps[next(iter(maps))]
+            tms = maps[(pq, pk, pv)] = _maps(dtype, hd, cfg["bkv"], b * h, sq, seq_kv, pq, pk,
+                                             pv)
+        send(tensor_maps.pack_params(
+            [("128s", tms[0]), ("128s", tms[1]), ("128s", tms[2]), ("Q", po), ("Q", plse),
+             ("i", sq), ("i", seq_kv), ("f", scale * log2e), ("i", int(causal))], layout),
+             stream)
+    go = cache[key] = launch
+    return go
+
+
 def run(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor, v: CudaTensor,
         out: CudaTensor, lse: Optional[CudaTensor], scale: float, causal: bool,
         cache: Dict[Any, Any]) -> None:
-    """One launch over every (batch, head) and query tile, in the device's context on the
-    current stream; out (and lse, float32 (b, h, sq)) written."""
-    b, h, sq, hd = q.shape
-    skv = k.shape[2]
-    dev, dtype = q.device_id, q.dtype
-    kernel, layout, maps = _site(m, cfg, dtype, hd, dev, cache)
-    mkey = (q.ptr, k.ptr, v.ptr, b * h, sq, skv)
-    tms = maps.get(mkey)
-    if tms is None:
-        if len(maps) >= MAPS_KEPT:
-            del maps[next(iter(maps))]
-        tms = maps[mkey] = _maps(dtype, hd, cfg["bkv"], b * h, sq, skv, q.ptr, k.ptr, v.ptr)
-    buf = tensor_maps.pack_params(
-        [("128s", tms[0]), ("128s", tms[1]), ("128s", tms[2]), ("Q", out.ptr),
-         ("Q", 0 if lse is None else lse.ptr), ("i", sq), ("i", skv),
-         ("f", scale * math.log2(math.e)), ("i", int(causal))], layout)
-    prepared = m.backend.prepare_launch(kernel, (-(-sq // BQ), b * h, 1), (THREADS, 1, 1),
-                                        shared_bytes(cfg, hd), dev)
+    """One launch over every (batch, head) and query tile (a call `usable` takes), in the
+    device's context on the current stream; out (and lse, float32 (b, h, sq)) written."""
+    dev = q.device_id
+    launch = launcher(m, cfg, q.shape, k.shape[2], q.dtype, dev, cache)
     with m.backend.activate(dev):
         stream = streams.current_pycuda_stream(dev)
         for t in (q, k, v, out, lse):
             if type(t) is CudaTensor and t.stream is not stream:
                 record_stream(t, stream)
-        prepared.launch_packed(buf, stream)
+        launch(q.ptr, k.ptr, v.ptr, out.ptr, 0 if lse is None else lse.ptr, scale, causal,
+               stream)
+
+
+def plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor, causal: bool,
+         with_lse: bool) -> Any:
+    """ops/attention.py's per-call plan for a TMA config (`launcher`): run(q, k, v, scale)
+    -> out (with_lse: (out, lse)), or None for operands it cannot take (not 16-byte
+    aligned, on a stream, freed; a scale that is not finite: the general path's error)."""
+    dtype, dev, shape = q.dtype, q.device_id, q.shape
+    B, Hh, Sq, D = shape
+    launch = launcher(m, cfg, shape, k.shape[2], dtype, dev,
+                      m.__dict__.setdefault("_attention_kernels", {}))
+    pool = m.backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    size, nbytes, lse_shape, lse_size = q.size, q.nbytes, (B, Hh, Sq), B * Hh * Sq
+    default = 1.0 / math.sqrt(D)
+
+    def run(q: CudaTensor, k: CudaTensor, v: CudaTensor, scale: Optional[float]) -> Any:
+        pq, pk, pv = q._ptr, k._ptr, v._ptr
+        if pq is None or pk is None or pv is None or (pq | pk | pv) & 15 or \
+                q.stream is not None or k.stream is not None or v.stream is not None or \
+                not (scale is None or math.isfinite(scale)):
+            return None
+        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
+        lse = None
+        try:
+            if with_lse:
+                lse = pool_tensor(lse_shape, DT.FLOAT32, dev, alloc(4 * lse_size), pool,
+                                  lse_size, 4 * lse_size)
+            launch(pq, pk, pv, out._ptr, 0 if lse is None else lse._ptr,
+                   default if scale is None else scale, causal)
+        except BaseException:
+            out.free()
+            if lse is not None:
+                lse.free()
+            raise
+        return (out, lse) if with_lse else out
+    return run
