@@ -64,7 +64,8 @@ _MM = ("matmul_simt.cu.j2", "matmul_mma.cu.j2", "matmul_skinny.cu.j2")
 # the 16-bit wgmma GEMM (sm_90a) and the strided copy that pads its B's rows (ops/shape_copy.py),
 # the TMA-fed 16-bit GEMM (sm_90a, ops/matmul_tma16.py)
 _WGMMA16 = ("matmul_wgmma16.cu.j2", "strided_copy.cu.j2", "matmul_tma16.cu.j2")
-_CONV = ("conv2d_simt.cu.j2", "conv2d_mma.cu.j2", "conv2d_prep.cu.j2", "conv2d_direct.cu.j2")
+_CONV = ("conv2d_simt.cu.j2", "conv2d_mma.cu.j2", "conv2d_prep.cu.j2", "conv2d_direct.cu.j2",
+         "matmul_tma16.cu.j2")   # (the TMA kernel: ops/conv2d_tma.py)
 _T_EW = "tests/test_elementwise.py"
 _STRIDED = ("strided_copy.cu.j2",)
 _T_SHAPE = "tests/test_shape_ops.py"
@@ -140,7 +141,8 @@ _ENTRIES: List[OpEntry] = [
     # fused_linear_gelu: the matmul kernels with a bias + GELU epilogue (matmul.linear);
     # sketched_linear composes matmul, a reduction and elementwise ops
     _ml("fused_linear_gelu", "linear", _MM, "tests/test_linear.py", "ml/fused_linear_gelu"),
-    _ml("flash_attention", "attention", ("flash_attention.cu.j2",) + _FILL,
+    _ml("flash_attention", "attention", ("flash_attention.cu.j2", "flash_attention_tma.cu.j2")
+        + _FILL,
         "tests/test_flash_attention.py", "ml/flash_attention"),
     _ml("sketched_linear", "linear", _MM + _REDUCE + _EW, "tests/test_linear.py",
         "ml/sketched_linear"),

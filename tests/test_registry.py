@@ -108,9 +108,11 @@ def test_templates_declare_their_arch():
     assert kernels.template_arch("matmul_mma.cu.j2") is None
     assert kernels.template_arch("no_such.cu.j2") is None
     assert kernels.template_arch("matmul_tma16.cu.j2") == "sm_90a"
+    assert kernels.template_arch("flash_attention_tma.cu.j2") == "sm_90a"
     assert kernels.TEMPLATE_ARCH == {"matmul_wgmma.cu.j2": "sm_90a",
                                      "matmul_wgmma16.cu.j2": "sm_90a",
-                                     "matmul_tma16.cu.j2": "sm_90a"}
+                                     "matmul_tma16.cu.j2": "sm_90a",
+                                     "flash_attention_tma.cu.j2": "sm_90a"}
 
 
 # -- warm_up with a stand-in CudaMath (records the kernels asked for) -----------------------

@@ -46,7 +46,8 @@ def test_template_starts_with_params_comment(template):
 # Templates whose kernels take CUtensorMap parameters, which the compiler cannot format: the
 # package compiles them with these arg_types (ops/matmul_kernels.py TMA16_ARG_TYPES) and
 # packs their launches at the offsets the driver reports (tensor_maps.param_layout).
-EXPLICIT_ARG_TYPES = {"matmul_tma16.cu.j2": "128s128sPiii"}
+EXPLICIT_ARG_TYPES = {"matmul_tma16.cu.j2": "128s128sPiii",
+                      "flash_attention_tma.cu.j2": "128s128s128sPPiifi"}   # attention_tma.ARG_TYPES
 
 
 @pytest.mark.parametrize("template, index, params", CASES, ids=CASE_IDS)

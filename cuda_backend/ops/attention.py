@@ -32,7 +32,8 @@ from . import common
 DT = CudaDataType
 TEMPLATE = "flash_attention.cu.j2"
 FILL_TEMPLATE = "fill.cu.j2"
-TEMPLATES = (TEMPLATE, FILL_TEMPLATE)   # fill: the output of an empty key sequence
+TMA_TEMPLATE = "flash_attention_tma.cu.j2"   # Hopper, 16-bit: ops/attention_tma.py
+TEMPLATES = (TEMPLATE, FILL_TEMPLATE, TMA_TEMPLATE)   # fill: the output of no keys
 DTYPES = (DT.FLOAT32, DT.FLOAT16, DT.BFLOAT16)
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
@@ -83,7 +84,10 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
         table = F32_CONFIGS if dt is DT.FLOAT32 else HALF_CONFIGS
         for cfgs in table.values():
             out += [{**dtype_params(dt), **c} for c in cfgs]
-    return {TEMPLATE: out}
+    from . import attention_tma
+    tma = [attention_tma.params(c, dt, hd) for dt in (DT.FLOAT16, DT.BFLOAT16)
+           for hd, cfgs in attention_tma.CONFIGS.items() for c in cfgs]
+    return {TEMPLATE: out, TMA_TEMPLATE: tma}
 
 
 @dataclass(frozen=True)
@@ -254,7 +258,6 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
     (and with_lse the lse) from the pool and run_config's launch, prepared; scale (None or
     a float, as the key says) and the pointer-dependent vec / pair flags per call, as
     run_config computes them."""
-    from ..tensor import pool_tensor
     dtype, dev = q.dtype, q.device_id
     shape = q.shape
     B, Hh, Sq, D = shape
@@ -267,12 +270,7 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
     blocks = B * Hh * -(-Sq // block_rows(cfg))
     go = m.backend.prepare_launch(kernel, (blocks, 1, 1), (32 * cfg["nw"], 1, 1),
                                   shared_bytes(cfg, dtype), dev)
-    pool = m.backend.memory_pools[dev]
-    alloc = pool.allocate_current
-    size, nbytes = q.size, q.nbytes
-    lse_shape, lse_size = (B, Hh, Sq), B * Hh * Sq
-    lse_nbytes = 4 * lse_size
-    f32 = DT.FLOAT32
+    outputs = output_maker(m, dev, shape, dtype, (B, Hh, Sq), with_lse)
     d_vec, d_pair = D % (16 // dtype.itemsize) == 0, D % 2 == 0
     layout = contiguous_problem(shape, k.shape).args()
     scaled = float(resolve_scale(None, D) * LOG2E)
@@ -291,22 +289,38 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
             sc = scale * LOG2E   # float(scale * LOG2E), as run_config
         else:
             return None   # the general path's error
+        return outputs(lambda po, plse: go(
+            pq, pk, pv, po, plse, Sq, Skv, D, sc, flag, int(d_vec and not (pq | pk | pv) & 15),
+            int(d_pair and not po & 7), *layout))
+    return run
+
+
+def output_maker(m: Any, dev: int, shape: Tuple[int, ...], dtype: CudaDataType,
+                 lse_shape: Tuple[int, ...], with_lse: bool) -> Callable[..., Any]:
+    """outputs(launch) for the per-call plans: the result (and with_lse the float32 lse)
+    from dev's pool, launch(out pointer, lse pointer or 0), then out or (out, lse); a failed
+    launch gives both back, as the general path does."""
+    from ..tensor import pool_tensor
+    pool = m.backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    size, lsize = math.prod(shape), math.prod(lse_shape)
+    nbytes = size * dtype.itemsize
+
+    def outputs(launch: Callable[[int, int], None]) -> Any:
         out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
-        po = out._ptr
         lse = None
         try:
             if with_lse:
-                lse = pool_tensor(lse_shape, f32, dev, alloc(lse_nbytes), pool, lse_size,
-                                  lse_nbytes)
-            go(pq, pk, pv, po, 0 if lse is None else lse._ptr, Sq, Skv, D, sc, flag,
-               int(d_vec and not (pq | pk | pv) & 15), int(d_pair and not po & 7), *layout)
+                lse = pool_tensor(lse_shape, DT.FLOAT32, dev, alloc(4 * lsize), pool, lsize,
+                                  4 * lsize)
+            launch(out._ptr, 0 if lse is None else lse._ptr)
         except BaseException:
-            out.free()   # as the general path: nothing leaks from a failed launch
+            out.free()
             if lse is not None:
                 lse.free()
             raise
         return (out, lse) if with_lse else out
-    return run
+    return outputs
 
 
 def _compute(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor, out: CudaTensor,
@@ -394,8 +408,20 @@ def compiled_kernel(m: Any, dtype: CudaDataType, dev: int, cfg: Dict[str, Any]) 
 def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8) -> int:
     """Compile every flash-attention variant in parallel threads (nvcc runs in
     subprocesses); returns how many were compiled. Later calls find them memoized."""
-    jobs = [(t, p) for t, sets in template_variants().items() for p in sets]
-    return common.compile_all(m, jobs, device_id, workers, _kernel)
+    from . import attention_tma
+    from .matmul_kernels import has_wgmma
+    info = getattr(m.backend, "get_device_info", None)   # (absent on stand-in backends)
+    hopper = m.gpu and info is not None and has_wgmma(
+        info(m.backend.current_device if device_id is None else device_id))
+    jobs = [(t, p) for t, sets in template_variants().items() for p in sets
+            if t != TMA_TEMPLATE or hopper]
+
+    def get(m: Any, template: str, dev: int, params: Dict[str, Any]) -> Any:
+        if template == TMA_TEMPLATE:
+            return attention_tma.kernel(m, dev, params,
+                                        m.__dict__.setdefault("_attention_kernels", {}))
+        return _kernel(m, template, dev, params)
+    return common.compile_all(m, jobs, device_id, workers, get)
 
 
 def _check_out(out: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor) -> None:

@@ -170,7 +170,6 @@ def _fast_plan(m: Any, cfg: Any, qkv: CudaTensor, p: attention.Problem, causal: 
     """The per-call plan (ops/common.py remember_plan) for a qkv shaped like this one: the
     result (and lse) from the pool and run_config's launch, prepared; vec / pair per call
     from the pointers, as run_config decides them."""
-    from ..tensor import pool_tensor
     dtype, dev = qkv.dtype, qkv.device_id
     B, T, C3 = qkv.shape
     D, C = p.d, C3 // 3
@@ -178,18 +177,13 @@ def _fast_plan(m: Any, cfg: Any, qkv: CudaTensor, p: attention.Problem, causal: 
     blocks = p.bh * -(-T // attention.block_rows(cfg))
     go = m.backend.prepare_launch(kernel, (blocks, 1, 1), (32 * cfg["nw"], 1, 1),
                                   attention.shared_bytes(cfg, dtype), dev)
-    pool = m.backend.memory_pools[dev]
-    alloc = pool.allocate_current
-    shape, size = (B, T, C), B * T * C
-    nbytes = size * dtype.itemsize
-    lse_shape, lse_size = (B, p.heads, T), p.bh * T
+    outputs = attention.output_maker(m, dev, (B, T, C), dtype, (B, p.heads, T), with_lse)
     step = C * dtype.itemsize
     d_vec = D % (16 // dtype.itemsize) == 0 and p.aligned("q,kv", 16, dtype.itemsize)
     d_pair = D % 2 == 0 and p.aligned("o", 2, 1)
     layout = p.args()
     default = float(attention.resolve_scale(None, D) * attention.LOG2E)
     flag = int(causal)
-    f32 = DT.FLOAT32
     isfinite = math.isfinite
 
     def run(qkv: CudaTensor, scale: Optional[float]) -> Any:
@@ -202,21 +196,9 @@ def _fast_plan(m: Any, cfg: Any, qkv: CudaTensor, p: attention.Problem, causal: 
             sc = scale * attention.LOG2E
         else:
             return None   # the general path's error
-        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
-        lse = None
-        try:
-            if with_lse:
-                lse = pool_tensor(lse_shape, f32, dev, alloc(4 * lse_size), pool, lse_size,
-                                  4 * lse_size)
-            po = out._ptr
-            go(pq, pq + step, pq + 2 * step, po, 0 if lse is None else lse._ptr, T, T, D, sc,
-               flag, int(d_vec and not (pq | step) & 15), int(d_pair and not po & 7), *layout)
-        except BaseException:
-            out.free()
-            if lse is not None:
-                lse.free()
-            raise
-        return (out, lse) if with_lse else out
+        return outputs(lambda po, plse: go(
+            pq, pq + step, pq + 2 * step, po, plse, T, T, D, sc, flag,
+            int(d_vec and not (pq | step) & 15), int(d_pair and not po & 7), *layout))
     return run
 
 

@@ -13,7 +13,7 @@ from .. import streams, tensor_maps
 from ..dtypes import CudaDataType
 from ..kernels import dtype_params, template_arch
 from ..memory_streams import record_stream
-from ..tensor import CudaTensor, pool_tensor
+from ..tensor import CudaTensor
 from .matmul_kernels import has_wgmma
 from .matmul_tma16 import kernel_layout
 
@@ -48,18 +48,28 @@ def shared_bytes(cfg: Dict[str, Any], hd: int) -> int:
     return BQ * hd * 2 + cfg["stages"] * 2 * cfg["bkv"] * hd * 2 + 1024
 
 
+def kernel(m: Any, dev: int, p: Dict[str, Any], cache: Dict[Any, Any]) -> Any:
+    """The kernel of template parameters p compiled for sm_90a with ARG_TYPES (the compiler
+    cannot derive a format for CUtensorMap parameters), memoized in cache."""
+    key = ("fa_tma_kernel", tuple(sorted(p.items())), dev)
+    k = cache.get(key)
+    if k is None:
+        name, source = m.generator.render_kernel(TEMPLATE, **p)
+        k = cache[key] = m.backend.compile_kernel(name, source, device_id=dev,
+                                                  arch=template_arch(TEMPLATE),
+                                                  arg_types=ARG_TYPES)
+    return k
+
+
 def _site(m: Any, cfg: Dict[str, Any], dtype: CudaDataType, hd: int, dev: int,
-          cache: Dict[Any, Any]) -> Tuple[Any, Any, Dict[tuple, Tuple[bytes, bytes, bytes]]]:
-    """(kernel, parameter layout, map cache) of a config, made once per device in cache."""
+          cache: Dict[Any, Any]) -> Tuple[Any, Any]:
+    """(kernel, parameter layout) of a config, made once per device in cache."""
     key = ("fa_tma_site", cfg["bkv"], cfg["stages"], dtype, hd, dev)
     site = cache.get(key)
     if site is None:
         p = params(cfg, dtype, hd)
-        name, source = m.generator.render_kernel(TEMPLATE, **p)
-        kernel = m.backend.compile_kernel(name, source, device_id=dev,
-                                          arch=template_arch(TEMPLATE), arg_types=ARG_TYPES)
-        layout = kernel_layout(m, kernel, p, dev, cache, TEMPLATE)
-        site = cache[key] = (kernel, layout, {})
+        k = kernel(m, dev, p, cache)
+        site = cache[key] = (k, kernel_layout(m, k, p, dev, cache, TEMPLATE))
     return site
 
 
@@ -81,8 +91,8 @@ def launcher(m: Any, cfg: Dict[str, Any], q_shape: Tuple[int, ...], seq_kv: int,
     go = cache.get(key)
     if go is not None:
         return go
-    kernel, layout, _ = _site(m, cfg, dtype, hd, dev, cache)
-    prepared = m.backend.prepare_launch(kernel, (-(-sq // BQ), b * h, 1), (THREADS, 1, 1),
+    k, layout = _site(m, cfg, dtype, hd, dev, cache)
+    prepared = m.backend.prepare_launch(k, (-(-sq // BQ), b * h, 1), (THREADS, 1, 1),
                                         shared_bytes(cfg, hd), dev)
     send = prepared.launch_packed
     maps: Dict[tuple, Tuple[bytes, bytes, bytes]] = {}
@@ -127,11 +137,10 @@ def plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor, causal: bool
     aligned, on a stream, freed; a scale that is not finite: the general path's error)."""
     dtype, dev, shape = q.dtype, q.device_id, q.shape
     B, Hh, Sq, D = shape
+    from .attention import output_maker
     launch = launcher(m, cfg, shape, k.shape[2], dtype, dev,
                       m.__dict__.setdefault("_attention_kernels", {}))
-    pool = m.backend.memory_pools[dev]
-    alloc = pool.allocate_current
-    size, nbytes, lse_shape, lse_size = q.size, q.nbytes, (B, Hh, Sq), B * Hh * Sq
+    outputs = output_maker(m, dev, shape, dtype, (B, Hh, Sq), with_lse)
     default = 1.0 / math.sqrt(D)
 
     def run(q: CudaTensor, k: CudaTensor, v: CudaTensor, scale: Optional[float]) -> Any:
@@ -140,18 +149,6 @@ def plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor, causal: bool
                 q.stream is not None or k.stream is not None or v.stream is not None or \
                 not (scale is None or math.isfinite(scale)):
             return None
-        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
-        lse = None
-        try:
-            if with_lse:
-                lse = pool_tensor(lse_shape, DT.FLOAT32, dev, alloc(4 * lse_size), pool,
-                                  lse_size, 4 * lse_size)
-            launch(pq, pk, pv, out._ptr, 0 if lse is None else lse._ptr,
-                   default if scale is None else scale, causal)
-        except BaseException:
-            out.free()
-            if lse is not None:
-                lse.free()
-            raise
-        return (out, lse) if with_lse else out
+        sc = default if scale is None else scale
+        return outputs(lambda po, plse: launch(pq, pk, pv, po, plse, sc, causal))
     return run
