@@ -270,7 +270,7 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
     blocks = B * Hh * -(-Sq // block_rows(cfg))
     go = m.backend.prepare_launch(kernel, (blocks, 1, 1), (32 * cfg["nw"], 1, 1),
                                   shared_bytes(cfg, dtype), dev)
-    outputs = output_maker(m, dev, shape, dtype, (B, Hh, Sq), with_lse)
+    outputs = common.output_maker(m, dev, shape, dtype, (B, Hh, Sq), with_lse)
     d_vec, d_pair = D % (16 // dtype.itemsize) == 0, D % 2 == 0
     layout = contiguous_problem(shape, k.shape).args()
     scaled = float(resolve_scale(None, D) * LOG2E)
@@ -293,34 +293,6 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
             pq, pk, pv, po, plse, Sq, Skv, D, sc, flag, int(d_vec and not (pq | pk | pv) & 15),
             int(d_pair and not po & 7), *layout))
     return run
-
-
-def output_maker(m: Any, dev: int, shape: Tuple[int, ...], dtype: CudaDataType,
-                 lse_shape: Tuple[int, ...], with_lse: bool) -> Callable[..., Any]:
-    """outputs(launch) for the per-call plans: the result (and with_lse the float32 lse)
-    from dev's pool, launch(out pointer, lse pointer or 0), then out or (out, lse); a failed
-    launch gives both back, as the general path does."""
-    from ..tensor import pool_tensor
-    pool = m.backend.memory_pools[dev]
-    alloc = pool.allocate_current
-    size, lsize = math.prod(shape), math.prod(lse_shape)
-    nbytes = size * dtype.itemsize
-
-    def outputs(launch: Callable[[int, int], None]) -> Any:
-        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
-        lse = None
-        try:
-            if with_lse:
-                lse = pool_tensor(lse_shape, DT.FLOAT32, dev, alloc(4 * lsize), pool, lsize,
-                                  4 * lsize)
-            launch(out._ptr, 0 if lse is None else lse._ptr)
-        except BaseException:
-            out.free()
-            if lse is not None:
-                lse.free()
-            raise
-        return (out, lse) if with_lse else out
-    return outputs
 
 
 def _compute(m: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor, out: CudaTensor,

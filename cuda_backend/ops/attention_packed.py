@@ -177,7 +177,7 @@ def _fast_plan(m: Any, cfg: Any, qkv: CudaTensor, p: attention.Problem, causal: 
     blocks = p.bh * -(-T // attention.block_rows(cfg))
     go = m.backend.prepare_launch(kernel, (blocks, 1, 1), (32 * cfg["nw"], 1, 1),
                                   attention.shared_bytes(cfg, dtype), dev)
-    outputs = attention.output_maker(m, dev, (B, T, C), dtype, (B, p.heads, T), with_lse)
+    outputs = common.output_maker(m, dev, (B, T, C), dtype, (B, p.heads, T), with_lse)
     step = C * dtype.itemsize
     d_vec = D % (16 // dtype.itemsize) == 0 and p.aligned("q,kv", 16, dtype.itemsize)
     d_pair = D % 2 == 0 and p.aligned("o", 2, 1)

@@ -14,6 +14,7 @@ from ..dtypes import CudaDataType
 from ..kernels import dtype_params, template_arch
 from ..memory_streams import record_stream
 from ..tensor import CudaTensor
+from . import common
 from .matmul_kernels import has_wgmma
 from .matmul_tma16 import kernel_layout
 
@@ -137,10 +138,9 @@ def plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor, causal: bool
     aligned, on a stream, freed; a scale that is not finite: the general path's error)."""
     dtype, dev, shape = q.dtype, q.device_id, q.shape
     B, Hh, Sq, D = shape
-    from .attention import output_maker
     launch = launcher(m, cfg, shape, k.shape[2], dtype, dev,
                       m.__dict__.setdefault("_attention_kernels", {}))
-    outputs = output_maker(m, dev, shape, dtype, (B, Hh, Sq), with_lse)
+    outputs = common.output_maker(m, dev, shape, dtype, (B, Hh, Sq), with_lse)
     default = 1.0 / math.sqrt(D)
 
     def run(q: CudaTensor, k: CudaTensor, v: CudaTensor, scale: Optional[float]) -> Any:

@@ -2,6 +2,7 @@
 host fallback; and how CudaMath's and CudaML's methods reach their ops (LazyOp, named_method)."""
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
@@ -9,7 +10,7 @@ import numpy as np
 from ..dtypes import CudaDataType, from_bfloat16_bits, to_bfloat16_bits
 from ..errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
                       ShapeMismatchError)
-from ..tensor import CudaTensor
+from ..tensor import CudaTensor, pool_tensor
 
 FLOATS = (CudaDataType.FLOAT32, CudaDataType.FLOAT64, CudaDataType.FLOAT16,
           CudaDataType.BFLOAT16)
@@ -280,6 +281,34 @@ def planned(m: Any, key: tuple, *args: Any) -> Any:
     there is no plan or the plan leaves this call to the general path."""
     plan = m.plans.get(key)
     return None if plan is None else plan(*args)
+
+
+def output_maker(m: Any, dev: int, shape: Tuple[int, ...], dtype: CudaDataType,
+                 second_shape: Tuple[int, ...], with_second: bool) -> Callable[..., Any]:
+    """outputs(launch) for a per-call plan with an optional second, float32 output (the
+    attention plans' lse): the result (and with_second that one, of second_shape) from
+    dev's pool, launch(result pointer, second pointer or 0), then the result or both; a
+    failed launch gives both back, as the general path does."""
+    pool = m.backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    size, lsize = math.prod(shape), math.prod(second_shape)
+    nbytes = size * dtype.itemsize
+
+    def outputs(launch: Callable[[int, int], None]) -> Any:
+        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
+        lse = None
+        try:
+            if with_second:
+                lse = pool_tensor(second_shape, CudaDataType.FLOAT32, dev, alloc(4 * lsize), pool, lsize,
+                                  4 * lsize)
+            launch(out._ptr, 0 if lse is None else lse._ptr)
+        except BaseException:
+            out.free()
+            if lse is not None:
+                lse.free()
+            raise
+        return (out, lse) if with_second else out
+    return outputs
 
 
 def plan_memory(m: Any, dev: int) -> Tuple[Any, Any, Any]:
