@@ -436,7 +436,7 @@ def test_plan_path(ml, dtype, monkeypatch):
 # -- the TMA + wgmma forward (ops/attention_tma.py) ------------------------------------------
 HALF = (DT.FLOAT16, DT.BFLOAT16)
 TMA_SHAPES = [(2, 2, 3 * 128 + 5, 2 * 128 + 7), (1, 3, 77, 77), (2, 2, 300, 513),
-              (1, 1, 1, 1), (1, 1, 129, 64)]
+              (1, 1, 1, 1), (1, 1, 129, 64), (1, 2, 256, 384)]
 
 
 def _need_hopper(m):

@@ -26,8 +26,9 @@ THREADS = 384
 MAPS_KEPT = 8
 # keys per tile and ring depth by head_dim (227 KB of shared memory at most)
 CONFIGS: Dict[int, List[Dict[str, Any]]] = {
-    64: [{"hd": 64, "bkv": 128, "stages": 3, "tma": True}],
-    128: [{"hd": 128, "bkv": 128, "stages": 2, "tma": True}],
+    64: [{"hd": 64, "bkv": 128, "stages": 3, "tma": True},
+         {"hd": 64, "bkv": 64, "stages": 4, "tma": True}],
+    128: [{"hd": 128, "bkv": 128, "stages": 3, "tma": True}],
 }
 
 
