@@ -6,7 +6,7 @@ the arguments and calls these; its docstring has the passes and the floor.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..dtypes import CudaDataType
 from ..kernels import dtype_params
@@ -176,39 +176,18 @@ def bn_call_plan(m: Any, ks: Dict[str, str], x: CudaTensor, training: bool, eps:
     would (a mismatch returns None: the general path raises), the results and the workspace
     allocated, the general path's launches prepared for both values of vec_ok (it depends on
     the pointers and changes the geometry, not the kernels)."""
-    # one piece: the prepared launches and the closure that replays them share these locals
-    backend = m.backend
     dev, shape, dtype = x.device_id, x.shape, x.dtype
     size, nbytes = x.size, x.nbytes
     N, C, S, count, layout, vec, can_vec = bn_layout(shape, dtype)
     cshape, cbytes = (C,), C * dtype.itemsize
-    adt = acc_dtype(dtype)
-    prep, get = backend.prepare_launch, backend.get_kernel
-    variants = []   # by vec_ok: (pass, its tail, apply, its tail, coef offset, ws bytes)
-    groups = 1
-    for vec_ok in ((0, 1) if can_vec else (0,)):
-        geo = bn_geometry(layout, N, C, S, vec_ok, vec, sms)
-        pass_tail, apply_tail = bn_args(geo, N, C, S, vec_ok)
-        first = prep(get(ks["pass"], dev), geo["grid"], geo["block"], 0, dev)
-        second: Any = prep(get(ks["apply"], dev), geo["apply_grid"], geo["apply_block"], 0,
-                           dev) if training else None
-        coef_at, ws_bytes = bn_ws_bytes(geo, C, training, adt)
-        variants.append((first, pass_tail, second, apply_tail, coef_at, ws_bytes))
-        groups = max(groups, geo["grid"][0])
-    ws_max = max(v[5] for v in variants)
-    at = bn_inline_at(nbytes, ws_max)   # as bn_general
-    dx_bytes = at + ws_max if at else nbytes
-    pool = backend.memory_pools[dev]
+    variants, groups = _bn_variants(m, ks, training, dev, dtype, layout, N, C, S, vec,
+                                    can_vec, sms)
+    at, dx_bytes = _bn_dx_block(nbytes, variants)
+    pool = m.backend.memory_pools[dev]
     alloc, release = pool.allocate_current, pool.release
-    direct = backend.direct_launch
+    direct = m.backend.direct_launch
     plan_pointer = common.plan_pointer
-    held = [bn_counters(m, dev, None, groups)]   # (direct launches: no stream block open)
-
-    def counters() -> int:
-        t = held[0]
-        if t._ptr is None:   # grown or evicted (freed): fetched again
-            t = held[0] = bn_counters(m, dev, None, groups)
-        return t._ptr
+    counters = _bn_counter_source(m, dev, groups)
 
     def run(g: Any, x: CudaTensor, gamma: Any, mean: Any, var: Any) -> Any:
         ptrs = grad_pointers(g, x, shape, dtype, dev, direct)
@@ -250,3 +229,47 @@ def bn_call_plan(m: Any, ks: Dict[str, str], x: CudaTensor, training: bool, eps:
                 release(ws)   # as ws.free() in the general path: stream-ordered
         return dx, dgamma, dbeta
     return run
+
+
+def _bn_variants(m: Any, ks: Dict[str, str], training: bool, dev: int, dtype: CudaDataType,
+                 layout: str, N: int, C: int, S: int, vec: int, can_vec: bool,
+                 sms: int) -> Tuple[List[tuple], int]:
+    """bn_call_plan's prepared launches by vec_ok: (pass, its tail, apply or None, its tail,
+    coefficients' offset, workspace bytes), and the most channel groups (ticket counters)
+    of any variant's pass."""
+    backend = m.backend
+    adt = acc_dtype(dtype)
+    prep, get = backend.prepare_launch, backend.get_kernel
+    variants = []
+    groups = 1
+    for vec_ok in ((0, 1) if can_vec else (0,)):
+        geo = bn_geometry(layout, N, C, S, vec_ok, vec, sms)
+        pass_tail, apply_tail = bn_args(geo, N, C, S, vec_ok)
+        first = prep(get(ks["pass"], dev), geo["grid"], geo["block"], 0, dev)
+        second: Any = prep(get(ks["apply"], dev), geo["apply_grid"], geo["apply_block"], 0,
+                           dev) if training else None
+        coef_at, ws_bytes = bn_ws_bytes(geo, C, training, adt)
+        variants.append((first, pass_tail, second, apply_tail, coef_at, ws_bytes))
+        groups = max(groups, geo["grid"][0])
+    return variants, groups
+
+
+def _bn_dx_block(nbytes: int, variants: List[tuple]) -> Tuple[int, int]:
+    """(where the workspace starts inside grad_input's block, or 0, and that block's bytes)
+    for the largest variant's workspace, as bn_general places it (bn_inline_at)."""
+    ws_max = max(v[5] for v in variants)
+    at = bn_inline_at(nbytes, ws_max)
+    return at, at + ws_max if at else nbytes
+
+
+def _bn_counter_source(m: Any, dev: int, groups: int) -> Callable[[], int]:
+    """counters() for bn_call_plan's run: the pointer of at least `groups` ticket counters
+    for direct launches (no stream block open), fetched again once grown or evicted."""
+    held = [bn_counters(m, dev, None, groups)]
+
+    def counters() -> int:
+        t = held[0]
+        if t._ptr is None:   # grown or evicted (freed): fetched again
+            t = held[0] = bn_counters(m, dev, None, groups)
+        return t._ptr
+    return counters

@@ -5,7 +5,7 @@ ops/batch_norm_backward_plans.py shares nc_block.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..dtypes import CudaDataType
 from ..kernels import dtype_params
@@ -133,30 +133,13 @@ def bn_call_plan(m: Any, x: CudaTensor, eps: float, momentum: float, training: b
     statistics pass, the finalize (which updates the running mean and variance in place)
     and the normalize pass, with the workspace allocated before and released after them as
     the general path does."""
-    # one piece: the prepared launches and the closure that replays them share these locals
     dev, shape, dtype = x.device_id, x.shape, x.dtype
     size, nbytes = x.size, x.nbytes
     N, C, S, count, layout, vec, can_vec = bn_layout(shape, dtype)
     cshape = (C,)
     acc_itemsize = 8 if dtype is DT.FLOAT64 else 4
-    prep, bk = m.backend.prepare_launch, m.kernel
-    norm = bk(BN_TEMPLATE, dev, **bn_params(dtype, "normalize", layout,
-                                            "train" if training else "infer"))
-    if training:
-        stats = bk(BN_TEMPLATE, dev, **bn_params(dtype, "stats", layout))
-        fin = prep(bk(BN_TEMPLATE, dev, **bn_params(dtype, "finalize")),
-                   (-(-C // BLOCK), 1, 1), (BLOCK, 1, 1), 0, dev)
-    variants = []  # by vec_ok: (normalize, its tail, stats, its args, splits, ws bytes)
-    for vec_ok in ((0, 1) if can_vec else (0,)):
-        geo = bn_geometry(layout, N, C, S, vec_ok, vec, sm)
-        go = prep(norm, geo["grid"], geo["block"], 0, dev)
-        if training:
-            splits = geo["splits"]
-            variants.append((go, geo["tail"], prep(stats, geo["stats_grid"],
-                                                   geo["stats_block"], 0, dev),
-                             geo["stats_args"], splits, (splits * 2 + 2) * C * acc_itemsize))
-        else:
-            variants.append((go, geo["tail"], None, (), 0, 0))
+    fin, variants = _bn_variants(m, training, dev, dtype, layout, N, C, S, vec, can_vec, sm,
+                                 acc_itemsize)
     pool = m.backend.memory_pools[dev]
     alloc, release = pool.allocate_current, pool.release
     S_fin = 1 if layout == "nc" else S
@@ -189,3 +172,30 @@ def bn_call_plan(m: Any, x: CudaTensor, eps: float, momentum: float, training: b
             release(ws)  # as ws.free() in the general path
         return out
     return run
+
+
+def _bn_variants(m: Any, training: bool, dev: int, dtype: CudaDataType, layout: str, N: int,
+                 C: int, S: int, vec: int, can_vec: bool, sm: int,
+                 acc_itemsize: int) -> Tuple[Any, List[tuple]]:
+    """bn_call_plan's prepared launches: the finalize (training; else None) and by vec_ok
+    (normalize, its tail, stats or None, its args, splits, workspace bytes)."""
+    prep, bk = m.backend.prepare_launch, m.kernel
+    norm = bk(BN_TEMPLATE, dev, **bn_params(dtype, "normalize", layout,
+                                            "train" if training else "infer"))
+    fin = None
+    if training:
+        stats = bk(BN_TEMPLATE, dev, **bn_params(dtype, "stats", layout))
+        fin = prep(bk(BN_TEMPLATE, dev, **bn_params(dtype, "finalize")),
+                   (-(-C // BLOCK), 1, 1), (BLOCK, 1, 1), 0, dev)
+    variants = []
+    for vec_ok in ((0, 1) if can_vec else (0,)):
+        geo = bn_geometry(layout, N, C, S, vec_ok, vec, sm)
+        go = prep(norm, geo["grid"], geo["block"], 0, dev)
+        if training:
+            splits = geo["splits"]
+            variants.append((go, geo["tail"], prep(stats, geo["stats_grid"],
+                                                   geo["stats_block"], 0, dev),
+                             geo["stats_args"], splits, (splits * 2 + 2) * C * acc_itemsize))
+        else:
+            variants.append((go, geo["tail"], None, (), 0, 0))
+    return fin, variants

@@ -147,12 +147,9 @@ def build_program(m: Any, g: Geometry, dtype: CudaDataType, prec: Optional[str],
     """The program of `parts` ("dgrad", "wgrad", "bias"): dcfg is a dgrad config or
     "forward", wcfg a wgrad candidate (SIMT or 3xTF32, with its waves). The autotuner
     times these per candidate; the tests run every config through them."""
-    # one piece: the parts' steps in launch order, sharing the tensors named here (gof, wt, ws)
     p = Program(m, g, dtype, prec, dev)
-    G, Cg, Kg, K, RS = g.groups, g.Cg, g.Kg, g.K, g.R * g.S
-    CRS = Cg * RS
+    K, CRS = g.K, g.Cg * g.R * g.S
     go_size, x_size = g.N * K * g.P * g.Q, g.N * g.C * g.H * g.W
-    geo = (g.sh, g.sw, g.ph, g.pw, g.dh, g.dw)
     dgrad = "dgrad" in parts and x_size > 0
     wgrad = "wgrad" in parts and K * CRS > 0
     half = dtype in HALF
@@ -160,14 +157,30 @@ def build_program(m: Any, g: Geometry, dtype: CudaDataType, prec: Optional[str],
     if "dgrad" in parts and not dgrad:
         p.tensor("gi", (g.N, g.C, g.H, g.W), dtype, output=True)
     if "wgrad" in parts:
-        p.tensor("gw", (K, Cg, g.R, g.S), dtype, output=True)
+        p.tensor("gw", (K, g.Cg, g.R, g.S), dtype, output=True)
     if "bias" in parts:
         p.tensor("gb", (K,), dtype, output=True)
     gof = "go"
     if need_gof:
         gof = p.tensor("gof", (go_size,), DT.FLOAT32)
         p.aux("to_float", dtype, go_size, "go", gof, go_size)
-    if dgrad and dcfg == "forward":
+    if dgrad:
+        _dgrad_steps(p, g, dtype, prec, dcfg, gof)
+    if wgrad:
+        assert wcfg is not None
+        _wgrad_steps(p, g, dtype, wcfg, gof)
+    if "bias" in parts and K > 0:
+        _bias_steps(p, g, dtype)
+    return p
+
+
+def _dgrad_steps(p: Program, g: Geometry, dtype: CudaDataType, prec: Optional[str], dcfg: Any,
+                 gof: str) -> None:
+    """build_program's data gradient (x not empty): dcfg "forward" flips the weights for the
+    stride-1 conv2d through the forward; a dgrad config repacks them (RSKC, float32) for its
+    kernel, which reads grad_out as gof ("go", or its float32 copy)."""
+    G, Cg, Kg, K, RS = g.groups, g.Cg, g.Kg, g.K, g.R * g.S
+    if dcfg == "forward":
         from ..cuda_ml import ConvolutionConfig
         p.tensor("wf", (g.C, Kg, g.R, g.S), dtype)
         total = g.C * Kg * RS
@@ -177,46 +190,60 @@ def build_program(m: Any, g: Geometry, dtype: CudaDataType, prec: Optional[str],
                                  padding=(g.dh * (g.R - 1) - g.ph, g.dw * (g.S - 1) - g.pw),
                                  dilation=(g.dh, g.dw), groups=G)
         p.steps.append(_Forward(cfg2, prec))
-    elif dgrad:
-        p.tensor("gi", (g.N, g.C, g.H, g.W), dtype, output=True)
-        cgp = -(-Cg // 4) * 4
-        wt_size = G * RS * Kg * cgp
-        p.tensor("wt", (max(wt_size, 1),), DT.FLOAT32)
-        if wt_size:
-            p.aux("weight_rskc", dtype, wt_size, "w", "wt", Kg, Cg, RS, cgp, wt_size)
-        grid = dgrad_grid(g, dcfg)
-        vec = dtype is DT.FLOAT32 and (g.sh, g.sw) == (1, 1) and (g.H * g.W) % 4 == 0
-        p.launch(DGRAD_TEMPLATE, {**dtype_params(dtype), **dcfg}, grid,
-                 (dgrad_threads(dcfg), 1, 1), dgrad_shared_bytes(dcfg), gof, "wt",
-                 "gi", ("vec", "gi", vec), g.N, g.C, g.H, g.W, Cg, Kg, cgp, K, g.P, g.Q,
-                 g.R, g.S, *geo, dgrad_tiles_pp(g, dcfg["bm"]))
-    if wgrad:
-        assert wcfg is not None
-        xf = "x"
-        if half and x_size:
-            xf = p.tensor("xf", (x_size,), DT.FLOAT32)
-            p.aux("to_float", dtype, x_size, "x", xf, x_size)
-        splits, chunk = wgrad_split(g, wcfg, p.sms)
-        direct_out = splits == 1 and dtype is DT.FLOAT32
-        out = "gw" if direct_out else p.tensor("ws", (splits * K * CRS,), DT.FLOAT32)
-        cfg = tile_params(wcfg)
-        mt, nt = -(-Kg // cfg["bm"]), -(-CRS // cfg["bn"])
-        p.launch(wgrad_template(cfg), {**dtype_params(DT.FLOAT32), **cfg},
-                 wgrad_grid(g, cfg, splits), (wgrad_threads(cfg), 1, 1),
-                 wgrad_shared_bytes(cfg), gof, xf, out, ("vec", out, CRS % 4 == 0), g.N,
-                 g.C, g.H, g.W, Cg, Kg, K, g.P, g.Q, g.R, g.S, *geo, chunk, mt, nt, K * CRS)
-        if not direct_out:
-            p.aux("splitk_sum", dtype, K * CRS, out, "gw", K * CRS, splits)
-    if "bias" in parts and K > 0:
-        chunks, chunk = bias_chunks(g, p.sms)
-        direct_out = chunks == 1 and dtype is DT.FLOAT32
-        out = "gb" if direct_out else p.tensor("wsb", (chunks * K,), DT.FLOAT32)
-        L = g.N * g.P * g.Q
-        p.launch(AUX_TEMPLATE, {**dtype_params(dtype), "kind": "bias_partial"}, (K, chunks, 1),
-                 (AUX_BLOCK, 1, 1), 0, "go", out, K, g.P * g.Q, L, chunk)
-        if not direct_out:
-            p.aux("splitk_sum", dtype, K, out, "gb", K, chunks)
-    return p
+        return
+    p.tensor("gi", (g.N, g.C, g.H, g.W), dtype, output=True)
+    cgp = -(-Cg // 4) * 4
+    wt_size = G * RS * Kg * cgp
+    p.tensor("wt", (max(wt_size, 1),), DT.FLOAT32)
+    if wt_size:
+        p.aux("weight_rskc", dtype, wt_size, "w", "wt", Kg, Cg, RS, cgp, wt_size)
+    grid = dgrad_grid(g, dcfg)
+    geo = (g.sh, g.sw, g.ph, g.pw, g.dh, g.dw)
+    vec = dtype is DT.FLOAT32 and (g.sh, g.sw) == (1, 1) and (g.H * g.W) % 4 == 0
+    p.launch(DGRAD_TEMPLATE, {**dtype_params(dtype), **dcfg}, grid,
+             (dgrad_threads(dcfg), 1, 1), dgrad_shared_bytes(dcfg), gof, "wt",
+             "gi", ("vec", "gi", vec), g.N, g.C, g.H, g.W, Cg, Kg, cgp, K, g.P, g.Q,
+             g.R, g.S, *geo, dgrad_tiles_pp(g, dcfg["bm"]))
+
+
+def _wgrad_steps(p: Program, g: Geometry, dtype: CudaDataType, wcfg: Dict[str, Any],
+                 gof: str) -> None:
+    """build_program's weight gradient (K * Cg * R * S > 0): x as float32 for the 16-bit
+    types, the wgrad kernel over its K splits into gw directly (one split, float32) or into
+    a workspace that splitk_sum adds up into gw."""
+    Cg, Kg, K = g.Cg, g.Kg, g.K
+    CRS = Cg * g.R * g.S
+    x_size = g.N * g.C * g.H * g.W
+    geo = (g.sh, g.sw, g.ph, g.pw, g.dh, g.dw)
+    xf = "x"
+    if dtype in HALF and x_size:
+        xf = p.tensor("xf", (x_size,), DT.FLOAT32)
+        p.aux("to_float", dtype, x_size, "x", xf, x_size)
+    splits, chunk = wgrad_split(g, wcfg, p.sms)
+    direct_out = splits == 1 and dtype is DT.FLOAT32
+    out = "gw" if direct_out else p.tensor("ws", (splits * K * CRS,), DT.FLOAT32)
+    cfg = tile_params(wcfg)
+    mt, nt = -(-Kg // cfg["bm"]), -(-CRS // cfg["bn"])
+    p.launch(wgrad_template(cfg), {**dtype_params(DT.FLOAT32), **cfg},
+             wgrad_grid(g, cfg, splits), (wgrad_threads(cfg), 1, 1),
+             wgrad_shared_bytes(cfg), gof, xf, out, ("vec", out, CRS % 4 == 0), g.N,
+             g.C, g.H, g.W, Cg, Kg, K, g.P, g.Q, g.R, g.S, *geo, chunk, mt, nt, K * CRS)
+    if not direct_out:
+        p.aux("splitk_sum", dtype, K * CRS, out, "gw", K * CRS, splits)
+
+
+def _bias_steps(p: Program, g: Geometry, dtype: CudaDataType) -> None:
+    """build_program's bias gradient (K > 0): per-chunk partial sums of grad_out into gb
+    directly (one chunk, float32) or into a workspace that splitk_sum adds up into gb."""
+    K = g.K
+    chunks, chunk = bias_chunks(g, p.sms)
+    direct_out = chunks == 1 and dtype is DT.FLOAT32
+    out = "gb" if direct_out else p.tensor("wsb", (chunks * K,), DT.FLOAT32)
+    L = g.N * g.P * g.Q
+    p.launch(AUX_TEMPLATE, {**dtype_params(dtype), "kind": "bias_partial"}, (K, chunks, 1),
+             (AUX_BLOCK, 1, 1), 0, "go", out, K, g.P * g.Q, L, chunk)
+    if not direct_out:
+        p.aux("splitk_sum", dtype, K, out, "gb", K, chunks)
 
 
 def program(m: Any, go: CudaTensor, x: CudaTensor, w: CudaTensor, g: Geometry,

@@ -332,6 +332,16 @@ def where(m: Any, cond: Any, a: Any, b: Any) -> CudaTensor:
         return out
     if ta and tb and cond.shape == a.shape == b.shape:   # three of one shape: the flat kernel
         return _where_flat(m, cond, a, b, out)
+    return _where_broadcast(m, cond, a, b, out, va, vb, tensors)
+
+
+def _where_broadcast(m: Any, cond: CudaTensor, a: Any, b: Any, out: CudaTensor, va: Any,
+                     vb: Any, tensors: List[CudaTensor]) -> CudaTensor:
+    """where with broadcasting into out (a scalar a or b given as its storage value va or
+    vb): the N-d kernel over the collapsed dims, and its per-call plan."""
+    ta, tb = isinstance(a, CudaTensor), isinstance(b, CudaTensor)
+    shape, dtype, dev, n = out.shape, out.dtype, out.device_id, out.size
+    t = a if ta else b
     sc = _bcast_strides(shape, cond.shape)
     sa = _bcast_strides(shape, a.shape) if ta else [0] * len(shape)
     sb = _bcast_strides(shape, b.shape) if tb else [0] * len(shape)

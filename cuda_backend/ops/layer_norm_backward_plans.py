@@ -228,7 +228,6 @@ def ln_call_plan(m: Any, x: CudaTensor, has_weight: bool, eps: float) -> Any:
     None: the general path raises), the results and the workspace allocated, the general
     path's launches prepared for both alignments (aligned pointers and D % vec == 0 take the
     16-byte kernels)."""
-    # one piece: the prepared launches and the closure that replays them share these locals
     backend = m.backend
     dev, shape, dtype = x.device_id, x.shape, x.dtype
     size, nbytes = x.size, x.nbytes
@@ -236,22 +235,7 @@ def ln_call_plan(m: Any, x: CudaTensor, has_weight: bool, eps: float) -> Any:
     rows, inv_d, vec = size // D, 1.0 / D, vec_width(dtype)
     vec_rows = D % vec == 0
     dshape, dbytes = (D,), D * dtype.itemsize
-    prep = backend.prepare_launch
-    variants = {}
-    for aligned in ((False, True) if vec_rows else (False,)):
-        q = ln_prepared(m, dtype, D, dev, aligned)
-        geo = ln_geometry(q, rows, D, aligned, dtype)
-        final = prep(backend.get_kernel(q["final"], dev), (-(-D // 32), 1, 1), LN_FINAL_BLOCK,
-                     0, dev)
-        if q["mode"] == "loop":
-            first = prep(backend.get_kernel(q["rowstats"], dev), geo["stats_grid"],
-                         (LN_ROWSTATS_BLOCK, 1, 1), 0, dev)
-            second = prep(backend.get_kernel(q["apply"], dev), geo["grid"], geo["block"], 0, dev)
-        else:
-            first = prep(backend.get_kernel(q["rows"], dev), geo["grid"], geo["block"],
-                         q["smem"], dev)
-            second = None
-        variants[aligned] = (first, second, final, geo, q["tpr"])
+    variants = _ln_variants(m, dtype, D, dev, rows, vec_rows)
     pool = backend.memory_pools[dev]
     alloc, release = pool.allocate_current, pool.release
     direct = backend.direct_launch
@@ -286,3 +270,27 @@ def ln_call_plan(m: Any, x: CudaTensor, has_weight: bool, eps: float) -> Any:
             release(ws)   # as ws.free() in the general path: stream-ordered
         return dx, dw, db
     return run
+
+
+def _ln_variants(m: Any, dtype: CudaDataType, D: int, dev: int, rows: int,
+                 vec_rows: bool) -> Dict[bool, tuple]:
+    """ln_call_plan's prepared launches by alignment (both where D is a whole number of
+    vectors): (first, second or None, final, geometry, threads per row)."""
+    backend = m.backend
+    prep = backend.prepare_launch
+    variants = {}
+    for aligned in ((False, True) if vec_rows else (False,)):
+        q = ln_prepared(m, dtype, D, dev, aligned)
+        geo = ln_geometry(q, rows, D, aligned, dtype)
+        final = prep(backend.get_kernel(q["final"], dev), (-(-D // 32), 1, 1), LN_FINAL_BLOCK,
+                     0, dev)
+        if q["mode"] == "loop":
+            first = prep(backend.get_kernel(q["rowstats"], dev), geo["stats_grid"],
+                         (LN_ROWSTATS_BLOCK, 1, 1), 0, dev)
+            second = prep(backend.get_kernel(q["apply"], dev), geo["grid"], geo["block"], 0, dev)
+        else:
+            first = prep(backend.get_kernel(q["rows"], dev), geo["grid"], geo["block"],
+                         q["smem"], dev)
+            second = None
+        variants[aligned] = (first, second, final, geo, q["tpr"])
+    return variants

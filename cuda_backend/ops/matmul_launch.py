@@ -102,34 +102,8 @@ def launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
         cls = shape_class(p, sms)
         is_linear = epilogue is not None
         template, _ = gemm_family(dtype, prec)
-        cands = candidates(dtype, prec, cls, vec, linear=is_linear)
-        info = m.backend.get_device_info(dev)
-        if a_trans or not (has_wgmma(info) and wgmma_ok(a, p)):
-            cands = [c for c in cands if not c.get("wgmma")] or \
-                [c for c in gemm_family(dtype, prec)[1]["small"] if not c.get("wgmma")]
-        if not tma16_usable(info, dtype, a, b, out, p, epilogue, a_trans):
-            cands = [c for c in cands if not c.get("tma16")] or [tma_standin(dtype)]
-        if not wgmma16_usable(info, dtype, a, out, p, epilogue, a_trans):
-            cands = [c for c in cands if not c.get("wgmma16")] or [WGMMA16_STANDIN]
-        if template == SIMT_TEMPLATE and not is_linear:
-            # (config, split) pairs: split-K counts are measured, not only modelled
-            info = m.backend.get_device_info(dev)
-            max_z = info.max_grid_dims[2]
-
-            def per_sm(c: Dict[str, Any]) -> int:   # (SIMT configs; x3: x3_split_options)
-                kern = cached_kernel(m, SIMT_TEMPLATE, dev,
-                                     kernel_params(SIMT_TEMPLATE, dtype, c, vec, a_trans=a_trans))
-                return blocks_per_sm(c, getattr(kern, "num_regs", 0), info, dtype.itemsize,
-                                     getattr(kern, "static_shared_bytes", 0))
-
-            cands = split_candidates(cands, p, cls, sms, max_z, per_sm)
-        if template == SIMT_TEMPLATE and not a_trans:
-            # small M: the skinny split-K configs too, each at its split counts, and on sm_90+
-            # the cluster ones (timed against the family's own, never forced)
-            info = m.backend.get_device_info(dev)
-            cands = cands + skinny_candidates(dtype, prec, p, sms, info.max_grid_dims[1]) + \
-                cluster_candidates(dtype, prec, p, sms,
-                                   getattr(info, "compute_capability", (0, 0)), vec)
+        cands = _call_candidates(m, a, b, out, p, dtype, prec, dev, vec, epilogue, a_trans,
+                                 template, cls, sms)
         op = op_name(template, dtype, prec, is_linear) + ("_at" if a_trans else "") + \
             ("_gelugrad" if epilogue == GRAD_EPILOGUE else "")
         shape_key = tune_key(p, cls, vec, prec)
@@ -146,6 +120,45 @@ def launch(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
     run_config(m, hit[0], hit[1], a, b, out, p, dtype, vec, dev, epilogue=epilogue, bias=bias,
                a_trans=a_trans, grad=grad)
     return vec
+
+
+def _call_candidates(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Plan,
+                     dtype: CudaDataType, prec: Optional[str], dev: int, vec: bool,
+                     epilogue: Optional[str], a_trans: bool, template: str, cls: str,
+                     sms: int) -> list:
+    """launch's candidates for the autotuner: the family's configs for the shape class less
+    those this device or these operands cannot take (wgmma, TMA, wgmma16: their stand-ins
+    where none is left), then for SIMT the split-K pairs and the skinny and cluster configs."""
+    is_linear = epilogue is not None
+    cands = candidates(dtype, prec, cls, vec, linear=is_linear)
+    info = m.backend.get_device_info(dev)
+    if a_trans or not (has_wgmma(info) and wgmma_ok(a, p)):
+        cands = [c for c in cands if not c.get("wgmma")] or \
+            [c for c in gemm_family(dtype, prec)[1]["small"] if not c.get("wgmma")]
+    if not tma16_usable(info, dtype, a, b, out, p, epilogue, a_trans):
+        cands = [c for c in cands if not c.get("tma16")] or [tma_standin(dtype)]
+    if not wgmma16_usable(info, dtype, a, out, p, epilogue, a_trans):
+        cands = [c for c in cands if not c.get("wgmma16")] or [WGMMA16_STANDIN]
+    if template == SIMT_TEMPLATE and not is_linear:
+        # (config, split) pairs: split-K counts are measured, not only modelled
+        info = m.backend.get_device_info(dev)
+        max_z = info.max_grid_dims[2]
+
+        def per_sm(c: Dict[str, Any]) -> int:   # (SIMT configs; x3: x3_split_options)
+            kern = cached_kernel(m, SIMT_TEMPLATE, dev,
+                                 kernel_params(SIMT_TEMPLATE, dtype, c, vec, a_trans=a_trans))
+            return blocks_per_sm(c, getattr(kern, "num_regs", 0), info, dtype.itemsize,
+                                 getattr(kern, "static_shared_bytes", 0))
+
+        cands = split_candidates(cands, p, cls, sms, max_z, per_sm)
+    if template == SIMT_TEMPLATE and not a_trans:
+        # small M: the skinny split-K configs too, each at its split counts, and on sm_90+
+        # the cluster ones (timed against the family's own, never forced)
+        info = m.backend.get_device_info(dev)
+        cands = cands + skinny_candidates(dtype, prec, p, sms, info.max_grid_dims[1]) + \
+            cluster_candidates(dtype, prec, p, sms,
+                               getattr(info, "compute_capability", (0, 0)), vec)
+    return cands
 
 
 def wgmma16_usable(info: Any, dtype: CudaDataType, a: Any, out: Any, p: Plan,
@@ -217,19 +230,29 @@ def run_config(m: Any, template: str, cfg: Dict[str, int], a: CudaTensor, b: Cud
         # (declined: the 16-bit wgmma kernel, which gives way to mma.sync where it must)
         template, cfg = WGMMA16_TEMPLATE, tma_standin(dtype)
     if template == WGMMA16_TEMPLATE:
-        if not wgmma16_usable(info, dtype, a, out, p, epilogue, a_trans):
-            # (a config memoized for this shape and alignment class; these pointers or this
-            # device it cannot take: the mma.sync stand-in, never a wrong result)
-            run_config(m, MMA_TEMPLATE, WGMMA16_STANDIN, a, b, out, p, dtype, vec, dev,
-                       epilogue=epilogue, bias=bias, a_trans=a_trans, grad=grad)
-            return
-        _run_wgmma16(m, cfg, a, b, out, p, dtype, dev, max_z)
+        _run_wgmma16_or_standin(m, cfg, a, b, out, p, dtype, vec, dev, info, max_z, epilogue,
+                                bias, a_trans, grad)
         return
     if template == WGMMA_TEMPLATE:
         _run_wgmma(m, cfg, a, b, out, p, dev, max_z)
         return
     _run_tiled(m, template, cfg, a, b, out, p, dtype, vec, dev, info, tiles, splits, epilogue,
                bias, a_trans, grad)
+
+
+def _run_wgmma16_or_standin(m: Any, cfg: Dict[str, int], a: CudaTensor, b: CudaTensor,
+                            out: CudaTensor, p: Plan, dtype: CudaDataType, vec: bool, dev: int,
+                            info: Any, max_z: int, epilogue: Optional[str],
+                            bias: Optional[CudaTensor], a_trans: bool,
+                            grad: Optional[CudaTensor]) -> None:
+    """run_config's 16-bit wgmma config: the kernel where the call can take it, else the
+    mma.sync stand-in (a config memoized for this shape and alignment class whose pointers
+    or device it cannot take: never a wrong result)."""
+    if not wgmma16_usable(info, dtype, a, out, p, epilogue, a_trans):
+        run_config(m, MMA_TEMPLATE, WGMMA16_STANDIN, a, b, out, p, dtype, vec, dev,
+                   epilogue=epilogue, bias=bias, a_trans=a_trans, grad=grad)
+        return
+    _run_wgmma16(m, cfg, a, b, out, p, dtype, dev, max_z)
 
 
 def tiled_kernel(m: Any, template: str, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType,

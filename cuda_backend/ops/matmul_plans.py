@@ -270,25 +270,10 @@ def _wgmma16_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, v
     if epilogue is not None or a_trans or not has_wgmma(info) or dtype.itemsize != 2:
         return config_runner(m, MMA_TEMPLATE, WGMMA16_STANDIN, p, dtype, vec, dev, epilogue,
                              a_trans)
-    made: list = []   # the stand-in's runner, made on first use
-
-    def standin(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
-        if not made:
-            made.append(config_runner(m, MMA_TEMPLATE, WGMMA16_STANDIN, p, dtype, vec, dev))
-        made[0](pa, pb, pc, pbias, pg)
+    standin = _wgmma16_standin(m, p, dtype, vec, dev)
     backend = m.backend
-    prep, get = backend.prepare_launch, backend.get_kernel
     M, N, K, esize = p.M, p.N, p.K, dtype.itemsize
-    max_z = info.max_grid_dims[2]
-    kernel = get(cached_kernel(m, WGMMA16_TEMPLATE, dev, wgmma16_params(dtype, cfg)).name, dev)
-    tiles = -(-M // cfg["bm"]) * -(-N // cfg["bn"])
-
-    def chunks(direct_a: bool, direct_b: bool) -> list:
-        lda, ldb, sa, sb = operand_layout(p, direct_a, direct_b)
-        return [(prep(kernel, (tiles, 1, nb), (WGMMA16_THREADS, 1, 1), wgmma_smem(cfg), dev),
-                 b0 * sa * esize, b0 * sb * esize, b0 * M * N * esize,
-                 (M, N, K, lda, ldb, sa, sb))
-                for b0, nb in ((b0, min(max_z, p.batch - b0)) for b0 in range(0, p.batch, max_z))]
+    chunks = _wgmma16_chunks(m, cfg, p, dtype, dev, info)
     # the kernel's launches by (A read in place, B read in place), made on first use
     gemms: Dict[Tuple[bool, bool], list] = {}
     # (a copy runs only where K % 8 (N % 8) or A's (B's) pointer is off: element copies,
@@ -335,6 +320,40 @@ def _wgmma16_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, v
                 if block is not None:
                     release(block)
     return run
+
+
+def _wgmma16_standin(m: Any, p: Plan, dtype: CudaDataType, vec: bool,
+                     dev: int) -> Callable[..., None]:
+    """_wgmma16_runner's stand-in for an output the kernel cannot take: WGMMA16_STANDIN's
+    runner, made on first use."""
+    made: list = []
+
+    def standin(pa: int, pb: int, pc: int, pbias: int, pg: int = 0) -> None:
+        if not made:
+            made.append(config_runner(m, MMA_TEMPLATE, WGMMA16_STANDIN, p, dtype, vec, dev))
+        made[0](pa, pb, pc, pbias, pg)
+    return standin
+
+
+def _wgmma16_chunks(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, dev: int,
+                    info: Any) -> Callable[[bool, bool], list]:
+    """chunks(direct_a, direct_b) for _wgmma16_runner: the wgmma16 kernel's prepared launches
+    over the batch chunks, with their offsets and arguments, for A and B read in place or
+    from their padded copies (the kernel compiled now)."""
+    backend = m.backend
+    prep, get = backend.prepare_launch, backend.get_kernel
+    M, N, K, esize = p.M, p.N, p.K, dtype.itemsize
+    max_z = info.max_grid_dims[2]
+    kernel = get(cached_kernel(m, WGMMA16_TEMPLATE, dev, wgmma16_params(dtype, cfg)).name, dev)
+    tiles = -(-M // cfg["bm"]) * -(-N // cfg["bn"])
+
+    def chunks(direct_a: bool, direct_b: bool) -> list:
+        lda, ldb, sa, sb = operand_layout(p, direct_a, direct_b)
+        return [(prep(kernel, (tiles, 1, nb), (WGMMA16_THREADS, 1, 1), wgmma_smem(cfg), dev),
+                 b0 * sa * esize, b0 * sb * esize, b0 * M * N * esize,
+                 (M, N, K, lda, ldb, sa, sb))
+                for b0, nb in ((b0, min(max_z, p.batch - b0)) for b0 in range(0, p.batch, max_z))]
+    return chunks
 
 
 def _tma16_runner(m: Any, cfg: Dict[str, Any], p: Plan, dtype: CudaDataType, vec: bool,

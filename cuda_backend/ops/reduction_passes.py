@@ -6,7 +6,7 @@ per device and stream. The sizing is ops/reduction_config.py's; the ops are ops/
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from .. import occupancy
 from ..dtypes import CudaDataType
@@ -67,34 +67,13 @@ def _fast_plan(m: Any, dev: int, shape: Tuple[int, ...], dtype: CudaDataType,
     the partials' allocations, one PreparedLaunch, the frees in the same order. A pass over
     a middle axis sizes by its input's 16-byte alignment: both variants are prepared on
     first use."""
-    # one piece: variant, ticket_counters and run (the per-call path) share its prepared state
-    backend = m.backend
-    pool = backend.memory_pools[dev]
+    pool = m.backend.memory_pools[dev]
     alloc, release = pool.allocate_current, pool.release
     size = math.prod(shape)
     nbytes = size * dtype.itemsize
-    counters: List[Any] = [None]
-
-    def variant(pop: str, pdtype: CudaDataType, outer: int, R: int, inner: int,
-                aligned: bool) -> tuple:
-        p = _pass_for(m, dev, pop, pdtype, outer, R, inner, aligned)
-        go = backend.prepare_launch(backend.get_kernel(p.name, dev), p.grid, p.block, 0, dev)
-        return go, max(p.part_bytes, 16) if p.part_bytes else 0, p.args
-
-    plan_steps = []
-    for pop, pdtype, outer, R, inner, divisor, tmp_bytes in steps:
-        if inner == 1:   # rows: the sizing does not depend on alignment
-            v = variant(pop, pdtype, outer, R, inner, True)
-            variants = {True: v, False: v}
-        else:
-            variants = {}
-        plan_steps.append((variants, (pop, pdtype, outer, R, inner), divisor, tmp_bytes))
-
-    def ticket_counters() -> int:
-        t = counters[0]
-        if t is None or t._ptr is None:   # evicted (freed) ones are made again
-            t = counters[0] = COUNTERS.get(m, dev, None)
-        return t._ptr
+    variant = _variant_source(m, dev)
+    plan_steps = _plan_steps(variant, steps)
+    ticket_counters = _ticket_counter_source(m, dev)
 
     def run(x: CudaTensor) -> Optional[CudaTensor]:
         px = x._ptr
@@ -133,6 +112,47 @@ def _fast_plan(m: Any, dev: int, shape: Tuple[int, ...], dtype: CudaDataType,
             cur, cur_block = target, target_block
         return res
     return run
+
+
+def _variant_source(m: Any, dev: int) -> Callable[..., tuple]:
+    """variant(op, dtype, outer, R, inner, aligned) for _fast_plan: one pass's PreparedLaunch,
+    partials bytes (at least 16, or 0 without partials) and integer arguments."""
+    backend = m.backend
+
+    def variant(pop: str, pdtype: CudaDataType, outer: int, R: int, inner: int,
+                aligned: bool) -> tuple:
+        p = _pass_for(m, dev, pop, pdtype, outer, R, inner, aligned)
+        go = backend.prepare_launch(backend.get_kernel(p.name, dev), p.grid, p.block, 0, dev)
+        return go, max(p.part_bytes, 16) if p.part_bytes else 0, p.args
+    return variant
+
+
+def _plan_steps(variant: Callable[..., tuple], steps: List[tuple]) -> List[tuple]:
+    """_fast_plan's passes: (variants by input alignment, the pass's spec, divisor,
+    intermediate bytes); a rows pass (inner 1) is prepared now for both alignments, a
+    middle-axis pass per alignment on first use."""
+    plan_steps = []
+    for pop, pdtype, outer, R, inner, divisor, tmp_bytes in steps:
+        if inner == 1:   # rows: the sizing does not depend on alignment
+            v = variant(pop, pdtype, outer, R, inner, True)
+            variants = {True: v, False: v}
+        else:
+            variants = {}
+        plan_steps.append((variants, (pop, pdtype, outer, R, inner), divisor, tmp_bytes))
+    return plan_steps
+
+
+def _ticket_counter_source(m: Any, dev: int) -> Callable[[], int]:
+    """ticket_counters() for _fast_plan's run: this device's counters for direct launches
+    (no stream), made again once evicted (freed)."""
+    counters: List[Any] = [None]
+
+    def ticket_counters() -> int:
+        t = counters[0]
+        if t is None or t._ptr is None:   # evicted (freed) ones are made again
+            t = counters[0] = COUNTERS.get(m, dev, None)
+        return t._ptr
+    return ticket_counters
 
 
 class _Pass:

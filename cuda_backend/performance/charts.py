@@ -177,59 +177,23 @@ def bandwidth_chart(doc: Dict[str, Any], path: str) -> str:
 
 
 def roofline_chart(doc: Dict[str, Any], path: str) -> str:
-    # one figure drawn layer by layer (roofs, every size, the best point per op, the labels)
-    import numpy as np
+    """roofline.png, one figure drawn layer by layer: the roofs, every size, the best point
+    per op with the LABELLED fastest named."""
     fig = _figure(12, 6.5)
     ax = fig.add_subplot(111)
     pts = [c for c in doc["cases"] if c.get("arithmetic_intensity") and c.get("gflops")]
-    bw = doc["ceilings"].get("memory_bandwidth_gbps")
-    compute = doc["ceilings"].get("compute", {})
     if not pts:
         _empty(ax, "no case with both a FLOP and a byte count was measured")
     else:
-        ai = [c["arithmetic_intensity"] for c in pts]
-        x = np.logspace(np.log10(min(ai) / 4), np.log10(max(max(ai) * 4, 100)), 200)
-        units = sorted({c["compute_unit"] for c in pts if c.get("compute_unit")})
-        peaks = [(u, compute[u]["gflops"]) for u in units
-                 if compute.get(u, {}).get("gflops")]
-        if bw:
-            ax.plot(x, bw * x if not peaks else np.minimum(bw * x, max(p for _, p in peaks)),
-                    color="black", lw=1.5, label=f"memory roof {bw:.0f} GB/s")
-        for (u, p), style in zip(peaks, ("-", "--", "-.", ":", "-", "--")):
-            roof = np.minimum(bw * x, p) if bw else np.full_like(x, p)
-            ax.plot(x, roof, color="gray", ls=style, lw=1,
-                    label=f"{u} peak {p / 1e3:.1f} TFLOP/s")
+        _roofs(ax, pts, doc["ceilings"].get("memory_bandwidth_gbps"),
+               doc["ceilings"].get("compute", {}))
         # every measured size as a faint dot of its family's colour
         for fam, color in FAMILY_COLORS.items():
             fp = [c for c in pts if c["family"] == fam]
             if fp:
                 ax.scatter([c["arithmetic_intensity"] for c in fp], [c["gflops"] for c in fp],
                            s=8, color=color, alpha=0.3, zorder=2, label=f"{fam} (every size)")
-        # one point per operation (its best GFLOP/s): the LABELLED fastest named on the
-        # chart, the others with a marker of their own in the legend
-        best: Dict[Tuple[str, str], Dict[str, Any]] = {}
-        for c in pts:
-            k = (c["op"], c["variant"])
-            if k not in best or c["gflops"] > best[k]["gflops"]:
-                best[k] = c
-        ranked = sorted(best.values(), key=lambda c: -c["gflops"])
-        # their names stacked in the empty lower right (high intensity, low GFLOP/s), each
-        # with a line to its point, so they cannot overlap one another or the roofs
-        named = sorted(ranked[:LABELLED], key=lambda c: -c["arithmetic_intensity"])
-        for n, c in enumerate(named):
-            ax.scatter([c["arithmetic_intensity"]], [c["gflops"]], s=36, marker="o",
-                       color=FAMILY_COLORS[c["family"]], edgecolor="black", zorder=4)
-            ax.annotate(f"{_label(c)} {c['dtype']}: {c['gflops'] / 1e3:.3g} TFLOP/s",
-                        (c["arithmetic_intensity"], c["gflops"]), fontsize=7,
-                        xytext=(0.97, 0.36 - 0.055 * n), textcoords="axes fraction",
-                        ha="right", va="center", zorder=5,
-                        arrowprops=dict(arrowstyle="-", lw=0.6, color="0.4",
-                                        shrinkA=2, shrinkB=3),
-                        bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="0.7", lw=0.5))
-        for i, c in enumerate(sorted(ranked[LABELLED:], key=lambda c: (c["family"], _label(c)))):
-            ax.scatter([c["arithmetic_intensity"]], [c["gflops"]], s=22, zorder=3,
-                       marker=MARKERS[i % len(MARKERS)], color=FAMILY_COLORS[c["family"]],
-                       edgecolor="black", linewidth=0.4, label=_label(c))
+        _best_points(ax, pts)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("arithmetic intensity (FLOP / byte)")
@@ -238,6 +202,54 @@ def roofline_chart(doc: Dict[str, Any], path: str) -> str:
     ax.set_title(_title(doc, "Roofline (colour: family; the fastest operations named, the "
                              "rest in the legend)"), fontsize=9)
     return _save(fig, path)
+
+
+def _roofs(ax: Any, pts: List[Dict[str, Any]], bw: Optional[float],
+           compute: Dict[str, Any]) -> None:
+    """The roofline's roofs over the measured intensities (from a quarter of the lowest to 4x
+    the highest, at least 100): memory (capped at the highest peak) and the peak of each
+    compute unit the points ran on."""
+    import numpy as np
+    ai = [c["arithmetic_intensity"] for c in pts]
+    x = np.logspace(np.log10(min(ai) / 4), np.log10(max(max(ai) * 4, 100)), 200)
+    units = sorted({c["compute_unit"] for c in pts if c.get("compute_unit")})
+    peaks = [(u, compute[u]["gflops"]) for u in units
+             if compute.get(u, {}).get("gflops")]
+    if bw:
+        ax.plot(x, bw * x if not peaks else np.minimum(bw * x, max(p for _, p in peaks)),
+                color="black", lw=1.5, label=f"memory roof {bw:.0f} GB/s")
+    for (u, p), style in zip(peaks, ("-", "--", "-.", ":", "-", "--")):
+        roof = np.minimum(bw * x, p) if bw else np.full_like(x, p)
+        ax.plot(x, roof, color="gray", ls=style, lw=1,
+                label=f"{u} peak {p / 1e3:.1f} TFLOP/s")
+
+
+def _best_points(ax: Any, pts: List[Dict[str, Any]]) -> None:
+    """One roofline point per operation (its best GFLOP/s): the LABELLED fastest named on
+    the chart, the others with a marker of their own in the legend."""
+    best: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    for c in pts:
+        k = (c["op"], c["variant"])
+        if k not in best or c["gflops"] > best[k]["gflops"]:
+            best[k] = c
+    ranked = sorted(best.values(), key=lambda c: -c["gflops"])
+    # their names stacked in the empty lower right (high intensity, low GFLOP/s), each
+    # with a line to its point, so they cannot overlap one another or the roofs
+    named = sorted(ranked[:LABELLED], key=lambda c: -c["arithmetic_intensity"])
+    for n, c in enumerate(named):
+        ax.scatter([c["arithmetic_intensity"]], [c["gflops"]], s=36, marker="o",
+                   color=FAMILY_COLORS[c["family"]], edgecolor="black", zorder=4)
+        ax.annotate(f"{_label(c)} {c['dtype']}: {c['gflops'] / 1e3:.3g} TFLOP/s",
+                    (c["arithmetic_intensity"], c["gflops"]), fontsize=7,
+                    xytext=(0.97, 0.36 - 0.055 * n), textcoords="axes fraction",
+                    ha="right", va="center", zorder=5,
+                    arrowprops=dict(arrowstyle="-", lw=0.6, color="0.4",
+                                    shrinkA=2, shrinkB=3),
+                    bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="0.7", lw=0.5))
+    for i, c in enumerate(sorted(ranked[LABELLED:], key=lambda c: (c["family"], _label(c)))):
+        ax.scatter([c["arithmetic_intensity"]], [c["gflops"]], s=22, zorder=3,
+                   marker=MARKERS[i % len(MARKERS)], color=FAMILY_COLORS[c["family"]],
+                   edgecolor="black", linewidth=0.4, label=_label(c))
 
 
 def peers_chart(doc: Dict[str, Any], path: str) -> str:
