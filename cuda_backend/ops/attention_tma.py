@@ -24,10 +24,11 @@ ARG_TYPES = "128s128s128sPPiifi"
 BQ = 128            # query rows per block
 THREADS = 384
 MAPS_KEPT = 8
-# keys per tile and ring depth by head_dim (227 KB of shared memory at most)
+# keys per tile, ring depth and turn-taking by head_dim (227 KB of shared memory at most;
+# perf/NOTES.md, "Attention on TMA: overlap and ping-pong")
 CONFIGS: Dict[int, List[Dict[str, Any]]] = {
     64: [{"hd": 64, "bkv": 128, "stages": 3, "tma": True},
-         {"hd": 64, "bkv": 64, "stages": 4, "tma": True}],
+         {"hd": 64, "bkv": 64, "stages": 4, "pingpong": 0, "tma": True}],
     128: [{"hd": 128, "bkv": 128, "stages": 3, "tma": True}],
 }
 
@@ -42,7 +43,8 @@ def usable(info: Any, q: CudaTensor, k: CudaTensor, v: CudaTensor) -> bool:
 
 
 def params(cfg: Dict[str, Any], dtype: CudaDataType, hd: int) -> Dict[str, Any]:
-    return {**dtype_params(dtype), "hd": hd, "bkv": cfg["bkv"], "stages": cfg["stages"]}
+    return {**dtype_params(dtype), "hd": hd, "bkv": cfg["bkv"], "stages": cfg["stages"],
+            "pingpong": cfg.get("pingpong", 1)}
 
 
 def shared_bytes(cfg: Dict[str, Any], hd: int) -> int:
@@ -66,7 +68,7 @@ def kernel(m: Any, dev: int, p: Dict[str, Any], cache: Dict[Any, Any]) -> Any:
 def _site(m: Any, cfg: Dict[str, Any], dtype: CudaDataType, hd: int, dev: int,
           cache: Dict[Any, Any]) -> Tuple[Any, Any]:
     """(kernel, parameter layout) of a config, made once per device in cache."""
-    key = ("fa_tma_site", cfg["bkv"], cfg["stages"], dtype, hd, dev)
+    key = ("fa_tma_site", cfg["bkv"], cfg["stages"], cfg.get("pingpong", 1), dtype, hd, dev)
     site = cache.get(key)
     if site is None:
         p = params(cfg, dtype, hd)
@@ -89,7 +91,8 @@ def launcher(m: Any, cfg: Dict[str, Any], q_shape: Tuple[int, ...], seq_kv: int,
     these shapes (plse 0: no lse), made once per (config, shapes, device) in cache; the
     tensor maps of the last MAPS_KEPT pointer triples kept."""
     b, h, sq, hd = q_shape
-    key = ("fa_tma_launch", cfg["bkv"], cfg["stages"], dtype, q_shape, seq_kv, dev)
+    key = ("fa_tma_launch", cfg["bkv"], cfg["stages"], cfg.get("pingpong", 1), dtype, q_shape,
+           seq_kv, dev)
     go = cache.get(key)
     if go is not None:
         return go
