@@ -9,7 +9,7 @@ key (`plan_key`) and replays them with workspaces taken from the pool directly;
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..dtypes import CudaDataType
 from ..kernels import dtype_params
@@ -244,71 +244,115 @@ def fast_plan(m: Any, g: Geometry, dtype: CudaDataType, prec: Optional[str], dev
     wt released; mma the input repack into xt (one launch per max-grid-z images), the filter
     repack into wt, the GEMM, wt and xt released. A failed launch frees the result, as
     conv2d does."""
-    # one piece: `run` below replays the launches prepared here, with their temporaries
+    geo = (g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.M)
+    fam = family(g, dtype, prec)
+    if fam == "direct":
+        go, args = _direct_launch(m, g, dtype, dev, geo)
+        return _run_source(m, g, dtype, dev, has_bias, fam, go, args)
+    assert cfg is not None
+    fam = config_family(cfg)   # float32's candidates hold both (x3_fits)
+    if fam == "simt":
+        wprep, wargs, wt_bytes, go, args = _simt_launches(m, g, dtype, dev, cfg, geo)
+        return _run_source(m, g, dtype, dev, has_bias, fam, go, args, wprep, wargs, wt_bytes)
+    iprep, iargs, xt_bytes, wprep, wargs, wt_bytes, go, args = _mma_launches(m, g, dtype, dev,
+                                                                             cfg, fam, geo)
+    return _run_source(m, g, dtype, dev, has_bias, fam, go, args, wprep, wargs, wt_bytes,
+                       iprep, iargs, xt_bytes)
+
+
+def _direct_launch(m: Any, g: Geometry, dtype: CudaDataType, dev: int,
+                   geo: Tuple[int, ...]) -> Tuple[Any, Tuple[int, ...]]:
+    """fast_plan's direct kernel, prepared, and its arguments after (x, w, bias, out,
+    has_bias), as run_direct launches it."""
+    prep = m.backend.prepare_launch
+    total = g.N * g.K * g.P * -(-g.Q // DIRECT_VQ)
+    go = prep(get_kernel(m, DIRECT_TEMPLATE, dev, {**dtype_params(dtype), "vq": DIRECT_VQ}),
+              (device_grid_1d(m, total, dev), 1, 1), (256, 1, 1), 0, dev)
+    args = (g.C, g.H, g.W, g.Cg, g.Kg, g.K, g.P, g.Q, g.R, g.S, *geo[:-1], total)
+    return go, args
+
+
+def _simt_launches(m: Any, g: Geometry, dtype: CudaDataType, dev: int, cfg: Dict[str, int],
+                   geo: Tuple[int, ...]) -> Tuple[Any, Tuple[int, ...], int, Any,
+                                                  Tuple[int, ...]]:
+    """fast_plan's SIMT launches, prepared as prepare_weight_simt and run_simt make them: the
+    filter repack (its arguments after (w, wt), wt's bytes), then the GEMM (its arguments
+    after (x, wt, bias, out, has_bias, out_vec))."""
+    prep, es = m.backend.prepare_launch, dtype.itemsize
+    kgp = -(-g.Kg // 4) * 4
+    wt_size = g.groups * g.R * g.S * g.Cg * kgp
+    wt_bytes = wt_size * es
+    wprep = prep(get_kernel(m, PREP_TEMPLATE, dev, {**dtype_params(dtype),
+                                                    "kind": "weight_rsck"}),
+                 (device_grid_1d(m, wt_size, dev), 1, 1), (256, 1, 1), 0, dev)
+    wargs = (g.Kg, g.Cg, g.R * g.S, kgp, wt_size)
+    threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"]) * cfg["slices"]
+    go = prep(get_kernel(m, SIMT_TEMPLATE, dev, {**dtype_params(DT.FLOAT32), **cfg}),
+              (-(-g.M // cfg["bm"]), -(-g.Kg // cfg["bn"]), g.groups), (threads, 1, 1), 0,
+              dev)
+    args = (g.C, g.H, g.W, g.Cg, g.Kg, kgp, g.K, g.P, g.Q, g.R, g.S, *geo)
+    return wprep, wargs, wt_bytes, go, args
+
+
+def _mma_launches(m: Any, g: Geometry, dtype: CudaDataType, dev: int, cfg: Dict[str, int],
+                  fam: str, geo: Tuple[int, ...]) -> Tuple[List[Tuple[Any, int, int]],
+                                                           Tuple[int, ...], int, Any,
+                                                           Tuple[int, ...], int, Any,
+                                                           Tuple[int, ...]]:
+    """fast_plan's mma and TMA launches, prepared as the prepare_*_mma functions and
+    run_repacked make them: the input repack (per max-grid-z images: the launch and the x
+    and xt byte offsets; its arguments, xt's bytes), the filter repack (its arguments, wt's
+    bytes), then the GEMM and its arguments (TMA: ops/conv2d_tma.py's launch, none)."""
+    prep, es = m.backend.prepare_launch, dtype.itemsize
+    cgp = padded_channels(g, dtype)
+    ct, hw = g.groups * cgp, g.H * g.W
+    xt_bytes = g.N * hw * ct * es
+    ikernel = get_kernel(m, PREP_TEMPLATE, dev, {**dtype_params(dtype), "kind": "input_nhwc"})
+    max_z = m.backend.get_device_info(dev).max_grid_dims[2]
+    iprep = [(prep(ikernel, (-(-hw // 32), -(-ct // 32), min(max_z, g.N - n0)), (32, 8, 1),
+                   0, dev), n0 * g.C * hw * es, n0 * hw * ct * es)
+             for n0 in range(0, g.N, max_z)]
+    iargs = (g.C, hw, g.Cg, cgp, ct)
+    wt_size = g.K * g.R * g.S * cgp
+    wt_bytes = wt_size * es
+    wprep = prep(get_kernel(m, PREP_TEMPLATE, dev, {**dtype_params(dtype),
+                                                    "kind": "weight_krsc"}),
+                 (device_grid_1d(m, wt_size, dev), 1, 1), (256, 1, 1), 0, dev)
+    wargs = (g.Cg, g.R * g.S, cgp, wt_size)
+    go: Any
+    args: Tuple[int, ...]
+    if fam == "tma":    # (the mma repacks, then ops/conv2d_tma.py's launch)
+        from .conv2d_tma import runner
+        tma = runner(m, cfg, g, dtype, dev, m.__dict__.setdefault("_conv2d_kernels", {}))
+
+        def go(pxt: int, pwt: int, pb: int, po: int, *_: Any) -> None:
+            tma(pxt, pwt, pb, po)
+        args = ()
+    else:
+        threads = (cfg["bm"] // cfg["wm"]) * (cfg["bn"] // cfg["wn"]) * 32
+        go = prep(get_kernel(m, MMA_TEMPLATE, dev, {**dtype_params(dtype), **cfg}),
+                  (-(-g.M // cfg["bm"]), -(-g.Kg // cfg["bn"]), g.groups),
+                  (threads, 1, 1), mma_shared_bytes(cfg, dtype), dev)
+        args = (g.H, g.W, ct, cgp, g.Kg, g.K, g.P, g.Q, g.R, g.S, *geo)
+    return iprep, iargs, xt_bytes, wprep, wargs, wt_bytes, go, args
+
+
+def _run_source(m: Any, g: Geometry, dtype: CudaDataType, dev: int, has_bias: bool, fam: str,
+                go: Any, args: Tuple[int, ...], wprep: Any = None, wargs: Tuple[int, ...] = (),
+                wt_bytes: int = 0, iprep: Sequence[Tuple[Any, int, int]] = (),
+                iargs: Tuple[int, ...] = (),
+                xt_bytes: int = 0) -> Callable[..., Optional[CudaTensor]]:
+    """run(x, w, bias) for fast_plan: None where the general path must run (freed or
+    streamed operands, a bias it would reject), else the result from the pool after fam's
+    prepared launches (mma: iprep into xt; mma and simt: wprep into wt; then go), their
+    temporaries released."""
     size = g.N * g.K * g.P * g.Q
     nbytes = size * dtype.itemsize
-    out_shape, es = g.out_shape, dtype.itemsize
+    out_shape = g.out_shape
     kshape = (g.K,)
-    prep = m.backend.prepare_launch
     pool = m.backend.memory_pools[dev]
     alloc, release = pool.allocate_current, pool.release
     hb = int(has_bias)
-    geo = (g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.M)
-    fam = family(g, dtype, prec)
-    if fam != "direct":
-        assert cfg is not None
-        fam = config_family(cfg)   # float32's candidates hold both (x3_fits)
-    args: Tuple[int, ...]
-    wargs: Tuple[int, ...]
-    if fam == "direct":
-        total = g.N * g.K * g.P * -(-g.Q // DIRECT_VQ)
-        go = prep(get_kernel(m, DIRECT_TEMPLATE, dev, {**dtype_params(dtype), "vq": DIRECT_VQ}),
-                  (device_grid_1d(m, total, dev), 1, 1), (256, 1, 1), 0, dev)
-        args = (g.C, g.H, g.W, g.Cg, g.Kg, g.K, g.P, g.Q, g.R, g.S, *geo[:-1], total)
-    elif fam == "simt":
-        kgp = -(-g.Kg // 4) * 4
-        wt_size = g.groups * g.R * g.S * g.Cg * kgp
-        wt_bytes = wt_size * es
-        wprep = prep(get_kernel(m, PREP_TEMPLATE, dev, {**dtype_params(dtype),
-                                                        "kind": "weight_rsck"}),
-                     (device_grid_1d(m, wt_size, dev), 1, 1), (256, 1, 1), 0, dev)
-        wargs = (g.Kg, g.Cg, g.R * g.S, kgp, wt_size)
-        assert cfg is not None
-        threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"]) * cfg["slices"]
-        go = prep(get_kernel(m, SIMT_TEMPLATE, dev, {**dtype_params(DT.FLOAT32), **cfg}),
-                  (-(-g.M // cfg["bm"]), -(-g.Kg // cfg["bn"]), g.groups), (threads, 1, 1), 0,
-                  dev)
-        args = (g.C, g.H, g.W, g.Cg, g.Kg, kgp, g.K, g.P, g.Q, g.R, g.S, *geo)
-    else:
-        cgp = padded_channels(g, dtype)
-        ct, hw = g.groups * cgp, g.H * g.W
-        xt_bytes = g.N * hw * ct * es
-        ikernel = get_kernel(m, PREP_TEMPLATE, dev, {**dtype_params(dtype), "kind": "input_nhwc"})
-        max_z = m.backend.get_device_info(dev).max_grid_dims[2]
-        iprep = [(prep(ikernel, (-(-hw // 32), -(-ct // 32), min(max_z, g.N - n0)), (32, 8, 1),
-                       0, dev), n0 * g.C * hw * es, n0 * hw * ct * es)
-                 for n0 in range(0, g.N, max_z)]
-        iargs = (g.C, hw, g.Cg, cgp, ct)
-        wt_size = g.K * g.R * g.S * cgp
-        wt_bytes = wt_size * es
-        wprep = prep(get_kernel(m, PREP_TEMPLATE, dev, {**dtype_params(dtype),
-                                                        "kind": "weight_krsc"}),
-                     (device_grid_1d(m, wt_size, dev), 1, 1), (256, 1, 1), 0, dev)
-        wargs = (g.Cg, g.R * g.S, cgp, wt_size)
-        assert cfg is not None
-        if fam == "tma":    # (the mma repacks, then ops/conv2d_tma.py's launch)
-            from .conv2d_tma import runner
-            tma = runner(m, cfg, g, dtype, dev, m.__dict__.setdefault("_conv2d_kernels", {}))
-
-            def go(pxt: int, pwt: int, pb: int, po: int, *_: Any) -> None:
-                tma(pxt, pwt, pb, po)
-            args = ()
-        else:
-            threads = (cfg["bm"] // cfg["wm"]) * (cfg["bn"] // cfg["wn"]) * 32
-            go = prep(get_kernel(m, MMA_TEMPLATE, dev, {**dtype_params(dtype), **cfg}),
-                      (-(-g.M // cfg["bm"]), -(-g.Kg // cfg["bn"]), g.groups),
-                      (threads, 1, 1), mma_shared_bytes(cfg, dtype), dev)
-            args = (g.H, g.W, ct, cgp, g.Kg, g.K, g.P, g.Q, g.R, g.S, *geo)
 
     def run(x: CudaTensor, w: CudaTensor, bias: Any) -> Optional[CudaTensor]:
         px, pw = x._ptr, w._ptr

@@ -80,26 +80,9 @@ def broadcast_plan(dims: List[Tuple[int, int, int]], itemsize: int, po: int, pa:
     pointer offsets. An innermost dim of `limit` or more goes in pieces of `chunk`
     elements, which keeps 16-byte alignment. Up to 6 collapsed dims thus take fewer than
     3 * elements / (limit - 1) + 1 launches (for chunk >= limit / 2); more dims, one per
-    index of the dims beyond 6. (limit, chunk: smaller values for tests.) One generator:
-    its loops carry the launch-by-launch state."""
-    limit, chunk = limit or LAUNCH_LIMIT, chunk or CHUNK
-    k, n = 0, 1                                    # innermost dims covered whole, elements
-    for size, _, _ in reversed(dims):
-        if k == MAX_BCAST_DIMS or n * size >= limit:
-            break
-        n *= size
-        k += 1
-    first = len(dims) - k                          # the launch's outermost dim
-    split = k < MAX_BCAST_DIMS and first > 0       # the next dim goes in too, in runs
-    if split:
-        first -= 1
+    index of the dims beyond 6. (limit, chunk: smaller values for tests.)"""
+    first, even, pieces, run = _launch_cut(dims, limit or LAUNCH_LIMIT, chunk or CHUNK)
     top_size, top_a, top_b = dims[first]           # the dim cut into runs
-    even = split and k > 0
-    if even:       # `pieces` runs of at most (limit - 1) // n indices, as equal as can be
-        pieces = -(-top_size // ((limit - 1) // n))
-    else:          # one run, or an innermost dim in runs of `chunk`
-        run = min(chunk, limit - 1) if k == 0 else top_size
-        pieces = -(-top_size // run)
     inner = dims[first:][::-1]                     # innermost first, as the kernel wants
     outer = dims[:first]
     step = _prod(d[0] for d in inner[:-1])         # output elements per index of it
@@ -132,6 +115,33 @@ def broadcast_plan(dims: List[Tuple[int, int, int]], itemsize: int, po: int, pa:
             if idx[d] < outer[d][0]:
                 break
             idx[d] = 0
+
+
+def _launch_cut(dims: List[Tuple[int, int, int]], limit: int,
+                chunk: int) -> Tuple[int, bool, int, int]:
+    """broadcast_plan's cut: (first, even, pieces, run). dims[first] is each launch's
+    outermost dim, taken in `pieces` runs of its indices, as equal as can be (even) or of
+    `run` indices, the last shorter (one run, or an innermost dim in runs of `chunk`); the
+    dims inside it go whole: at most 6, under `limit` elements."""
+    k, n = 0, 1                                    # innermost dims covered whole, elements
+    for size, _, _ in reversed(dims):
+        if k == MAX_BCAST_DIMS or n * size >= limit:
+            break
+        n *= size
+        k += 1
+    first = len(dims) - k                          # the launch's outermost dim
+    split = k < MAX_BCAST_DIMS and first > 0       # the next dim goes in too, in runs
+    if split:
+        first -= 1
+    top_size = dims[first][0]
+    even = split and k > 0
+    run = 0
+    if even:       # `pieces` runs of at most (limit - 1) // n indices, as equal as can be
+        pieces = -(-top_size // ((limit - 1) // n))
+    else:          # one run, or an innermost dim in runs of `chunk`
+        run = min(chunk, limit - 1) if k == 0 else top_size
+        pieces = -(-top_size // run)
+    return first, even, pieces, run
 
 
 def _prod(xs: Any) -> int:
