@@ -2611,9 +2611,54 @@ def test_gpu_tma_tf32_public_and_plan_path(m, monkeypatch):
     the TMA configs at all (tma16_shape_ok); all within _check_tma_tf32's bounds."""
     _need_wgmma16(m)
     assert not mm.tma16_shape_ok(DT.FLOAT32, mm.plan_shapes((64, 66), (66, 64)))
+    # (N a multiple of 4: an odd N runs as the padded GEMM, test_gpu_tf32_unaligned_padded)
     _memoized_public_and_plan_path(
         m, monkeypatch, DT.FLOAT32, "tf32", mm.TMA16_TEMPLATE, T16,
-        lambda res, ref, scale, K, what: _check_tma_tf32(m, res, ref, scale, K, what), 3233)
+        lambda res, ref, scale, K, what: _check_tma_tf32(m, res, ref, scale, K, what), 3233,
+        shapes=((1023, 1000, 1028), (300, 296, 512)))
+
+
+@gpu
+@pytest.mark.parametrize("M, K, N", [
+    (1023, 997, 1025), (300, 257, 300), (260, 300, 259), (517, 63, 1001), (77, 5, 131)],
+    ids=lambda s: str(s))
+def test_gpu_tf32_unaligned_padded(m, M, K, N, monkeypatch):
+    """precision="tf32" with K or N not a multiple of 4 past the small class (Hopper): the
+    operands copied into zero-filled rows of K and N rounded up to 4 (matmul_pad), the call
+    tuned and run as that aligned GEMM (its memo entry is the padded shape's), C's first N
+    columns copied out. First call the general path, second the per-call plan (run_config
+    made to raise), then A one float past its 16-byte boundary (the plan declines it where
+    A is read in place: general path); each within _check_tma_tf32's bounds for the real
+    K. The small shape keeps its own path (no padded entry)."""
+    _need_wgmma16(m)
+    dtype = DT.FLOAT32
+    rng = np.random.default_rng(3234)
+    dev = m.backend.current_device
+    a = to_dev(m, rand(rng, (M, K), dtype), dtype)
+    b = to_dev(m, rand(rng, (K, N), dtype), dtype)
+    ref, scale = reference(m, a, b)
+    base = m.create_tensor((M * K + 8,), dtype)
+    a_off = CudaTensor((M, K), dtype, dev, base.ptr + 4, owner=base)
+    m.backend.copy_to_device(m.to_numpy(a), a_off)
+    kp, np_ = -(-K // 4) * 4, -(-N // 4) * 4
+    padded = mm.plan_shapes((M, kp), (kp, np_))
+    big = M * N * K > 256 ** 3
+    key = ("matmul", (M, K), (K, N), dtype, dtype, dev, dev, "tf32")
+    m.plans.pop(key, None)
+    for x, second in ((a, False), (a, True), (a_off, False)):
+        poisoned(m, ref.shape, dtype).free()
+        with monkeypatch.context() as mp:
+            if second and big:
+                mp.setattr("cuda_backend.ops.matmul_launch.run_config", _no_general_path)
+            res = m.matrix_multiply(x, b, precision="tf32")
+        _check_tma_tf32(m, res, ref, scale, K, ((M, K, N), second, x is a_off))
+        res.free()
+        entries = [k for k in mm.memo(m) if type(k) is tuple and len(k) == 5 and
+                   k[0] == padded and k[2] == "tf32"]
+        assert bool(entries) == big, (M, K, N)
+        if big:
+            assert key in m.plans, (M, K, N)
+    base.free()
 
 
 @gpu

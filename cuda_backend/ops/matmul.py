@@ -105,7 +105,8 @@ from .matmul_kernels import (  # noqa: F401
     simt_smem, tn_params, wgmma16_b_direct, wgmma16_ld, wgmma16_ok, wgmma_ok, wgmma_smem)
 from .matmul_launch import (  # noqa: F401
     compile_kernel, memo, op_name, run_config, wgmma16_usable)
-from .matmul_pad import pad_a_launches, pad_b_launches, wgmma16_a_direct  # noqa: F401
+from .matmul_pad import (pad_a_launches, pad_b_launches, run_tf32_padded,  # noqa: F401
+                         tf32_pad_shape, tf32_padded_plan, wgmma16_a_direct)
 from .matmul_plans import config_runner  # noqa: F401
 from .matmul_shapes import is_vec_ok, shape_class, tune_key  # noqa: F401
 from .matmul_skinny import (  # noqa: F401
@@ -144,6 +145,15 @@ def matmul(m: Any, a: CudaTensor, b: CudaTensor, precision: Optional[str] = None
     p = plan_shapes(a.shape, b.shape)
     out, done = _general_out(m, a, b, out, p, dtype, prec, dev)
     if done:
+        return out
+    pad = tf32_pad_shape(m, a, b, p, dtype, prec, dev) if m.gpu else None
+    if pad is not None:
+        run_tf32_padded(m, a, b, out, p, pad[0], pad[1], prec, dev)
+        plan = tf32_padded_plan(m, p, pad[0], pad[1], prec, dev) \
+            if type(a) is CudaTensor and type(b) is CudaTensor else None
+        if plan is not None:
+            common.remember_plan(m, ("matmul", a.shape, b.shape, dtype, dtype, dev, dev,
+                                     precision), plan)
         return out
     vec = launch(m, a, b, out, p, dtype, prec, dev)
     _remember(m, "matmul", a, b, precision, p, dtype, prec, dev, vec)
