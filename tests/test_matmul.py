@@ -2565,6 +2565,18 @@ def test_gpu_tma16_epilogue_store_paths(m, fam, M, K, N):
 
 
 # -- TMA + wgmma TF32: matmul_tma16.cu.j2 for float32 with precision="tf32" ------------------
+def _tf32_operands(m, seed, M, K, N):
+    """(dtype, device, a, b, float64 reference, scale) of a float32 (M, K) @ (K, N) on fresh
+    random inputs, for the TF32 tests on Hopper (skipped elsewhere)."""
+    _need_wgmma16(m)
+    dtype = DT.FLOAT32
+    rng = np.random.default_rng(seed)
+    a = to_dev(m, rand(rng, (M, K), dtype), dtype)
+    b = to_dev(m, rand(rng, (K, N), dtype), dtype)
+    ref, scale = reference(m, a, b)
+    return dtype, m.backend.current_device, a, b, ref, scale
+
+
 def _check_tma_tf32(m, out, ref, scale, K, what):
     """The TF32 family's bound on ||out - ref|| / || |A| @ |B| ||, and elementwise: A
     rounded to TF32 by the tensor map's copy and Bt by the transpose (each <= 2^-11 of the
@@ -2587,13 +2599,7 @@ def test_gpu_tma_tf32_configs(m, M, K, N):
     rounded into Bt first) into a poisoned float32 output: M and N of no tile width (odd N:
     the element stores), K = 4 x odd (partial k-tiles zero-filled by the tensor maps), more
     tiles than SMs (the persistent loop); within _check_tma_tf32's bounds."""
-    _need_wgmma16(m)
-    dtype = DT.FLOAT32
-    rng = np.random.default_rng(3232)
-    dev = m.backend.current_device
-    a = to_dev(m, rand(rng, (M, K), dtype), dtype)
-    b = to_dev(m, rand(rng, (K, N), dtype), dtype)
-    ref, scale = reference(m, a, b)
+    dtype, dev, a, b, ref, scale = _tf32_operands(m, 3232, M, K, N)
     p = mm.plan_shapes(a.shape, b.shape)
     info = m.backend.get_device_info(dev)
     for cfg in T16:
@@ -2630,13 +2636,7 @@ def test_gpu_tf32_unaligned_padded(m, M, K, N, monkeypatch):
     made to raise), then A one float past its 16-byte boundary (the plan declines it where
     A is read in place: general path); each within _check_tma_tf32's bounds for the real
     K. The small shape keeps its own path (no padded entry)."""
-    _need_wgmma16(m)
-    dtype = DT.FLOAT32
-    rng = np.random.default_rng(3234)
-    dev = m.backend.current_device
-    a = to_dev(m, rand(rng, (M, K), dtype), dtype)
-    b = to_dev(m, rand(rng, (K, N), dtype), dtype)
-    ref, scale = reference(m, a, b)
+    dtype, dev, a, b, ref, scale = _tf32_operands(m, 3234, M, K, N)
     base = m.create_tensor((M * K + 8,), dtype)
     a_off = CudaTensor((M, K), dtype, dev, base.ptr + 4, owner=base)
     m.backend.copy_to_device(m.to_numpy(a), a_off)
