@@ -478,22 +478,47 @@ def test_tma_every_config(m, dtype, hd, causal):
     cache = {}
     for cfg in attention_tma.CONFIGS[hd]:
         for b, h, sq, skv in TMA_SHAPES:
-            (q, k, v), (qh, kh, vh) = qkv(m, rng, (b, h, sq, skv, hd), dtype)
-            out = poisoned(m, q.shape, dtype)
-            lse = poisoned(m, (b, h, sq), DT.FLOAT32)
-            sc = 1.0 / math.sqrt(hd)
-            assert attention_tma.usable(m.backend.get_device_info(q.device_id), q, k, v)
-            attention_tma.run(m, cfg, q, k, v, out, lse, sc, causal, cache)
-            err = rel_err(m.to_numpy(out), ref_attention(qh, kh, vh, sc, causal),
-                          ref_attention(qh, kh, vh, sc, causal, magnitude=True))
-            assert err <= BOUNDS[dtype], (cfg, (b, h, sq, skv), causal, err)
-            got = m.to_numpy(lse).astype(np.float64)
-            want = ref_lse(qh, kh, sc, causal)
-            assert np.isfinite(got).all()
-            assert (np.abs(got - want) <= lse_bound(qh, kh, sc, hd, skv)).all(), \
-                (cfg, (b, h, sq, skv), float(np.max(np.abs(got - want))))
-            for t in (q, k, v, out, lse):
-                t.free()
+            _check_tma(m, cfg, (b, h, sq, skv, hd), dtype, causal, 1.0 / math.sqrt(hd), rng,
+                       cache)
+
+
+@gpu
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name_str)
+def test_tma_scales(m, dtype, hd):
+    """Each TMA config with scales of both signs and zero, causal and not (on tiles without
+    a mask the kernel takes the row's max of c s as c max(s) or c min(s)): within the
+    dtype's bound and lse within lse_bound."""
+    from cuda_backend.ops import attention_tma
+    _need_hopper(m)
+    rng = np.random.default_rng(7119)
+    cache = {}
+    for cfg in attention_tma.CONFIGS[hd]:
+        for scale in (-0.3, 0.0, 0.05, 1.0):
+            for causal in (False, True):
+                _check_tma(m, cfg, (1, 2, 300, 333, hd), dtype, causal, scale, rng, cache)
+
+
+def _check_tma(m, cfg, shape, dtype, causal, sc, rng, cache):
+    """One attention_tma.run of cfg on fresh inputs into a poisoned output and lse, checked
+    against the float64 reference (the dtype's bound, lse_bound)."""
+    from cuda_backend.ops import attention_tma
+    b, h, sq, skv, hd = shape
+    (q, k, v), (qh, kh, vh) = qkv(m, rng, shape, dtype)
+    out = poisoned(m, q.shape, dtype)
+    lse = poisoned(m, (b, h, sq), DT.FLOAT32)
+    assert attention_tma.usable(m.backend.get_device_info(q.device_id), q, k, v)
+    attention_tma.run(m, cfg, q, k, v, out, lse, sc, causal, cache)
+    err = rel_err(m.to_numpy(out), ref_attention(qh, kh, vh, sc, causal),
+                  ref_attention(qh, kh, vh, sc, causal, magnitude=True))
+    assert err <= BOUNDS[dtype], (cfg, shape, causal, sc, err)
+    got = m.to_numpy(lse).astype(np.float64)
+    want = ref_lse(qh, kh, sc, causal)
+    assert np.isfinite(got).all()
+    assert (np.abs(got - want) <= lse_bound(qh, kh, sc, hd, skv)).all(), \
+        (cfg, shape, sc, float(np.max(np.abs(got - want))))
+    for t in (q, k, v, out, lse):
+        t.free()
 
 
 @gpu
