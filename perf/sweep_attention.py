@@ -7,10 +7,13 @@ scaled_dot_product_attention in the same process.
 Cases: (batch, heads, seq, head_dim) = (4,16,4096,128) ("long") and (4,8,512,64) ("short"),
 dtypes bfloat16 / float16 / float32, causal and not. Per case it times every config of
 ops.attention's candidate table for that dtype and padded head_dim (launched through
-ops.attention.run_config, bypassing the autotuner), the default public path
-(ops.attention.flash_attention, which autotunes on its first call: that call is warm-up) and
-torch SDPA (TF32 off: torch.backends.cuda.matmul.allow_tf32 = False, so float32 SDPA is true
-float32). Every kernel is compiled first, in parallel threads.
+ops.attention.run_config, bypassing the autotuner), on a Hopper GPU for 16-bit types every
+config of ops/attention_tma.py and its ALTERNATES (attention_tma.run), the default public
+path (ops.attention.flash_attention without out=, so its per-call plan from the second call
+on; the first call autotunes and is warm-up) and torch SDPA (TF32 off:
+torch.backends.cuda.matmul.allow_tf32 = False, so float32 SDPA is true float32), timed
+before and after the variants (the faster of the two is the ratio's base). Every kernel of
+the candidate table is compiled first, in parallel threads.
 
 Timing: cuda_backend.performance.timing.DeviceTimer (CUDA events around single calls on the
 legacy default stream, which torch also uses, with the L2 flushed before each call; median of
@@ -45,6 +48,8 @@ TOL = {"float32": 3e-6, "float16": 1e-2, "bfloat16": 1e-2}
 
 
 def cfg_name(cfg: Dict[str, Any]) -> str:
+    if cfg.get("tma"):
+        return f"tma hd{cfg['hd']} bkv{cfg['bkv']} st{cfg['stages']} pp{cfg.get('pingpong', 1)}"
     return (f"hd{cfg['hd']} bc{cfg['bc']} nw{cfg['nw']} wm{cfg.get('wm', 1)} "
             f"q{int(bool(cfg['q_regs']))} mb{cfg['min_blocks']}")
 
@@ -71,6 +76,7 @@ def main() -> None:
     from cuda_backend.cuda_math import get_cuda_math
     from cuda_backend.kernels import dtype_params
     from cuda_backend.ops import attention as fa
+    from cuda_backend.ops import attention_tma
     from cuda_backend.ops import common
     from cuda_backend.performance.timing import DeviceTimer
     from cuda_backend.profiling import write_json_atomic
@@ -101,6 +107,7 @@ def main() -> None:
           f"{compile_s:.1f} s", flush=True)
 
     timer = DeviceTimer(b, 0, flush_l2=True)
+    tma_cache: Dict[Any, Any] = {}
     R = max(3, args.reps)
 
     def median_ms(fn: Any) -> float:
@@ -148,12 +155,17 @@ def main() -> None:
                 torch_err = max(float(np.linalg.norm(tref[p] - r) / np.linalg.norm(r))
                                 for p, r in refs.items())
                 del tref
-                torch_ms = median_ms(tfn)
+                torch_before = median_ms(tfn)
                 rows: List[Dict[str, Any]] = []
                 variants = []
                 for cfg in fa.configs(dt, fa.padded_head_dim(D)):
                     variants.append((cfg_name(cfg), cfg, (lambda cfg=cfg: fa.run_config(
                         m, cfg, q, k, v, out, sc, causal))))
+                if attention_tma.usable(info, q, k, v):
+                    for cfg in attention_tma.CONFIGS.get(D, []) + \
+                            attention_tma.ALTERNATES.get(D, []):
+                        variants.append((cfg_name(cfg), cfg, (lambda cfg=cfg: attention_tma.run(
+                            m, cfg, q, k, v, out, None, sc, causal, tma_cache))))
                 variants.append(("default path", None, lambda: fa.flash_attention(
                     m, q, k, v, None, causal, out=out)))
                 for name, cfg, launch in variants:
@@ -162,26 +174,37 @@ def main() -> None:
                     try:
                         launch()  # the default path autotunes here
                         row["rel_err"] = check(launch)
-                        row["ms"] = median_ms(launch)
+                        if cfg is None:     # the public call: a new result, its plan
+                            fa.flash_attention(m, q, k, v, None, causal).free()
+                            row["ms"] = timer.median_ms(
+                                lambda: fa.flash_attention(m, q, k, v, None, causal),
+                                warmup=3, iterations=R, release=lambda o: o.free())
+                        else:
+                            row["ms"] = median_ms(launch)
                     except Exception as exc:  # report and go on
                         row["error"] = f"{type(exc).__name__}: {exc}"
                         rows.append(row)
                         continue
                     row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
-                    row["vs_torch"] = torch_ms / row["ms"]
                     row["ok"] = bool(row["rel_err"] <= TOL[dt.name_str])
-                    if cfg is not None:
+                    if cfg is not None and not cfg.get("tma"):
                         kern = fa._kernel(m, fa.TEMPLATE, 0, {**dtype_params(dt), **cfg})
                         row["regs"], row["local_bytes"] = kern.num_regs, kern.local_bytes
                     rows.append(row)
-                key = (0, (dt.name_str, fa.padded_head_dim(D), causal, fa._bucket(S),
-                           fa._bucket(S), fa._bucket(B * H)))
+                torch_after = median_ms(tfn)
+                torch_ms = min(torch_before, torch_after)
+                for row in rows:
+                    if "ms" in row:
+                        row["vs_torch"] = torch_ms / row["ms"]
+                key = ("flash_attention", 0, (dt.name_str, fa.padded_head_dim(D), causal,
+                                              fa._bucket(S), fa._bucket(S), fa._bucket(B * H)))
                 chosen = m.__dict__.get("_attention_choices", {}).get(key)
                 chosen_name = cfg_name(chosen) if chosen else "?"
                 rows.append({"case": case, "dtype": dt.name_str, "causal": causal,
                              "shape": list(shape), "variant": "torch SDPA", "ms": torch_ms,
                              "tflops": flops / (torch_ms * 1e-3) / 1e12, "vs_torch": 1.0,
-                             "rel_err": torch_err})
+                             "rel_err": torch_err, "before_ms": torch_before,
+                             "after_ms": torch_after})
                 for row in rows:
                     if "error" in row:
                         print(f"{case:<34} {row['variant']:<30} FAILED {row['error']}",

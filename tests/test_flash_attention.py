@@ -469,14 +469,14 @@ def lse_bound(q, k, scale, d, skv):
 @pytest.mark.parametrize("hd", [64, 128])
 @pytest.mark.parametrize("dtype", HALF, ids=lambda d: d.name_str)
 def test_tma_every_config(m, dtype, hd, causal):
-    """Each TMA config through attention_tma.run into a poisoned output and lse: query and
-    key lengths of no tile multiple, seq_q != seq_kv both ways, one query and one key;
-    within the dtype's bound and lse within lse_bound."""
+    """Each TMA config (and alternate) through attention_tma.run into a poisoned output and
+    lse: query and key lengths of no tile multiple, seq_q != seq_kv both ways, one query and
+    one key; within the dtype's bound and lse within lse_bound."""
     from cuda_backend.ops import attention_tma
     _need_hopper(m)
     rng = np.random.default_rng(7117)
     cache = {}
-    for cfg in attention_tma.CONFIGS[hd]:
+    for cfg in attention_tma.CONFIGS[hd] + attention_tma.ALTERNATES[hd]:
         for b, h, sq, skv in TMA_SHAPES:
             _check_tma(m, cfg, (b, h, sq, skv, hd), dtype, causal, 1.0 / math.sqrt(hd), rng,
                        cache)
@@ -493,7 +493,7 @@ def test_tma_scales(m, dtype, hd):
     _need_hopper(m)
     rng = np.random.default_rng(7119)
     cache = {}
-    for cfg in attention_tma.CONFIGS[hd]:
+    for cfg in attention_tma.CONFIGS[hd] + attention_tma.ALTERNATES[hd]:
         for scale in (-0.3, 0.0, 0.05, 1.0):
             for causal in (False, True):
                 _check_tma(m, cfg, (1, 2, 300, 333, hd), dtype, causal, scale, rng, cache)

@@ -86,7 +86,8 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
             out += [{**dtype_params(dt), **c} for c in cfgs]
     from . import attention_tma
     tma = [attention_tma.params(c, dt, hd) for dt in (DT.FLOAT16, DT.BFLOAT16)
-           for hd, cfgs in attention_tma.CONFIGS.items() for c in cfgs]
+           for table in (attention_tma.CONFIGS, attention_tma.ALTERNATES)
+           for hd, cfgs in table.items() for c in cfgs]
     return {TEMPLATE: out, TMA_TEMPLATE: tma}
 
 
