@@ -33,6 +33,7 @@ BLOCK = 128           # threads per block of "gather" and "convert"
 TILE_BLOCK = 256      # "tile": 32 x 8 threads
 TILE = 32
 MAX_DIMS = 8          # dims one "gather" launch covers (after merging)
+GATHER_ITEMS = 4      # items a "gather" thread moves per step (strided_copy.cu.j2 GU)
 MAX_BATCH = 6         # batch dims around a "tile" launch's two
 MAX_GRID = 2**31 - 1
 MAX_PIECES = 8        # pieces one "cat" launch moves
@@ -131,8 +132,8 @@ def _gather_launch(itemsize: int, sizes: List[int], si: List[int], so: List[int]
     inner_first = sizes[::-1]
     args = [items, len(sizes), mode, int(out_contig)] + dims_args(inner_first, bits, MAX_DIMS) \
         + pad(si[::-1], MAX_DIMS) + pad(so[::-1], MAX_DIMS)
-    return Launch(TEMPLATE, copy_params("gather", itemsize, bits), grid_blocks(items, BLOCK),
-                  (BLOCK, 1, 1), args)
+    return Launch(TEMPLATE, copy_params("gather", itemsize, bits),
+                  grid_blocks(items, BLOCK * GATHER_ITEMS), (BLOCK, 1, 1), args)
 
 
 def _tile_launch(itemsize: int, sizes: List[int], si: List[int], so: List[int],
