@@ -1062,7 +1062,8 @@ def test_cluster_configs_are_consistent():
     floats; k groups split evenly over kw; rows of bk + 4 an odd number of 16-byte units;
     32 rows split evenly over the cluster (at most 8 blocks, the portable size); dynamic
     shared memory <= 227 KB. The element-copy configs are a subset."""
-    assert len(mm.CLUSTER_F32) == 2 * len(mm.CLUSTER_TILES) * len(mm.CLUSTER_SPLITS)
+    assert len(mm.CLUSTER_F32) == (2 * len(mm.CLUSTER_TILES) + len(mm.CLUSTER_NARROW_TILES)) \
+        * len(mm.CLUSTER_SPLITS)
     for c in mm.CLUSTER_F32:
         threads = mm.cluster_threads(c)
         assert threads % 32 == 0 and 128 <= threads <= 512, c
@@ -1107,8 +1108,11 @@ def test_cluster_variants_are_the_configs():
         assert len(sig) == 8 + (params["epilogue"] == mm.GRAD_EPILOGUE), sig
 
 
-@pytest.mark.parametrize("bn", [64, 128])
-@pytest.mark.parametrize("tile", mm.CLUSTER_TILES, ids=lambda t: "{}x{}_kw{}".format(*t))
+CLUSTER_BN_TILES = sorted({(c["bn"], (c["tr"], c["tc"], c["kw"])) for c in mm.CLUSTER_F32})
+
+
+@pytest.mark.parametrize("bn,tile", CLUSTER_BN_TILES,
+                         ids=lambda v: str(v) if isinstance(v, int) else "{}x{}_kw{}".format(*v))
 def test_cluster_lane_math_against_numpy(bn, tile):
     """The kernel's lane index math in NumPy: warp w is (k group w / (WR WN), row group,
     column group), lane (rg, cg) owns rows row0 + 4 i and columns col0 + 8 j (B (N, K)) or
@@ -1199,7 +1203,7 @@ def _check_cluster_tile_through_smem(cfg, b_trans):
     np.testing.assert_allclose(tile, x @ (w.T if b_trans else w), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("bn", [64, 128])
+@pytest.mark.parametrize("bn", [32, 64, 128])
 @pytest.mark.parametrize("splits", mm.CLUSTER_SPLITS)
 def test_cluster_block_math_against_numpy(bn, splits):
     """The kernel's block index math (matmul.cluster_blocks) in NumPy: the output tiles once
@@ -1248,12 +1252,12 @@ def test_cluster_candidates_where_offered():
     132 SMs (the largest whose blocks fit, then the next), never one with an empty K slice;
     element copies get CLUSTER_F32_SCALAR's only. Every candidate is a listed variant."""
     variants = {tuple(sorted(v.items())) for v in mm.template_variants()[mm.SKINNY_TEMPLATE]}
-    for (M, K, N), want in (((32, 1024, 4096), {64: (2, 4), 128: (4, 8)}),
-                            ((32, 1024, 1024), {64: (8,), 128: (8,)}),
-                            ((64, 1024, 1024), {64: (4, 8), 128: (8,)}),
-                            ((1, 256, 16384), {64: (1, 2), 128: (1, 2)}),
-                            ((32, 257, 1024), {64: (2,), 128: (2,)}),
-                            ((7, 4097, 3), {64: (8,), 128: (8,)})):
+    for (M, K, N), want in (((32, 1024, 4096), {32: (1, 2), 64: (2, 4), 128: (4, 8)}),
+                            ((32, 1024, 1024), {32: (4, 8), 64: (8,), 128: (8,)}),
+                            ((64, 1024, 1024), {32: (2, 4), 64: (4, 8), 128: (8,)}),
+                            ((1, 256, 16384), {32: (1, 2), 64: (1, 2), 128: (1, 2)}),
+                            ((32, 257, 1024), {32: (2,), 64: (2,), 128: (2,)}),
+                            ((7, 4097, 3), {32: (8,), 64: (8,), 128: (8,)})):
         p = mm.Plan(1, M, N, K, 0, 0, (M, N))
         for bn, splits in want.items():
             assert mm.cluster_split_choices(bn, 32, p, 132) == splits, ((M, K, N), bn)
