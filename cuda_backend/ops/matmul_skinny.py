@@ -151,12 +151,12 @@ def _cluster(bn: int, tr: int, tc: int, kw: int, splits: int, bk: int = 32, stag
 # second launch and splits x M x N partials through memory). (tr, tc, kw) per lane and warp
 # group: threads = 32 (32 / 4 tr) (bn / 8 tc) kw, 128 to 512; CLUSTER_F32 holds every
 # bn x tile x split count (the cluster size is compiled in; bn 32 with CLUSTER_NARROW_TILES
-# only), the calls get the split counts near one wave of blocks (cluster_split_choices). Timed on an H100 (cold L2): linear
-# 32x1024 -> 4096 + GELU 19.1 us (bn 64, 2 splits, 8x4 kw 4) against the split-K + reduce's
-# 24.6, 32x1024 -> 1024 11.8 (bn 64, 8 splits, 4x4 kw 1) against 15.5, matmul
-# 32x1024 @ 1024x4096 17.2 against 20.0; 32x4096 -> 1024 at parity (24.3 / 24.2). ptxas
-# sm_90, no spills: 87-168 registers, 252 for bn 64 8x8 kw 4 with B (N, K) (128 threads);
-# bn 32: 96-122.
+# only), the calls get the split counts near one wave of blocks (cluster_split_choices).
+# Timed on an H100 (cold L2): linear 32x1024 -> 4096 + GELU 19.1 us (bn 64, 2 splits, 8x4
+# kw 4) against the split-K + reduce's 24.6, 32x1024 -> 1024 11.8 (bn 64, 8 splits, 4x4
+# kw 1) against 15.5, matmul 32x1024 @ 1024x4096 17.2 against 20.0; 32x4096 -> 1024 at
+# parity (24.3 / 24.2). ptxas sm_90, no spills: 87-168 registers, 252 for bn 64 8x8 kw 4
+# with B (N, K) (128 threads); bn 32: 96-122.
 CLUSTER_TILES = ((4, 4, 1), (4, 4, 2), (8, 4, 2), (8, 4, 4), (8, 8, 4))
 CLUSTER_SPLITS = (1, 2, 4, 8)
 # 32-column tiles (two of the tiles, 128 threads): where N is small and K large, twice the
