@@ -529,12 +529,14 @@ def test_template_variants():
     v = nb.template_variants()
     ln, bn = v[nb.LN_TEMPLATE], v[nb.BN_TEMPLATE]
     # per dtype: warp nvs x aligned / not; block configs x (aligned with and without
-    # prefetch, the element path: one kernel for both); rowstats, apply, finalize
-    assert len(ln) == sum(2 * len(lb.ln_warp_nvs(dt)) + 3 * len(lb.LN_BLOCK_CONFIGS) + 3
+    # prefetch, the element path: one kernel for both); each of those with its finalize
+    # fused and not; rowstats, apply, finalize
+    assert len(ln) == sum(2 * (2 * len(lb.ln_warp_nvs(dt)) + 3 * len(lb.LN_BLOCK_CONFIGS)) + 3
                           for dt in FLOATS)
     rows = [p for p in ln if p["kernel"] == "rows"]
     assert all(p["aligned"] and p["mode"] == "block" for p in rows if p["prefetch"])
-    assert sum(p["prefetch"] for p in rows) == len(FLOATS) * len(lb.LN_BLOCK_CONFIGS)
+    assert sum(p["prefetch"] for p in rows) == 2 * len(FLOATS) * len(lb.LN_BLOCK_CONFIGS)
+    assert sum(p["fused"] for p in rows) == len(rows) // 2
     assert len(bn) == 4 * 3 * 2    # the passes finalize their channel groups themselves
     assert {(p["kernel"], p["layout"]) for p in bn} == {
         (k, lay) for k in ("reduce", "eval", "apply") for lay in ("nc", "ncs")}
@@ -619,6 +621,7 @@ def test_batch_norm_backward_errors(apis):
 
 
 LN_STUB_SCRIPT = r'''
+    import struct
     from cuda_backend.cuda_ml import CudaML
     from cuda_backend.ops import layer_norm_backward_plans as lb
     ml = CudaML(m)
@@ -653,6 +656,31 @@ LN_STUB_SCRIPT = r'''
         launches.clear()
         ml.layer_norm_backward(G, Xm, W)
         assert launches[0][3] == sums, launches[0][3]
+    # few partials (blocks x D <= LN_FUSE_MAX): one launch, the rows kernel's last block adds
+    # them (its ticket counter, grad_weight and grad_bias after the rows kernel's arguments)
+    for shape, dtype, weight in (((64, 64), DT.FLOAT32, True), ((5, 1000), DT.FLOAT16, False)):
+        host = np.float16 if dtype is DT.FLOAT16 else dtype.numpy_dtype
+        G, X = (m.from_numpy(rng.standard_normal(shape).astype(host)) for _ in range(2))
+        W = m.from_numpy(np.ones(shape[-1], host)) if weight else None
+        D, key = shape[-1], ("layer_norm_backward", shape, dtype, 0, 1e-5, not weight)
+        q = lb.ln_prepared(m, dtype, D, 0, True)
+        geo = lb.ln_geometry(q, shape[0], D, True, dtype)
+        assert geo["fused"] and geo["nparts"] * D <= lb.LN_FUSE_MAX
+        assert not lb.ln_geometry(dict(q, fuse_max=0), shape[0], D, True, dtype)["fused"]
+        m.plans.pop(key, None)
+        launches.clear()
+        out = ml.layer_norm_backward(G, X, W)
+        general = list(launches)
+        assert len(general) == 1 and general[0][0] == geo["grid"], general
+        counter = lb.LN_COUNTERS.get(m, 0, None, 1).ptr
+        tail = struct.pack("PPP", counter, out[1].ptr if weight else 0, out[2].ptr)
+        assert general[0][2].endswith(tail)
+        for t in out:
+            if t is not None:
+                t.free()
+        launches.clear()
+        again = ml.layer_norm_backward(G, X, W)              # through the plan
+        assert launches == general
     print("OK")
 '''
 
@@ -745,6 +773,52 @@ def test_gpu_layer_norm_prefetch_pipeline(apis, dtype, monkeypatch):
            m.create_tensor((D,), dtype))
     lb.ln_launch(m, dict(q, resident=min(q["resident"], 2)), g, x, w, *out, 1e-5)
     check_ln(m, out, hg, hx, hw, 1e-5, dtype, f"D={D} without the stages")
+    free(out, g, x, w)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
+def test_gpu_layer_norm_fused_finalize(apis, dtype):
+    """The rows kernel that adds its own partials (blocks x D <= LN_FUSE_MAX): right on odd
+    shapes, one block and many (grids capped at 1, 3 and the plan's own), with and without
+    weight; the two-launch path (fuse_max 0) on the same inputs within the same bounds; the
+    same bits on a repeat; the ticket counter back at 0 after the launches, on the default
+    stream and on a second one (through the public method)."""
+    m, ml = apis
+    rng = np.random.default_rng(26)
+    vec = 16 // dtype.itemsize
+    for rows, D in ((1, 1), (3, 7), (64, 64), (33, 255), (300, 27), (5000, 3), (2, 4095)):
+        for weight in (True, False):
+            g, hg, x, hx, w, hw = ln_inputs(m, rng, (rows, D), dtype, weight)
+            aligned = D % vec == 0
+            q = lb.ln_prepared(m, dtype, D, 0, aligned)
+            assert q["mode"] != "loop"
+            for cap in (1, 3, q["resident"]):
+                qc = dict(q, resident=min(q["resident"], cap))
+                geo = lb.ln_geometry(qc, rows, D, aligned, dtype)
+                assert geo["fused"], (rows, D, geo)
+                got = []
+                for qq in (qc, qc, dict(qc, fuse_max=0)):
+                    out = (m.create_tensor((rows, D), dtype),
+                           m.create_tensor((D,), dtype) if w is not None else None,
+                           m.create_tensor((D,), dtype))
+                    lb.ln_launch(m, qq, g, x, w, *out, 1e-5)
+                    check_ln(m, out, hg, hx, hw, 1e-5, dtype,
+                             f"({rows}, {D}) grid={geo['grid']} fused={qq is qc}")
+                    got.append([None if t is None else m.to_numpy(t) for t in out])
+                    free(out)
+                for a, b in zip(got[0], got[1]):     # the fused kernel twice: the same bits
+                    if a is not None:
+                        np.testing.assert_array_equal(a, b)
+            assert m.to_numpy(lb.LN_COUNTERS.get(m, 0, None, 1))[0] == 0
+            free(g, x, w)
+    g, hg, x, hx, w, hw = ln_inputs(m, rng, (64, 64), dtype)
+    s = m.backend.stream()
+    with s:
+        out = ml.layer_norm_backward(g, x, w)
+    s.synchronize()
+    check_ln(m, out, hg, hx, hw, 1e-5, dtype, "(64, 64) on a stream")
+    assert m.to_numpy(lb.LN_COUNTERS.get(m, 0, s.pycuda_stream, 1))[0] == 0
     free(out, g, x, w)
 
 

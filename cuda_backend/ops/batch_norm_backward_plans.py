@@ -264,12 +264,5 @@ def _bn_dx_block(nbytes: int, variants: List[tuple]) -> Tuple[int, int]:
 
 def _bn_counter_source(m: Any, dev: int, groups: int) -> Callable[[], int]:
     """counters() for bn_call_plan's run: the pointer of at least `groups` ticket counters
-    for direct launches (no stream block open), fetched again once grown or evicted."""
-    held = [bn_counters(m, dev, None, groups)]
-
-    def counters() -> int:
-        t = held[0]
-        if t._ptr is None:   # grown or evicted (freed): fetched again
-            t = held[0] = bn_counters(m, dev, None, groups)
-        return t._ptr
-    return counters
+    for direct launches (no stream block open)."""
+    return COUNTERS.source(m, dev, groups)

@@ -382,6 +382,19 @@ class TicketCounters:
                 per[key] = t
             return t
 
+    def source(self, m: Any, dev: int, count: int) -> Callable[[], int]:
+        """For a per-call plan's direct launches (no `with stream:` block): a function giving
+        the pointer of at least `count` counters on (dev, the legacy default stream),
+        fetched again once grown or evicted (freed)."""
+        held = [self.get(m, dev, None, count)]
+
+        def pointer() -> int:
+            t = held[0]
+            if t._ptr is None:
+                t = held[0] = self.get(m, dev, None, count)
+            return t._ptr
+        return pointer
+
 
 # -- the public methods' binding to their op --------------------------------------------------
 class LazyOp:

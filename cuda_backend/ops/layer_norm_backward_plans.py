@@ -1,7 +1,9 @@
 """Layer normalization backward's kernels (`templates/layer_norm_backward.cu.j2`): the
 register plans that hold a row ("warp" and "block" mode, with or without the prefetch stages)
 and "loop" mode for longer rows, their parameters and shared memory, the plan the rule picks
-for a row length, prepared per device, its launches, and the per-call plan that replays them.
+for a row length, prepared per device, its launches (the register plans' rows kernel sums
+its partials itself where there are few: one launch instead of two), and the per-call plan
+that replays them.
 ops/normalization_backward.py's layer_norm_backward checks the arguments and calls these; its
 docstring has the design and the floor.
 """
@@ -13,6 +15,7 @@ from .. import occupancy
 from ..dtypes import CudaDataType
 from ..errors import InvalidArgumentError
 from ..kernels import dtype_params
+from ..streams import current_pycuda_stream
 from ..tensor import CudaTensor, pool_tensor
 from . import common
 from .normalization_common import acc_dtype, grad_pointers, prepared, vec_width
@@ -28,6 +31,8 @@ LN_ROWSTATS_BLOCK = 512
 LN_APPLY_BLOCK = 256
 LN_APPLY_BLOCKS_PER_SM = 4     # apply's splits: about one resident wave
 LN_FINAL_BLOCK = (32, 32, 1)
+LN_FUSE_MAX = 8192             # partials (blocks x D) the rows kernel's last block adds itself
+LN_COUNTERS = common.TicketCounters(64)   # the fused rows kernel's ticket, per stream
 
 
 # -- template parameter sets ---------------------------------------------------------------
@@ -43,9 +48,10 @@ def ln_block_nv(dtype: CudaDataType) -> int:
 
 
 def ln_params(dtype: CudaDataType, kernel: str, plan: Optional[Dict[str, Any]] = None,
-              aligned: bool = True) -> Dict[str, Any]:
+              aligned: bool = True, fused: bool = False) -> Dict[str, Any]:
     """layer_norm_backward.cu.j2 parameters of kernel "rows" (for a plan of mode "warp" or
-    "block", aligned or not), "rowstats", "apply" or "finalize"."""
+    "block", aligned or not, its partials summed by a "finalize" launch or, fused, by its
+    own last block), "rowstats", "apply" or "finalize"."""
     p: Dict[str, Any] = {**dtype_params(dtype), "kernel": kernel}
     if kernel == "rows":
         if plan is None or plan["mode"] not in ("warp", "block"):
@@ -53,7 +59,7 @@ def ln_params(dtype: CudaDataType, kernel: str, plan: Optional[Dict[str, Any]] =
                 f"kernel 'rows' needs a register plan (mode 'warp' or 'block'), got {plan!r}")
         p.update(mode=plan["mode"], nv=plan["nv"], vec=vec_width(dtype), aligned=bool(aligned),
                  block_size=plan["block"], min_blocks=max(1, 1024 // plan["block"]),
-                 prefetch=ln_prefetches(plan, aligned))
+                 prefetch=ln_prefetches(plan, aligned), fused=bool(fused))
         if plan["mode"] == "block":
             p["threads_per_row"] = plan["tpr"]
     elif kernel == "rowstats":
@@ -146,7 +152,8 @@ def ln_capacity(plan: Dict[str, Any], dtype: CudaDataType) -> int:
 def ln_prepare(m: Any, plan: Dict[str, Any], dtype: CudaDataType, D: int, dev: int,
                aligned: bool) -> Dict[str, Any]:
     """The plan with what its launches need: compiled kernel names, the rows kernel's shared
-    memory and resident blocks on this device (register plans), the finalize kernel."""
+    memory and resident blocks on this device (register plans; "rows_fused": the same with
+    its finalize fused), the finalize kernel."""
     info = m.backend.get_device_info(dev)
     q = dict(plan, sms=int(info.multiprocessor_count), aligned=bool(aligned),
              final=m.kernel(LN_TEMPLATE, dev, **ln_params(dtype, "finalize")).name)
@@ -158,10 +165,11 @@ def ln_prepare(m: Any, plan: Dict[str, Any], dtype: CudaDataType, D: int, dev: i
         plan = dict(plan, prefetch=False)   # the same rows without the stages
         q["prefetch"] = False
     kernel = m.kernel(LN_TEMPLATE, dev, **ln_params(dtype, "rows", plan, aligned))
+    fused = m.kernel(LN_TEMPLATE, dev, **ln_params(dtype, "rows", plan, aligned, True))
     rpb = plan["block"] // plan["tpr"]
     smem = rpb * 2 * ln_capacity(plan, dtype) * acc_dtype(dtype).itemsize + \
         ln_stage_bytes(plan, aligned)
-    q.update(rows=kernel.name, smem=smem, rpb=rpb,
+    q.update(rows=kernel.name, rows_fused=fused.name, smem=smem, rpb=rpb,
              resident=q["sms"] * occupancy.blocks_per_sm(kernel, info, plan["block"], smem))
     return q
 
@@ -175,8 +183,9 @@ def ln_prepared(m: Any, dtype: CudaDataType, D: int, dev: int, aligned: bool) ->
 def ln_geometry(q: Dict[str, Any], rows: int, D: int, vec_ok: bool,
                 dtype: CudaDataType) -> Dict[str, Any]:
     """Launch sizes of a prepared plan over rows: the main kernel's grid and block, the
-    partial rows it writes (nparts) and the workspace bytes (loop: the row statistics, then
-    the partials)."""
+    partial rows it writes (nparts), the workspace bytes (loop: the row statistics, then
+    the partials) and whether the rows kernel sums the partials itself ("fused": at most
+    q's "fuse_max", default LN_FUSE_MAX, partial elements)."""
     asz = acc_dtype(dtype).itemsize
     if q["mode"] == "loop":
         w = vec_width(dtype) if vec_ok else 1
@@ -185,10 +194,12 @@ def ln_geometry(q: Dict[str, Any], rows: int, D: int, vec_ok: bool,
         stats_bytes = rows * 4 * asz
         return {"stats_grid": (max(1, min(rows, 2**31 - 1)), 1, 1),
                 "grid": (gx, splits, 1), "block": (LN_APPLY_BLOCK, 1, 1), "nparts": splits,
-                "stats_bytes": stats_bytes, "ws_bytes": stats_bytes + splits * 2 * D * asz}
+                "stats_bytes": stats_bytes, "ws_bytes": stats_bytes + splits * 2 * D * asz,
+                "fused": False}
     grid = max(1, min(-(-rows // q["rpb"]), q["resident"]))
     return {"grid": (grid, 1, 1), "block": (q["block"], 1, 1), "nparts": grid,
-            "stats_bytes": 0, "ws_bytes": grid * 2 * D * asz}
+            "stats_bytes": 0, "ws_bytes": grid * 2 * D * asz,
+            "fused": grid * D <= q.get("fuse_max", LN_FUSE_MAX)}
 
 
 def ln_launch(m: Any, q: Dict[str, Any], g: CudaTensor, x: CudaTensor, w: Optional[CudaTensor],
@@ -212,6 +223,12 @@ def ln_launch(m: Any, q: Dict[str, Any], g: CudaTensor, x: CudaTensor, w: Option
                    block_size=(LN_ROWSTATS_BLOCK, 1, 1), device_id=dev)
             launch(q["apply"], geo["grid"], g, x, wp, ws, dx, parts, rows, D, vec_ok,
                    block_size=geo["block"], device_id=dev)
+        elif geo["fused"]:
+            counter = LN_COUNTERS.get(m, dev, current_pycuda_stream(dev), 1)
+            launch(q["rows_fused"], geo["grid"], g, x, wp, dx, parts, rows, D, q["tpr"],
+                   1.0 / D, eps, counter, dw if dw is not None else 0, db,
+                   block_size=geo["block"], shared_mem=q["smem"], device_id=dev)
+            return
         else:
             launch(q["rows"], geo["grid"], g, x, wp, dx, parts, rows, D, q["tpr"], 1.0 / D, eps,
                    block_size=geo["block"], shared_mem=q["smem"], device_id=dev)
@@ -236,6 +253,8 @@ def ln_call_plan(m: Any, x: CudaTensor, has_weight: bool, eps: float) -> Any:
     vec_rows = D % vec == 0
     dshape, dbytes = (D,), D * dtype.itemsize
     variants = _ln_variants(m, dtype, D, dev, rows, vec_rows)
+    counter = LN_COUNTERS.source(m, dev, 1) if any(v[2] is None for v in variants.values()) \
+        else (lambda: 0)
     pool = backend.memory_pools[dev]
     alloc, release = pool.allocate_current, pool.release
     direct = backend.direct_launch
@@ -259,13 +278,18 @@ def ln_call_plan(m: Any, x: CudaTensor, has_weight: bool, eps: float) -> Any:
         try:
             base = int(ws)
             parts = base + geo["stats_bytes"]
+            pdw = dw._ptr if dw is not None else 0
             if second is not None:
                 vec_ok = int(aligned)
                 first(pg, px, pw, base, rows, D, vec_ok, inv_d, eps)
                 second(pg, px, pw, base, pdx, parts, rows, D, vec_ok)
+            elif final is None:   # the rows kernel sums its partials (geometry "fused")
+                first(pg, px, pw, pdx, parts, rows, D, tpr, inv_d, eps, counter(), pdw,
+                      db._ptr)
             else:
                 first(pg, px, pw, pdx, parts, rows, D, tpr, inv_d, eps)
-            final(parts, geo["nparts"], D, dw._ptr if dw is not None else 0, db._ptr)
+            if final is not None:
+                final(parts, geo["nparts"], D, pdw, db._ptr)
         finally:
             release(ws)   # as ws.free() in the general path: stream-ordered
         return dx, dw, db
@@ -275,7 +299,8 @@ def ln_call_plan(m: Any, x: CudaTensor, has_weight: bool, eps: float) -> Any:
 def _ln_variants(m: Any, dtype: CudaDataType, D: int, dev: int, rows: int,
                  vec_rows: bool) -> Dict[bool, tuple]:
     """ln_call_plan's prepared launches by alignment (both where D is a whole number of
-    vectors): (first, second or None, final, geometry, threads per row)."""
+    vectors): (first, second or None, final or None (fused rows), geometry, threads per
+    row)."""
     backend = m.backend
     prep = backend.prepare_launch
     variants = {}
@@ -289,8 +314,11 @@ def _ln_variants(m: Any, dtype: CudaDataType, D: int, dev: int, rows: int,
                          (LN_ROWSTATS_BLOCK, 1, 1), 0, dev)
             second = prep(backend.get_kernel(q["apply"], dev), geo["grid"], geo["block"], 0, dev)
         else:
-            first = prep(backend.get_kernel(q["rows"], dev), geo["grid"], geo["block"],
-                         q["smem"], dev)
+            name = q["rows_fused"] if geo["fused"] else q["rows"]
+            first = prep(backend.get_kernel(name, dev), geo["grid"], geo["block"], q["smem"],
+                         dev)
             second = None
+            if geo["fused"]:
+                final = None
         variants[aligned] = (first, second, final, geo, q["tpr"])
     return variants

@@ -82,9 +82,10 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     for dt in DTYPES:
         for plan in ln_row_plans(dt):
             for aligned in (True, False):
-                p = ln_params(dt, "rows", plan, aligned)
-                if p not in ln:   # (an element-path kernel is the same with or without)
-                    ln.append(p)
+                for fused in (False, True):
+                    p = ln_params(dt, "rows", plan, aligned, fused)
+                    if p not in ln:   # (an element-path kernel is the same with or without)
+                        ln.append(p)
         for kernel in ("rowstats", "apply", "finalize"):
             ln.append(ln_params(dt, kernel))
         for kernel in ("reduce", "eval", "apply"):
