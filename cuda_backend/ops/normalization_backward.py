@@ -12,7 +12,9 @@ layer_norm_backward(grad_out, x, weight=None, eps) over the last axis (D), rows 
   row) that reads x and g once and writes grad_x once; each thread adds g * xhat and g of its
   columns into the block's shared-memory sums, which end as one partial row per block
   (float32, float64 for float64), and a "finalize" kernel adds those rows per column in a
-  fixed order (double). Block mode prefetches on the 16-byte path: each thread copies its
+  fixed order (double); where blocks x D <= 8192 the rows kernel's last block (by a ticket)
+  adds them itself, in the same way: one launch (perf/NOTES.md, "Per-call host cost" S15).
+  Block mode prefetches on the 16-byte path: each thread copies its
   share of the next trip's row into shared memory (cp.async, two stages) before working on
   this one's, so an SM keeps 1024 threads x 64 bytes of loads in flight through the
   reductions and the stores; without it an SM's loads stop whenever all its blocks are
