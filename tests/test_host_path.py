@@ -1622,23 +1622,28 @@ SHAPE_BN_SCRIPT = NN_SCRIPT[:NN_SCRIPT.index("\nif WHICH == ")] + textwrap.deden
     with pytest.raises(TensorFreedError):
         dead.view(4096)
 
-    # batch_norm_backward: training (pass with its finalize, apply) and inference (the pass),
-    # NCHW / NCL / NC layouts, float32/64/16, grads vectorized or not
+    # batch_norm_backward: training (pass with its finalize, apply; one fused pass for small
+    # channel groups) and inference (the pass), NCHW / NCL / NC layouts, float32/64/16,
+    # grads vectorized or not
     ml.batch_norm_backward(t((2, 3)), t((2, 3)), t((3,)))   # (its ticket counters, made once)
-    for shape, dt in (((1, 8, 16, 16), np.float32), ((2, 3, 5, 7), np.float32),
-                      ((3, 6, 7), np.float64), ((2, 16, 8, 8), np.float16),
-                      ((33, 12), np.float32)):
+    for shape, dt, train_launches in (
+            ((1, 8, 16, 16), np.float32, 1), ((2, 3, 5, 7), np.float32, 1),
+            ((3, 6, 7), np.float64, 1), ((2, 16, 8, 8), np.float16, 1),
+            ((33, 12), np.float32, 1), ((2, 3, 80, 80), np.float32, 2),
+            ((9000, 4), np.float32, 2)):
         X, G = t(shape, dt), t(shape, dt)
         C = shape[1]
         gam, rm, rv = t((C,), dt), t((C,), dt), m.from_numpy(np.ones(C, dt))
         same_as_general(lambda: ml.batch_norm_backward(G, X, gam),
-                        ("batch_norm_backward", X.shape, X.dtype, 0, 1e-5, True), 2)
+                        ("batch_norm_backward", X.shape, X.dtype, 0, 1e-5, True),
+                        train_launches)
         same_as_general(lambda: ml.batch_norm_backward(G, X, gam, eps=1e-3, training=False,
                                                        running_mean=rm, running_var=rv),
                         ("batch_norm_backward", X.shape, X.dtype, 0, 1e-3, False), 1)
         same_as_general(lambda: ml.batch_norm_backward(G, X, gam, running_mean=rm,
                                                        running_var=rv),
-                        ("batch_norm_backward", X.shape, X.dtype, 0, 1e-5, True), 2)
+                        ("batch_norm_backward", X.shape, X.dtype, 0, 1e-5, True),
+                        train_launches)
     X, G = t((4, 8, 4, 4)), t((4, 8, 4, 4))
     gam, rm, rv = t((8,)), t((8,)), m.from_numpy(np.ones(8, np.float32))
     key = ("batch_norm_backward", X.shape, X.dtype, 0, 1e-5, True)
@@ -1833,10 +1838,11 @@ BN_TICKET_SCRIPT = script(STUBS, r'''
     def allocations():
         return pool.get_stats()["allocation_count"]
 
-    # small: the workspace inside grad_input's block (3 allocations, 2 launches / 1 launch)
+    # small: the workspace inside grad_input's block (3 allocations), one launch (training:
+    # the pass computes grad_input itself, bb.BN_FUSE_MAX)
     X, G, gam = t((1, 8, 16, 16)), t((1, 8, 16, 16)), t((8,))
     rm, rv = t((8,)), m.from_numpy(np.ones(8, np.float32))
-    for training, nlaunch in ((True, 2), (False, 1)):
+    for training, nlaunch in ((True, 1), (False, 1)):
         kw = {} if training else {"training": False, "running_mean": rm, "running_var": rv}
         key = ("batch_norm_backward", X.shape, X.dtype, 0, 1e-5, training)
         for r in ml.batch_norm_backward(G, X, gam, **kw):
@@ -1849,12 +1855,11 @@ BN_TICKET_SCRIPT = script(STUBS, r'''
             dx, dg, db = ml.batch_norm_backward(G, X, gam, **kw)
             assert allocations() - a0 == 3 and len(launches) == nlaunch, (via, launches)
             p = pass_args(launches[0])
-            assert p[2] == (0 if training else dx._ptr) and p[7] == dx._ptr + 8192
+            assert p[2] == dx._ptr and p[7] == dx._ptr + 8192
             assert (p[9], p[10]) == (dg._ptr, db._ptr)
-            splits = bb.bn_geometry("ncs", 1, 8, 256, 1, 4, 132)["splits"]   # (vectors)
-            assert p[11] == (p[7] + splits * 8 * 4 * 4 if training else 0)   # [splits][8][4]
-            if training:
-                assert struct.unpack_from("P", launches[1][2])[0] == p[11]   # apply's coef
+            geo = bb.bn_geometry("ncs", 1, 8, 256, 1, 4, 132, training)   # (vectors)
+            assert geo["fused"] == training and (geo["splits"] == 1 or not training)
+            assert p[11] == (p[7] + geo["splits"] * 8 * 4 * 4 if training else 0)
             assert key in m.plans
             for r in (dx, dg, db):
                 r.free()
@@ -1889,8 +1894,8 @@ BN_TICKET_SCRIPT = script(STUBS, r'''
 
 def test_batch_norm_backward_workspace_and_ticket_counters():
     """batch_norm_backward's passes finalize their channel groups (ticket counters): small
-    inputs take 3 allocations (the workspace inside grad_input's block) and 2 launches for
-    training, 1 for inference, through the general path and the plan alike, with the
+    inputs take 3 allocations (the workspace inside grad_input's block) and one launch (for
+    training the fused pass), through the general path and the plan alike, with the
     pointers where they belong; large inputs keep a workspace block; the counters grow for
     a grid of more groups and a plan made before takes the new ones."""
     run_script(BN_TICKET_SCRIPT)

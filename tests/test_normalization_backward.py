@@ -135,8 +135,9 @@ def bn_depth(m, shape, dtype):
     sms = m.backend.get_device_info(0).multiprocessor_count if GPU else 1
     layout = "nc" if S == 1 else "ncs"
     vec = 16 // dtype.itemsize
-    terms = max(bb.bn_geometry(layout, N, C, S, ok, vec, sms)["terms"]
-                for ok in (0, 1) if ok == 0 or (C if layout == "nc" else S) % vec == 0)
+    terms = max(bb.bn_geometry(layout, N, C, S, ok, vec, sms, fuse)["terms"]
+                for ok in (0, 1) if ok == 0 or (C if layout == "nc" else S) % vec == 0
+                for fuse in (False, True))
     return terms + 16
 
 
@@ -537,9 +538,10 @@ def test_template_variants():
     assert all(p["aligned"] and p["mode"] == "block" for p in rows if p["prefetch"])
     assert sum(p["prefetch"] for p in rows) == 2 * len(FLOATS) * len(lb.LN_BLOCK_CONFIGS)
     assert sum(p["fused"] for p in rows) == len(rows) // 2
-    assert len(bn) == 4 * 3 * 2    # the passes finalize their channel groups themselves
-    assert {(p["kernel"], p["layout"]) for p in bn} == {
-        (k, lay) for k in ("reduce", "eval", "apply") for lay in ("nc", "ncs")}
+    assert len(bn) == 4 * 4 * 2    # the passes finalize their channel groups themselves;
+    assert {(p["kernel"], p["layout"], p.get("fused")) for p in bn} == {   # reduce: fused too
+        (k, lay, f) for k, f in (("reduce", False), ("reduce", True), ("eval", None),
+                                 ("apply", None)) for lay in ("nc", "ncs")}
 
 
 # -- bad input (any mode) ---------------------------------------------------------------------
@@ -917,6 +919,50 @@ def test_gpu_large_inputs_are_right(apis):
 # many splits per channel group, several groups ("nc": C over bx * W channels a group, with
 # and without 16-byte vectors; "ncs": one channel a group), odd sizes
 BN_GROUP_SHAPES = [(300, 2052), (513, 1030), (97, 5, 33, 31), (7, 300, 3, 3), (2000, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
+def test_batch_norm_backward_fused_pass_gpu(apis, dtype, monkeypatch):
+    """Training on small channel groups (bb.BN_FUSE_MAX): the one pass that also computes
+    grad_input, on odd shapes of both layouts (NC with channels split over several blocks,
+    NCHW with planes of odd and vector sizes, views one element past: the scalar path),
+    within the float64 bounds, the same bits through the plan and on a repeat; then the
+    two-launch path on the same inputs (BN_FUSE_MAX 0), within the same bounds."""
+    if not GPU:
+        pytest.skip("needs a GPU")
+    m, ml = apis
+    rng = np.random.default_rng(27)
+    vec = 16 // dtype.itemsize
+    shapes = ((1, 8, 16, 16), (3, 5, 7, 9), (2, 3, 1, 1), (7, 1000), (1, 3), (100, 40),
+              (2, 4, 3 * vec, 1), (5, 2, 31, 33))
+    for shape in shapes:
+        N, C = shape[0], shape[1]
+        S = int(np.prod(shape[2:])) if len(shape) > 2 else 1
+        layout = "nc" if S == 1 else "ncs"
+        assert all(bb.bn_geometry(layout, N, C, S, ok, vec, 132, True)["fused"]
+                   for ok in (0, 1) if C // vec or not ok), shape
+        g, hg, x, hx, gam, hgam, _, _, _, _ = bn_inputs(m, rng, shape, dtype, offset=2.0)
+        xm, base, hxm = misaligned(m, rng.standard_normal(shape) * 1.5 + 2.0, dtype)
+        for xx, hxx in ((x, hx), (xm, hxm)):
+            first = ml.batch_norm_backward(g, xx, gam)
+            check_bn(m, first, hg, hxx, hgam, 1e-5, True, dtype, f"{shape} fused")
+            key = ("batch_norm_backward", shape, dtype, 0, 1e-5, True)
+            again = call_through_plan(m, key, lambda: ml.batch_norm_backward(g, xx, gam))
+            third = ml.batch_norm_backward(g, xx, gam)
+            for a, b, c in zip(first, again, third):
+                np.testing.assert_array_equal(m.to_numpy(a), m.to_numpy(b))
+                np.testing.assert_array_equal(m.to_numpy(a), m.to_numpy(c))
+            free(*first, *again, *third)
+        with monkeypatch.context() as mp:
+            mp.setattr(bb, "BN_FUSE_MAX", 0)
+            m.plans.clear()
+            assert not bb.bn_geometry(layout, N, C, S, 0, vec, 132, True)["fused"]
+            two = ml.batch_norm_backward(g, x, gam)
+            check_bn(m, two, hg, hx, hgam, 1e-5, True, dtype, f"{shape} two launches")
+            free(*two)
+        m.plans.clear()
+        free(g, x, gam, base)
 
 
 @pytest.mark.gpu

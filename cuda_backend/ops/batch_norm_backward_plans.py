@@ -25,14 +25,19 @@ BN_PASS_BLOCKS_PER_SM = 4
 BN_UNROLL = {"nc": 2, "ncs": 4}
 BN_MIN_COUNTERS = 1024   # ticket counters made at least, per device and stream
 BN_INLINE_MAX = 1 << 20   # grad_input and the workspace up to this many bytes: one block
+BN_FUSE_MAX = 8192   # training: elements per channel group up to this: one fused launch
 
 
 # -- template parameter sets ---------------------------------------------------------------
-def bn_params(dtype: CudaDataType, kernel: str, layout: str) -> Dict[str, Any]:
-    """batch_norm_backward.cu.j2 parameters: kernel "reduce", "eval" or "apply" with a layout
-    ("nc" or "ncs")."""
-    return {**dtype_params(dtype), "kernel": kernel, "block_size": BN_BLOCK, "layout": layout,
-            "vec": vec_width(dtype)}
+def bn_params(dtype: CudaDataType, kernel: str, layout: str,
+              fused: bool = False) -> Dict[str, Any]:
+    """batch_norm_backward.cu.j2 parameters: kernel "reduce" (fused: the pass that computes
+    grad_input itself), "eval" or "apply" with a layout ("nc" or "ncs")."""
+    p = {**dtype_params(dtype), "kernel": kernel, "block_size": BN_BLOCK, "layout": layout,
+         "vec": vec_width(dtype)}
+    if kernel == "reduce":
+        p["fused"] = bool(fused)
+    return p
 
 
 # -- ticket counters (one per channel group, grid x) -----------------------------------------
@@ -46,31 +51,35 @@ def bn_counters(m: Any, dev: int, stream: Any, groups: int) -> CudaTensor:
 
 # -- geometry, kernels, launches ------------------------------------------------------------
 def bn_geometry(layout: str, N: int, C: int, S: int, vec_ok: int, vec: int,
-                sms: int) -> Dict[str, Any]:
+                sms: int, fuse: bool = False) -> Dict[str, Any]:
     """Launch sizes of batch_norm_backward for one shape (count N * S > 0) and vec_ok: the
     passes' ("reduce", "eval") grid, block, splits, chunk and `terms` (the most elements one
     thread adds into one sum), and "apply"'s grid and block. N = 0 (an empty batch) gives one
-    split of nothing."""
+    split of nothing. fuse (training): where a channel group holds at most BN_FUSE_MAX
+    elements, one split, and "fused": the pass computes grad_input itself (no "apply")."""
     w = vec if vec_ok else 1
     SW = S // w if layout == "ncs" else 1
     if layout == "nc":
         bx, by = nc_block(C // w, BN_BLOCK)
         gx = -(-(C // w) // bx)
-        splits = max(1, min(-(-N // by), -(-(sms * BN_PASS_BLOCKS_PER_SM) // gx), 65535))
+        fused = fuse and N * min(bx, C // w) * w <= BN_FUSE_MAX   # (the group's channels)
+        splits = 1 if fused else \
+            max(1, min(-(-N // by), -(-(sms * BN_PASS_BLOCKS_PER_SM) // gx), 65535))
         gy = max(1, min(-(-N // (by * BN_UNROLL["nc"])), 65535))
         return {"grid": (gx, splits, 1), "block": (bx, by, 1), "splits": splits, "chunk": 0,
                 "SW": SW, "terms": -(-N // (splits * by)), "apply_grid": (gx, gy, 1),
-                "apply_block": (bx, by, 1)}
+                "apply_block": (bx, by, 1), "fused": fused}
     per_channel = N * SW
-    splits = max(1, min(-(-per_channel // (BN_BLOCK * BN_UNROLL["ncs"])),
-                        -(-(sms * BN_PASS_BLOCKS_PER_SM) // C), 65535))
+    fused = fuse and N * S <= BN_FUSE_MAX
+    splits = 1 if fused else max(1, min(-(-per_channel // (BN_BLOCK * BN_UNROLL["ncs"])),
+                                        -(-(sms * BN_PASS_BLOCKS_PER_SM) // C), 65535))
     chunk = max(1, -(-per_channel // splits))
     splits = max(1, -(-per_channel // chunk))   # no empty split
     items = N * C * SW
     grid = max(1, min(-(-items // (BN_BLOCK * BN_UNROLL["ncs"])), 2**31 - 1))
     return {"grid": (C, splits, 1), "block": (BN_BLOCK, 1, 1), "splits": splits,
             "chunk": chunk, "SW": SW, "terms": -(-chunk // BN_BLOCK) * w,
-            "apply_grid": (grid, 1, 1), "apply_block": (BN_BLOCK, 1, 1)}
+            "apply_grid": (grid, 1, 1), "apply_block": (BN_BLOCK, 1, 1), "fused": fused}
 
 
 def bn_kernels(m: Any, dtype: CudaDataType, layout: str, training: bool,
@@ -80,6 +89,8 @@ def bn_kernels(m: Any, dtype: CudaDataType, layout: str, training: bool,
         k = m.kernel
         if training:
             return {"pass": k(BN_TEMPLATE, dev, **bn_params(dtype, "reduce", layout)).name,
+                    "fused": k(BN_TEMPLATE, dev,
+                               **bn_params(dtype, "reduce", layout, True)).name,
                     "apply": k(BN_TEMPLATE, dev, **bn_params(dtype, "apply", layout)).name}
         return {"pass": k(BN_TEMPLATE, dev, **bn_params(dtype, "eval", layout)).name}
     return prepared(m, ("bn", dev, dtype, layout, training), compile_them)
@@ -120,7 +131,8 @@ def bn_general(m: Any, ks: Dict[str, str], training: bool, g: CudaTensor, x: Cud
     larger of the two vec_ok variants, as the per-call plan does) and launched."""
     dev, dtype, shape = x.device_id, x.dtype, x.shape
     N, C, S, count, layout, vec, can_vec = bn_layout(shape, dtype)
-    geos = [bn_geometry(layout, N, C, S, ok, vec, sms) for ok in ((0, 1) if can_vec else (0,))]
+    geos = [bn_geometry(layout, N, C, S, ok, vec, sms, training)
+            for ok in ((0, 1) if can_vec else (0,))]
     adt = acc_dtype(dtype)
     ws_max = max(bn_ws_bytes(geo, C, training, adt)[1] for geo in geos)
     at = bn_inline_at(x.nbytes, ws_max)
@@ -144,7 +156,8 @@ def bn_launch(m: Any, ks: Dict[str, str], geo: Dict[str, Any], training: bool,
               ws_at: int = 0) -> None:
     """The general path's launches: the pass, whose channel groups' last blocks finalize
     (grad_gamma, grad_beta and, for training, the per-channel coefficients), then for
-    training "apply"; the workspace (partials, then the coefficients) at ws_at, else a
+    training "apply" (or, geometry "fused", the pass computes grad_input itself); the
+    workspace (partials, then the coefficients) at ws_at, else a
     block of its own freed after them (stream-ordered)."""
     dev, adt = x.device_id, acc_dtype(x.dtype)
     pass_tail, apply_tail = bn_args(geo, N, C, S, vec_ok)
@@ -156,10 +169,13 @@ def bn_launch(m: Any, ks: Dict[str, str], geo: Dict[str, Any], training: bool,
         parts = ws_at or ws.ptr   # type: ignore[union-attr]
         if training:
             coef = parts + coef_at
-            launch(ks["pass"], geo["grid"], x, g, 0, gamma, 0, 0, eps, parts, counters, dgamma,
-                   dbeta, coef, *pass_tail, block_size=geo["block"], device_id=dev)
-            launch(ks["apply"], geo["apply_grid"], coef, x, g, dx, *apply_tail,
-                   block_size=geo["apply_block"], device_id=dev)
+            fused = geo["fused"]
+            launch(ks["fused" if fused else "pass"], geo["grid"], x, g, dx if fused else 0,
+                   gamma, 0, 0, eps, parts, counters, dgamma, dbeta, coef, *pass_tail,
+                   block_size=geo["block"], device_id=dev)
+            if not fused:
+                launch(ks["apply"], geo["apply_grid"], coef, x, g, dx, *apply_tail,
+                       block_size=geo["apply_block"], device_id=dev)
         else:
             launch(ks["pass"], geo["grid"], x, g, dx, gamma, mean, var, eps, parts, counters,
                    dgamma, dbeta, 0, *pass_tail, block_size=geo["block"], device_id=dev)
@@ -218,9 +234,10 @@ def bn_call_plan(m: Any, ks: Dict[str, str], x: CudaTensor, training: bool, eps:
             parts = pdx + at if ws is None else int(ws)
             if training:
                 coef = parts + coef_at
-                first(px, pg, 0, gamma._ptr, 0, 0, eps, parts, counters(), dgamma._ptr,
-                      dbeta._ptr, coef, *pass_tail)
-                second(coef, px, pg, pdx, *apply_tail)
+                first(px, pg, 0 if second else pdx, gamma._ptr, 0, 0, eps, parts, counters(),
+                      dgamma._ptr, dbeta._ptr, coef, *pass_tail)
+                if second is not None:
+                    second(coef, px, pg, pdx, *apply_tail)
             else:
                 first(px, pg, pdx, gamma._ptr, mean._ptr, var._ptr, eps, parts, counters(),
                       dgamma._ptr, dbeta._ptr, 0, *pass_tail)
@@ -234,20 +251,21 @@ def bn_call_plan(m: Any, ks: Dict[str, str], x: CudaTensor, training: bool, eps:
 def _bn_variants(m: Any, ks: Dict[str, str], training: bool, dev: int, dtype: CudaDataType,
                  layout: str, N: int, C: int, S: int, vec: int, can_vec: bool,
                  sms: int) -> Tuple[List[tuple], int]:
-    """bn_call_plan's prepared launches by vec_ok: (pass, its tail, apply or None, its tail,
-    coefficients' offset, workspace bytes), and the most channel groups (ticket counters)
-    of any variant's pass."""
+    """bn_call_plan's prepared launches by vec_ok: (pass, its tail, apply or None (eval, or
+    a fused pass), its tail, coefficients' offset, workspace bytes), and the most channel
+    groups (ticket counters) of any variant's pass."""
     backend = m.backend
     adt = acc_dtype(dtype)
     prep, get = backend.prepare_launch, backend.get_kernel
     variants = []
     groups = 1
     for vec_ok in ((0, 1) if can_vec else (0,)):
-        geo = bn_geometry(layout, N, C, S, vec_ok, vec, sms)
+        geo = bn_geometry(layout, N, C, S, vec_ok, vec, sms, training)
         pass_tail, apply_tail = bn_args(geo, N, C, S, vec_ok)
-        first = prep(get(ks["pass"], dev), geo["grid"], geo["block"], 0, dev)
+        first = prep(get(ks["fused" if geo.get("fused") and training else "pass"], dev),
+                     geo["grid"], geo["block"], 0, dev)
         second: Any = prep(get(ks["apply"], dev), geo["apply_grid"], geo["apply_block"], 0,
-                           dev) if training else None
+                           dev) if training and not geo["fused"] else None
         coef_at, ws_bytes = bn_ws_bytes(geo, C, training, adt)
         variants.append((first, pass_tail, second, apply_tail, coef_at, ws_bytes))
         groups = max(groups, geo["grid"][0])

@@ -93,6 +93,8 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
         for kernel in ("reduce", "eval", "apply"):
             for layout in ("nc", "ncs"):
                 bn.append(bn_params(dt, kernel, layout))
+                if kernel == "reduce":
+                    bn.append(bn_params(dt, kernel, layout, True))
     return {LN_TEMPLATE: ln, BN_TEMPLATE: bn}
 
 
