@@ -1623,13 +1623,13 @@ SHAPE_BN_SCRIPT = NN_SCRIPT[:NN_SCRIPT.index("\nif WHICH == ")] + textwrap.deden
         dead.view(4096)
 
     # batch_norm_backward: training (pass with its finalize, apply; one fused pass for small
-    # channel groups) and inference (the pass), NCHW / NCL / NC layouts, float32/64/16,
+    # channels of NCHW / NCL) and inference (the pass), NCHW / NCL / NC layouts, float32/64/16,
     # grads vectorized or not
     ml.batch_norm_backward(t((2, 3)), t((2, 3)), t((3,)))   # (its ticket counters, made once)
     for shape, dt, train_launches in (
             ((1, 8, 16, 16), np.float32, 1), ((2, 3, 5, 7), np.float32, 1),
             ((3, 6, 7), np.float64, 1), ((2, 16, 8, 8), np.float16, 1),
-            ((33, 12), np.float32, 1), ((2, 3, 80, 80), np.float32, 2),
+            ((33, 12), np.float32, 2), ((2, 3, 80, 80), np.float32, 2),
             ((9000, 4), np.float32, 2)):
         X, G = t(shape, dt), t(shape, dt)
         C = shape[1]

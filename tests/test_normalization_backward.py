@@ -538,10 +538,10 @@ def test_template_variants():
     assert all(p["aligned"] and p["mode"] == "block" for p in rows if p["prefetch"])
     assert sum(p["prefetch"] for p in rows) == 2 * len(FLOATS) * len(lb.LN_BLOCK_CONFIGS)
     assert sum(p["fused"] for p in rows) == len(rows) // 2
-    assert len(bn) == 4 * 4 * 2    # the passes finalize their channel groups themselves;
-    assert {(p["kernel"], p["layout"], p.get("fused")) for p in bn} == {   # reduce: fused too
-        (k, lay, f) for k, f in (("reduce", False), ("reduce", True), ("eval", None),
-                                 ("apply", None)) for lay in ("nc", "ncs")}
+    assert len(bn) == 4 * 7    # the passes finalize their channel groups themselves; "ncs"
+    assert {(p["kernel"], p["layout"], p.get("fused")) for p in bn} == {   # reduce fused too
+        (k, lay, f) for k, f in (("reduce", False), ("eval", None), ("apply", None))
+        for lay in ("nc", "ncs")} | {("reduce", "ncs", True)}
 
 
 # -- bad input (any mode) ---------------------------------------------------------------------
@@ -789,7 +789,7 @@ def test_gpu_layer_norm_fused_finalize(apis, dtype):
     m, ml = apis
     rng = np.random.default_rng(26)
     vec = 16 // dtype.itemsize
-    for rows, D in ((1, 1), (3, 7), (64, 64), (33, 255), (300, 27), (5000, 3), (2, 4095)):
+    for rows, D in ((1, 1), (3, 7), (64, 64), (33, 255), (300, 27), (5000, 3), (3, 2047)):
         for weight in (True, False):
             g, hg, x, hx, w, hw = ln_inputs(m, rng, (rows, D), dtype, weight)
             aligned = D % vec == 0
@@ -924,24 +924,26 @@ BN_GROUP_SHAPES = [(300, 2052), (513, 1030), (97, 5, 33, 31), (7, 300, 3, 3), (2
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
 def test_batch_norm_backward_fused_pass_gpu(apis, dtype, monkeypatch):
-    """Training on small channel groups (bb.BN_FUSE_MAX): the one pass that also computes
-    grad_input, on odd shapes of both layouts (NC with channels split over several blocks,
-    NCHW with planes of odd and vector sizes, views one element past: the scalar path),
-    within the float64 bounds, the same bits through the plan and on a repeat; then the
-    two-launch path on the same inputs (BN_FUSE_MAX 0), within the same bounds."""
+    """Training on small channels of NCHW / NCL inputs (bb.BN_FUSE_MAX): the one pass that
+    also computes grad_input, on planes of odd and vector sizes and views one element past
+    (the scalar path), within the float64 bounds, the same bits through the plan and on a
+    repeat; then the two-launch path on the same inputs (BN_FUSE_MAX 0), within the same
+    bounds. NC inputs never fuse."""
     if not GPU:
         pytest.skip("needs a GPU")
     m, ml = apis
     rng = np.random.default_rng(27)
     vec = 16 // dtype.itemsize
-    shapes = ((1, 8, 16, 16), (3, 5, 7, 9), (2, 3, 1, 1), (7, 1000), (1, 3), (100, 40),
-              (2, 4, 3 * vec, 1), (5, 2, 31, 33))
+    for shape in ((7, 1000), (2, 3), (100, 40)):
+        assert not any(bb.bn_geometry("nc", shape[0], shape[1], 1, ok, vec, 132, True)["fused"]
+                       for ok in (0, 1))
+    shapes = ((1, 8, 16, 16), (3, 5, 7, 9), (2, 3, 2, 1), (2, 4, 3 * vec, 1), (5, 2, 31, 33),
+              (1, 3, 8192), (4, 2, 5))
     for shape in shapes:
         N, C = shape[0], shape[1]
         S = int(np.prod(shape[2:])) if len(shape) > 2 else 1
-        layout = "nc" if S == 1 else "ncs"
-        assert all(bb.bn_geometry(layout, N, C, S, ok, vec, 132, True)["fused"]
-                   for ok in (0, 1) if C // vec or not ok), shape
+        assert all(bb.bn_geometry("ncs", N, C, S, ok, vec, 132, True)["fused"]
+                   for ok in (0, 1)), shape
         g, hg, x, hx, gam, hgam, _, _, _, _ = bn_inputs(m, rng, shape, dtype, offset=2.0)
         xm, base, hxm = misaligned(m, rng.standard_normal(shape) * 1.5 + 2.0, dtype)
         for xx, hxx in ((x, hx), (xm, hxm)):
@@ -957,7 +959,7 @@ def test_batch_norm_backward_fused_pass_gpu(apis, dtype, monkeypatch):
         with monkeypatch.context() as mp:
             mp.setattr(bb, "BN_FUSE_MAX", 0)
             m.plans.clear()
-            assert not bb.bn_geometry(layout, N, C, S, 0, vec, 132, True)["fused"]
+            assert not bb.bn_geometry("ncs", N, C, S, 0, vec, 132, True)["fused"]
             two = ml.batch_norm_backward(g, x, gam)
             check_bn(m, two, hg, hx, hgam, 1e-5, True, dtype, f"{shape} two launches")
             free(*two)

@@ -25,14 +25,14 @@ BN_PASS_BLOCKS_PER_SM = 4
 BN_UNROLL = {"nc": 2, "ncs": 4}
 BN_MIN_COUNTERS = 1024   # ticket counters made at least, per device and stream
 BN_INLINE_MAX = 1 << 20   # grad_input and the workspace up to this many bytes: one block
-BN_FUSE_MAX = 8192   # training: elements per channel group up to this: one fused launch
+BN_FUSE_MAX = 8192   # training, "ncs": planes x batch up to this: one fused launch
 
 
 # -- template parameter sets ---------------------------------------------------------------
 def bn_params(dtype: CudaDataType, kernel: str, layout: str,
               fused: bool = False) -> Dict[str, Any]:
-    """batch_norm_backward.cu.j2 parameters: kernel "reduce" (fused: the pass that computes
-    grad_input itself), "eval" or "apply" with a layout ("nc" or "ncs")."""
+    """batch_norm_backward.cu.j2 parameters: kernel "reduce" (fused, "ncs" only: the pass
+    that computes grad_input itself), "eval" or "apply" with a layout ("nc" or "ncs")."""
     p = {**dtype_params(dtype), "kernel": kernel, "block_size": BN_BLOCK, "layout": layout,
          "vec": vec_width(dtype)}
     if kernel == "reduce":
@@ -55,20 +55,20 @@ def bn_geometry(layout: str, N: int, C: int, S: int, vec_ok: int, vec: int,
     """Launch sizes of batch_norm_backward for one shape (count N * S > 0) and vec_ok: the
     passes' ("reduce", "eval") grid, block, splits, chunk and `terms` (the most elements one
     thread adds into one sum), and "apply"'s grid and block. N = 0 (an empty batch) gives one
-    split of nothing. fuse (training): where a channel group holds at most BN_FUSE_MAX
-    elements, one split, and "fused": the pass computes grad_input itself (no "apply")."""
+    split of nothing. fuse (training, "ncs" layout): where a channel holds at most
+    BN_FUSE_MAX elements, one split, and "fused": the pass computes grad_input itself (no
+    "apply"). The "nc" layout never fuses: one block per channel group over every row was
+    slower than two launches (perf/NOTES.md, "Per-call host cost" S15)."""
     w = vec if vec_ok else 1
     SW = S // w if layout == "ncs" else 1
     if layout == "nc":
         bx, by = nc_block(C // w, BN_BLOCK)
         gx = -(-(C // w) // bx)
-        fused = fuse and N * min(bx, C // w) * w <= BN_FUSE_MAX   # (the group's channels)
-        splits = 1 if fused else \
-            max(1, min(-(-N // by), -(-(sms * BN_PASS_BLOCKS_PER_SM) // gx), 65535))
+        splits = max(1, min(-(-N // by), -(-(sms * BN_PASS_BLOCKS_PER_SM) // gx), 65535))
         gy = max(1, min(-(-N // (by * BN_UNROLL["nc"])), 65535))
         return {"grid": (gx, splits, 1), "block": (bx, by, 1), "splits": splits, "chunk": 0,
                 "SW": SW, "terms": -(-N // (splits * by)), "apply_grid": (gx, gy, 1),
-                "apply_block": (bx, by, 1), "fused": fused}
+                "apply_block": (bx, by, 1), "fused": False}
     per_channel = N * SW
     fused = fuse and N * S <= BN_FUSE_MAX
     splits = 1 if fused else max(1, min(-(-per_channel // (BN_BLOCK * BN_UNROLL["ncs"])),
@@ -88,10 +88,11 @@ def bn_kernels(m: Any, dtype: CudaDataType, layout: str, training: bool,
     def compile_them() -> Dict[str, Any]:
         k = m.kernel
         if training:
-            return {"pass": k(BN_TEMPLATE, dev, **bn_params(dtype, "reduce", layout)).name,
-                    "fused": k(BN_TEMPLATE, dev,
-                               **bn_params(dtype, "reduce", layout, True)).name,
-                    "apply": k(BN_TEMPLATE, dev, **bn_params(dtype, "apply", layout)).name}
+            ks = {"pass": k(BN_TEMPLATE, dev, **bn_params(dtype, "reduce", layout)).name,
+                  "apply": k(BN_TEMPLATE, dev, **bn_params(dtype, "apply", layout)).name}
+            if layout == "ncs":
+                ks["fused"] = k(BN_TEMPLATE, dev, **bn_params(dtype, "reduce", layout, True)).name
+            return ks
         return {"pass": k(BN_TEMPLATE, dev, **bn_params(dtype, "eval", layout)).name}
     return prepared(m, ("bn", dev, dtype, layout, training), compile_them)
 

@@ -32,6 +32,7 @@ LN_APPLY_BLOCK = 256
 LN_APPLY_BLOCKS_PER_SM = 4     # apply's splits: about one resident wave
 LN_FINAL_BLOCK = (32, 32, 1)
 LN_FUSE_MAX = 8192             # partials (blocks x D) the rows kernel's last block adds itself
+LN_FUSE_MAX_D = 2048           # and rows up to this long (at 4096 two launches were faster)
 LN_COUNTERS = common.TicketCounters(64)   # the fused rows kernel's ticket, per stream
 
 
@@ -185,7 +186,8 @@ def ln_geometry(q: Dict[str, Any], rows: int, D: int, vec_ok: bool,
     """Launch sizes of a prepared plan over rows: the main kernel's grid and block, the
     partial rows it writes (nparts), the workspace bytes (loop: the row statistics, then
     the partials) and whether the rows kernel sums the partials itself ("fused": at most
-    q's "fuse_max", default LN_FUSE_MAX, partial elements)."""
+    q's "fuse_max", default LN_FUSE_MAX, partial elements, rows up to LN_FUSE_MAX_D;
+    perf/NOTES.md, "Per-call host cost" S15)."""
     asz = acc_dtype(dtype).itemsize
     if q["mode"] == "loop":
         w = vec_width(dtype) if vec_ok else 1
@@ -199,7 +201,7 @@ def ln_geometry(q: Dict[str, Any], rows: int, D: int, vec_ok: bool,
     grid = max(1, min(-(-rows // q["rpb"]), q["resident"]))
     return {"grid": (grid, 1, 1), "block": (q["block"], 1, 1), "nparts": grid,
             "stats_bytes": 0, "ws_bytes": grid * 2 * D * asz,
-            "fused": grid * D <= q.get("fuse_max", LN_FUSE_MAX)}
+            "fused": grid * D <= q.get("fuse_max", LN_FUSE_MAX) and D <= LN_FUSE_MAX_D}
 
 
 def ln_launch(m: Any, q: Dict[str, Any], g: CudaTensor, x: CudaTensor, w: Optional[CudaTensor],

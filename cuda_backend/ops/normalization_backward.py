@@ -93,7 +93,7 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
         for kernel in ("reduce", "eval", "apply"):
             for layout in ("nc", "ncs"):
                 bn.append(bn_params(dt, kernel, layout))
-                if kernel == "reduce":
+                if kernel == "reduce" and layout == "ncs":
                     bn.append(bn_params(dt, kernel, layout, True))
     return {LN_TEMPLATE: ln, BN_TEMPLATE: bn}
 
