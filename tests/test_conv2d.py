@@ -223,7 +223,7 @@ def test_conv2d_without_bias_through_cudaml(ml, fam):
 
 def _family_configs():
     out = []
-    for cfg in cc.SIMT_CONFIGS:
+    for cfg in cc.SIMT_CONFIGS + cc.KCRS_CONFIGS:
         out.append(("fp32", cfg))
     for cfg in cc.TF32_CONFIGS:
         out.append(("tf32", cfg))
@@ -255,7 +255,9 @@ def test_every_tile_config(m, fam, cfg, case):
     geom = geo.plan(xs, ws, config_of(case))
     out = poisoned(m, geom.out_shape, dtype)
     dev = x.device_id
-    if fam == "fp32":
+    if fam == "fp32" and cfg.get("kcrs"):     # the filter as given
+        cl.run_simt(m, cfg, x, w, b, geom, out, dev)
+    elif fam == "fp32":
         wt = cl.prepare_weight_simt(m, w, geom, dev)
         cl.run_simt(m, cfg, x, wt, b, geom, out, dev)
         wt.free()
@@ -619,11 +621,12 @@ def test_config_lists_and_variants():
     variants = cv.template_variants()
     simt = variants[cc.SIMT_TEMPLATE]
     mma = variants[cc.MMA_TEMPLATE]
-    assert len(simt) == len(cc.SIMT_CONFIGS)
+    assert len(simt) == len(cc.SIMT_CONFIGS) + len(cc.KCRS_CONFIGS)
+    assert all(dict(c, kcrs=True) in cc.KCRS_CONFIGS for c in (cc.S_64x64x8s2, cc.S_32x32x8s4))
     assert len(mma) == len(cc.TF32_CONFIGS) + len(cc.X3_CONFIGS) + 2 * len(cc.F16_CONFIGS)
     assert [p["x3"] for p in mma].count(True) == len(cc.X3_CONFIGS)
     assert all(p["dtype"] == "float32" for p in mma if p["x3"])
-    for cfg in cc.SIMT_CONFIGS:
+    for cfg in cc.SIMT_CONFIGS + cc.KCRS_CONFIGS:
         threads = cfg["bm"] // cfg["tm"] * (cfg["bn"] // cfg["tn"]) * cfg["slices"]
         assert threads % 32 == 0 and threads <= 256
     for cfg in cc.TF32_CONFIGS + cc.X3_CONFIGS + cc.F16_CONFIGS:
@@ -641,7 +644,29 @@ def test_config_lists_and_variants():
                     cc.TF32_CONFIGS if dtype is DT.FLOAT32 else cc.F16_CONFIGS)
                 if cc.x3_fits(geom, dtype, prec):
                     table += cc.X3_CONFIGS
+                if cc.kcrs_fits(geom, dtype, prec):
+                    table += cc.KCRS_CONFIGS
                 assert cfg in table
+
+
+def test_kcrs_configs_offered_for_small_simt_problems():
+    """The configs that read the filter as given join the SIMT candidates of small problems
+    only (M <= KCRS_MAX_M, Kg <= 64), as variants of the small configs offered there, and
+    make the autotuner time each candidate whole (timed_whole)."""
+    small = geo.plan((1, 8, 16, 16), (8, 8, 3, 3), ConvolutionConfig(3, padding=1))
+    cands = cc.candidates(small, DT.FLOAT32, None, 132)
+    assert cc.kcrs_fits(small, DT.FLOAT32, None) and cc.timed_whole(small, DT.FLOAT32, None)
+    assert cands == [cc.S_64x32x8s2, cc.S_32x32x8s4, dict(cc.S_64x32x8s2, kcrs=True),
+                     dict(cc.S_32x32x8s4, kcrs=True)]
+    mid = geo.plan((2, 16, 28, 28), (64, 16, 3, 3), ConvolutionConfig(3, padding=1))
+    assert [c for c in cc.candidates(mid, DT.FLOAT32, "ieee", 132) if c.get("kcrs")] == \
+        [dict(cc.S_64x64x8s2, kcrs=True), dict(cc.S_64x32x8s2, kcrs=True)]
+    for xs, ws in (((8, 16, 64, 64), (8, 16, 3, 3)), ((1, 64, 8, 8), (128, 64, 3, 3))):
+        big = geo.plan(xs, ws, ConvolutionConfig(3, padding=1))   # M or Kg too large
+        assert not cc.kcrs_fits(big, DT.FLOAT32, None)
+        assert not any(c.get("kcrs") for c in cc.candidates(big, DT.FLOAT32, None, 132))
+    assert not cc.kcrs_fits(small, DT.FLOAT32, "tf32") and \
+        not cc.kcrs_fits(small, DT.FLOAT16, None)
 
 
 def test_family_choice():

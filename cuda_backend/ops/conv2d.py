@@ -38,8 +38,8 @@ from ..tensor import CudaTensor
 from . import common
 from .common import normalize_precision
 from .conv2d_configs import (DIRECT_TEMPLATE, DIRECT_VQ, DTYPES, F16_CONFIGS, MMA_TEMPLATE,
-                             PREP_TEMPLATE, SIMT_CONFIGS, SIMT_TEMPLATE, TF32_CONFIGS,
-                             X3_CONFIGS)
+                             KCRS_CONFIGS, PREP_TEMPLATE, SIMT_CONFIGS, SIMT_TEMPLATE,
+                             TF32_CONFIGS, X3_CONFIGS)
 from .conv2d_configs import candidates  # noqa: F401  (registry.CONTRACT of an autotuned family)
 from .conv2d_geometry import Geometry, plan
 from .conv2d_launch import cached_plan, fast_plan, get_kernel, launch, plan_key
@@ -52,7 +52,7 @@ INT_MAX = 2**31 - 1
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     """Every parameter set this module renders (CI renders and compiles each)."""
     f32 = dtype_params(DT.FLOAT32)
-    simt = [{**f32, **cfg} for cfg in SIMT_CONFIGS]
+    simt = [{**f32, **cfg} for cfg in SIMT_CONFIGS + KCRS_CONFIGS]
     mma = [{**f32, **cfg} for cfg in TF32_CONFIGS + X3_CONFIGS]
     for dt in (DT.FLOAT16, DT.BFLOAT16):
         mma += [{**dtype_params(dt), **cfg} for cfg in F16_CONFIGS]

@@ -42,6 +42,10 @@ S_64x64x8s2 = simt_config(64, 64, 8, 8, 8, 2, 3, 3)      # 64 threads x 2 k-slic
 S_64x32x8s2 = simt_config(64, 32, 8, 4, 4, 2, 3, 4)      # 128 threads x 2 k-slices, 18 KB
 S_32x32x8s4 = simt_config(32, 32, 8, 4, 4, 4, 3, 4)      # 64 threads x 4 k-slices, 24 KB
 SIMT_CONFIGS = (S_128x128x8, S_128x128x16, S_128x64x8, S_64x64x8s2, S_64x32x8s2, S_32x32x8s4)
+# The small SIMT configs reading the filter as given (KCRS: no repack launch); offered where
+# kcrs_fits, each timed with the repacks of the others.
+KCRS_CONFIGS = tuple(dict(c, kcrs=True) for c in (S_64x64x8s2, S_64x32x8s2, S_32x32x8s4))
+KCRS_MAX_M = 1 << 14   # output pixels (N * P * Q) up to this, and Kg <= 64: kcrs_fits
 
 # mma.sync TF32 (4-byte elements): threads = (bm / wm) * (bn / wn) * 32.
 T_128x128x32 = _mma(128, 128, 32, 64, 32, 4, 1)  # 256 threads, 128 KB
@@ -87,12 +91,27 @@ def family(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> str:
     return "mma"
 
 
+def kcrs_fits(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> bool:
+    """Whether the autotuner also times the KCRS configs (no filter repack): the SIMT family
+    on small problems (M <= KCRS_MAX_M, Kg <= 64; the filter under 2^31 elements: 32-bit
+    offsets), where the repack launch is a good part of the time (perf/NOTES.md, "Per-call
+    host cost" S15)."""
+    return (family(g, dtype, prec) == "simt" and g.M <= KCRS_MAX_M and g.Kg <= 64 and
+            g.K * g.Cg * g.R * g.S < 2**31)
+
+
 def x3_fits(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> bool:
     """Whether the autotuner also times the 3xTF32 configs: float32 at the default precision
     (not 'ieee', not 'tf32'), the GEMM kernels (not direct), and Cg >= X3_MIN_CHANNELS (with
     fewer, the channel padding of the mma's k-tiles would multiply 3x the work again)."""
     return (dtype is DT.FLOAT32 and prec in (None, "fp32") and
             family(g, dtype, prec) == "simt" and g.Cg >= X3_MIN_CHANNELS)
+
+
+def timed_whole(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> bool:
+    """Whether the candidates need different operands (3xTF32's repacks, KCRS's none), so
+    each is timed with its own repacks rather than all on one repacked filter."""
+    return x3_fits(g, dtype, prec) or kcrs_fits(g, dtype, prec)
 
 
 def config_family(cfg: Dict[str, Any]) -> str:
@@ -130,8 +149,9 @@ def candidates(g: Geometry, dtype: CudaDataType, prec: Optional[str],
                sm_count: int) -> List[Dict[str, Any]]:
     """The tile configs the autotuner chooses from: by output channels per group, then by
     how many blocks the large tile would give (two waves or more keep the large tiles);
-    float32 at the default precision: the SIMT configs, then where `x3_fits` the 3xTF32
-    ones (each timed with its own repacks: the fastest wins)."""
+    float32 at the default precision: the SIMT configs, where `kcrs_fits` the same small
+    ones reading the filter as given, where `x3_fits` the 3xTF32 ones (each timed with its
+    own repacks: the fastest wins)."""
     fam = family(g, dtype, prec)
     if fam == "simt":
         if g.Kg <= 32:
@@ -142,6 +162,8 @@ def candidates(g: Geometry, dtype: CudaDataType, prec: Optional[str],
             simt = [S_128x128x8, S_128x128x16, S_128x64x8]
         else:
             simt = [S_128x64x8, S_64x64x8s2, S_128x128x8]
+        if kcrs_fits(g, dtype, prec):
+            simt += [dict(c, kcrs=True) for c in simt if dict(c, kcrs=True) in KCRS_CONFIGS]
         return simt + (_mma_candidates(g, dtype, X3_CONFIGS, sm_count)
                        if x3_fits(g, dtype, prec) else [])
     return _mma_candidates(g, dtype, TF32_CONFIGS if dtype is DT.FLOAT32 else F16_CONFIGS,

@@ -17,7 +17,7 @@ from ..tensor import CudaTensor, pool_tensor
 from . import common
 from .conv2d_configs import (DIRECT_TEMPLATE, DIRECT_VQ, MMA_TEMPLATE, PREP_TEMPLATE,
                              SIMT_TEMPLATE, choose, config_family, family, padded_channels,
-                             x3_fits)
+                             timed_whole, x3_fits)
 from .conv2d_geometry import Geometry
 
 DT = CudaDataType
@@ -39,12 +39,14 @@ def launch(m: Any, x: CudaTensor, w: CudaTensor, bias: Optional[CudaTensor], g: 
     memo = m.__dict__.setdefault("_conv2d_configs", {})
     mkey = (g, dtype, prec, dev)
     cfg = memo.get(mkey)
-    if fam == "simt" and x3_fits(g, dtype, prec):
-        # SIMT and 3xTF32 configs: each timed whole, with the repacks its kernel needs
+    if fam == "simt" and timed_whole(g, dtype, prec):
+        # SIMT with 3xTF32 or KCRS configs: each timed whole, with the repacks its kernel
+        # needs
         def run_any(c: Dict[str, Any]) -> None:
             run_config(m, c, x, w, bias, g, out, dev)
         if cfg is None:
-            cfg = memo[mkey] = choose(m, "conv2d_x3simt", g, dtype, prec, run_any, dev)
+            op = "conv2d_x3simt" if x3_fits(g, dtype, prec) else "conv2d_kcrs"
+            cfg = memo[mkey] = choose(m, op, g, dtype, prec, run_any, dev)
         run_any(cfg)
         return cfg
     with workspaces(m, fam, x, w, g, dev) as (xa, wt):
@@ -62,7 +64,7 @@ def run_config(m: Any, cfg: Dict[str, Any], x: CudaTensor, w: CudaTensor,
                bias: Optional[CudaTensor], g: Geometry, out: CudaTensor, dev: int) -> None:
     """One tile config (SIMT or mma, any dtype it renders for) over the whole output, with
     the repacks its kernel needs; the workspaces go back to the pool after the launch."""
-    with workspaces(m, config_family(cfg), x, w, g, dev) as (xa, wt):
+    with workspaces(m, config_family(cfg), x, w, g, dev, bool(cfg.get("kcrs"))) as (xa, wt):
         run_repacked(m, cfg, xa, wt, bias, g, out, dev)
 
 
@@ -80,11 +82,14 @@ def run_repacked(m: Any, cfg: Dict[str, Any], xa: CudaTensor, wt: CudaTensor,
 
 @contextlib.contextmanager
 def workspaces(m: Any, fam: str, x: CudaTensor, w: CudaTensor, g: Geometry,
-               dev: int) -> Iterator[Tuple[CudaTensor, CudaTensor]]:
+               dev: int, kcrs: bool = False) -> Iterator[Tuple[CudaTensor, CudaTensor]]:
     """(input, filter) as the family's kernel reads them: 'simt' x and the filter from
-    prepare_weight_simt, 'mma' both from the prepare_*_mma functions. The repacked ones are
-    pool workspaces, freed on exit (back to the pool; later work on this stream is ordered
-    after the launch)."""
+    prepare_weight_simt (kcrs: as given), 'mma' both from the prepare_*_mma functions. The
+    repacked ones are pool workspaces, freed on exit (back to the pool; later work on this
+    stream is ordered after the launch)."""
+    if fam == "simt" and kcrs:
+        yield x, w
+        return
     if fam == "simt":
         wt = prepare_weight_simt(m, w, g, dev)
         try:
@@ -253,6 +258,8 @@ def fast_plan(m: Any, g: Geometry, dtype: CudaDataType, prec: Optional[str], dev
     fam = config_family(cfg)   # float32's candidates hold both (x3_fits)
     if fam == "simt":
         wprep, wargs, wt_bytes, go, args = _simt_launches(m, g, dtype, dev, cfg, geo)
+        if cfg.get("kcrs"):   # the filter as given: the GEMM alone
+            return _run_source(m, g, dtype, dev, has_bias, "kcrs", go, args)
         return _run_source(m, g, dtype, dev, has_bias, fam, go, args, wprep, wargs, wt_bytes)
     iprep, iargs, xt_bytes, wprep, wargs, wt_bytes, go, args = _mma_launches(m, g, dtype, dev,
                                                                              cfg, fam, geo)
@@ -344,8 +351,8 @@ def _run_source(m: Any, g: Geometry, dtype: CudaDataType, dev: int, has_bias: bo
                 xt_bytes: int = 0) -> Callable[..., Optional[CudaTensor]]:
     """run(x, w, bias) for fast_plan: None where the general path must run (freed or
     streamed operands, a bias it would reject), else the result from the pool after fam's
-    prepared launches (mma: iprep into xt; mma and simt: wprep into wt; then go), their
-    temporaries released."""
+    prepared launches (mma: iprep into xt; mma and simt: wprep into wt; then go; direct and
+    kcrs: go alone), their temporaries released."""
     size = g.N * g.K * g.P * g.Q
     nbytes = size * dtype.itemsize
     out_shape = g.out_shape
@@ -366,6 +373,8 @@ def _run_source(m: Any, g: Geometry, dtype: CudaDataType, dev: int, has_bias: bo
         try:
             if fam == "direct":
                 go(px, pw, pb, po, hb, *args)
+            elif fam == "kcrs":
+                go(px, pw, pb, po, hb, int(po % 16 == 0), *args)
             elif fam == "simt":
                 wt = alloc(wt_bytes)
                 try:
