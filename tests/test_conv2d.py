@@ -651,7 +651,7 @@ def test_config_lists_and_variants():
 
 def test_kcrs_configs_offered_for_small_simt_problems():
     """The configs that read the filter as given join the SIMT candidates of small problems
-    only (M <= KCRS_MAX_M, Kg <= 64), as variants of the small configs offered there, and
+    only (M <= KCRS_MAX_M, Kg <= 64, Cg * R * S <= KCRS_MAX_CRS), as variants of the small configs offered there, and
     make the autotuner time each candidate whole (timed_whole)."""
     small = geo.plan((1, 8, 16, 16), (8, 8, 3, 3), ConvolutionConfig(3, padding=1))
     cands = cc.candidates(small, DT.FLOAT32, None, 132)
@@ -661,8 +661,9 @@ def test_kcrs_configs_offered_for_small_simt_problems():
     mid = geo.plan((2, 16, 28, 28), (64, 16, 3, 3), ConvolutionConfig(3, padding=1))
     assert [c for c in cc.candidates(mid, DT.FLOAT32, "ieee", 132) if c.get("kcrs")] == \
         [dict(cc.S_64x64x8s2, kcrs=True), dict(cc.S_64x32x8s2, kcrs=True)]
-    for xs, ws in (((8, 16, 64, 64), (8, 16, 3, 3)), ((1, 64, 8, 8), (128, 64, 3, 3))):
-        big = geo.plan(xs, ws, ConvolutionConfig(3, padding=1))   # M or Kg too large
+    for xs, ws in (((8, 16, 64, 64), (8, 16, 3, 3)), ((1, 64, 8, 8), (128, 64, 3, 3)),
+                   ((1, 64, 8, 8), (64, 64, 3, 3))):
+        big = geo.plan(xs, ws, ConvolutionConfig(3, padding=1))   # M, Kg or Cg*R*S too large
         assert not cc.kcrs_fits(big, DT.FLOAT32, None)
         assert not any(c.get("kcrs") for c in cc.candidates(big, DT.FLOAT32, None, 132))
     assert not cc.kcrs_fits(small, DT.FLOAT32, "tf32") and \

@@ -45,7 +45,8 @@ SIMT_CONFIGS = (S_128x128x8, S_128x128x16, S_128x64x8, S_64x64x8s2, S_64x32x8s2,
 # The small SIMT configs reading the filter as given (KCRS: no repack launch); offered where
 # kcrs_fits, each timed with the repacks of the others.
 KCRS_CONFIGS = tuple(dict(c, kcrs=True) for c in (S_64x64x8s2, S_64x32x8s2, S_32x32x8s4))
-KCRS_MAX_M = 1 << 14   # output pixels (N * P * Q) up to this, and Kg <= 64: kcrs_fits
+KCRS_MAX_M = 1 << 14   # output pixels (N * P * Q) up to this, Kg <= 64 and
+KCRS_MAX_CRS = 288     # Cg * R * S (the GEMM's depth) up to this: kcrs_fits
 
 # mma.sync TF32 (4-byte elements): threads = (bm / wm) * (bn / wn) * 32.
 T_128x128x32 = _mma(128, 128, 32, 64, 32, 4, 1)  # 256 threads, 128 KB
@@ -93,11 +94,11 @@ def family(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> str:
 
 def kcrs_fits(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> bool:
     """Whether the autotuner also times the KCRS configs (no filter repack): the SIMT family
-    on small problems (M <= KCRS_MAX_M, Kg <= 64; the filter under 2^31 elements: 32-bit
-    offsets), where the repack launch is a good part of the time (perf/NOTES.md, "Per-call
-    host cost" S15)."""
+    on small problems (M <= KCRS_MAX_M, Kg <= 64, Cg * R * S <= KCRS_MAX_CRS), where the
+    repack launch is a good part of the time; deeper filters read 4 bytes at a time lose
+    more than the repack costs (perf/NOTES.md, "Per-call host cost" S15)."""
     return (family(g, dtype, prec) == "simt" and g.M <= KCRS_MAX_M and g.Kg <= 64 and
-            g.K * g.Cg * g.R * g.S < 2**31)
+            g.Cg * g.R * g.S <= KCRS_MAX_CRS)
 
 
 def x3_fits(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> bool:
