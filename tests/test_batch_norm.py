@@ -178,7 +178,7 @@ def kernel_sum_depth(m, x, out):
     vec_ok = int(x.ptr % 16 == 0 and out.ptr % 16 == 0
                  and (C % vec == 0 if layout == "nc" else S % vec == 0))
     sm = m.backend.get_device_info(x.device_id).multiprocessor_count if m.gpu else 132
-    geo = bp.bn_geometry(layout, N, C, S, vec_ok, vec, sm)
+    geo = bp.bn_geometry(layout, N, C, S, vec_ok, vec, sm, True)   # (training: maybe fused)
     splits = geo["splits"]
     if layout == "nc":
         by = geo["stats_block"][1]
@@ -469,9 +469,10 @@ def test_errors(m):
 
 def test_template_variants():
     v = nm.template_variants()["batch_norm.cu.j2"]
-    assert len(v) == 28
+    assert len(v) == 32
     kinds = {(p["kernel"], p.get("layout"), p.get("mode")) for p in v}
     assert ("finalize", None, None) in kinds and ("normalize", "ncs", "train") in kinds
+    assert ("fused", "ncs", None) in kinds and ("fused", "nc", None) not in kinds
 
 
 class _FakeGpuBackend:
@@ -583,7 +584,7 @@ def test_gpu_launch_paths_pack_their_arguments():
             if t == "batch_norm.cu.j2"} == {
         ("normalize", "nc", "infer"), ("normalize", "nc", "train"), ("stats", "nc", None),
         ("normalize", "ncs", "infer"), ("normalize", "ncs", "train"), ("stats", "ncs", None),
-        ("finalize", None, None)}
+        ("finalize", None, None), ("fused", "ncs", None)}
     assert {p["vpt"] == 0 for t, p, *_ in B.launches if t == "layer_norm.cu.j2"} == {0, 1}
 
 
@@ -594,7 +595,7 @@ def _every_op(m, B, dt):
         for kind in ("max", "avg"):
             pooling.pool2d(m, kind, B.empty(shape, dt), k, s, p)
     for shape in [(8192, 4096), (3, 5), (1000, 7), (32, 64, 16, 16), (6, 64, 3, 3),
-                  (2, 8, 4), (1, 1, 1, 1)]:
+                  (2, 8, 4), (1, 1, 1, 1), (4, 8, 64, 64)]:   # (the last: training unfused)
         ps = [B.empty((shape[1],), dt) for _ in range(4)]
         nm.batch_norm(m, B.empty(shape, dt), *ps)
         if shape[0] * int(np.prod(shape[2:])) > 1:

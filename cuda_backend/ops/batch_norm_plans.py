@@ -18,6 +18,7 @@ BN_TEMPLATE = "batch_norm.cu.j2"
 BLOCK = 256
 UNROLL = 4            # rows (nc) or items (ncs) per thread in the normalize kernels
 STATS_BLOCKS_PER_SM = 4  # statistics pass: about one resident wave of looping blocks
+BN_FUSE_MAX = 8192  # training, "ncs": N * S up to this per channel: one fused launch
 
 
 # -- template parameters ---------------------------------------------------------------
@@ -34,10 +35,13 @@ def bn_params(dtype: CudaDataType, kernel: str, layout: str = "",
 
 # -- geometry ------------------------------------------------------------------------------
 def bn_geometry(layout: str, N: int, C: int, S: int, vec_ok: int, vec: int,
-                sm: int) -> Dict[str, Any]:
+                sm: int, fuse: bool = False) -> Dict[str, Any]:
     """The launch sizes of batch_norm for one input shape and vec_ok: the normalize kernel's
     grid, block and trailing arguments (N, C, items, S/W and C as FastDiv, vec_ok), the
-    statistics pass's grid, block, splits and arguments after (x, partials)."""
+    statistics pass's grid, block, splits and arguments after (x, partials). fuse
+    (training): for "ncs" with N * S <= BN_FUSE_MAX, one split and "fused": the "fused"
+    kernel (grid (C), the stats pass's block) does the three passes; "fused_args" its
+    arguments after the running statistics' update (N, C, S, S/W as FastDiv, vec_ok)."""
     w = vec if vec_ok else 1
     SW = S // w if layout == "ncs" else 1  # items per plane ("nc": vectors run along C)
     tail = (N, C, N * C * SW, *fast_divisor(SW), *fast_divisor(C)[1:], vec_ok)
@@ -52,12 +56,16 @@ def bn_geometry(layout: str, N: int, C: int, S: int, vec_ok: int, vec: int,
         per_channel = N * SW
         splits = max(1, min(-(-per_channel // (BLOCK * UNROLL)),
                             -(-(sm * STATS_BLOCKS_PER_SM) // C), 65535))
+        if fuse and N * S <= BN_FUSE_MAX:
+            splits = 1
         chunk = -(-per_channel // splits)
         splits = -(-per_channel // chunk)  # no empty split
         stats_grid, stats_block = (C, splits, 1), (BLOCK, 1, 1)
     return {"tail": tail, "grid": grid, "block": block, "splits": splits,
             "stats_grid": stats_grid, "stats_block": stats_block,
-            "stats_args": (N, C, S, *fast_divisor(SW), chunk, vec_ok)}
+            "stats_args": (N, C, S, *fast_divisor(SW), chunk, vec_ok),
+            "fused": fuse and layout == "ncs" and N * S <= BN_FUSE_MAX,
+            "fused_args": (N, C, S, *fast_divisor(SW), vec_ok)}
 
 
 def nc_block(columns: int, block: int = BLOCK) -> Tuple[int, int]:
@@ -90,7 +98,8 @@ def bn_launch(m: Any, geo: Dict[str, Any], layout: str, training: bool, x: CudaT
               var: CudaTensor, eps: float, momentum: float, C: int, S: int, count: int) -> None:
     """The general path's launches (geo: bn_geometry's): inference one normalize pass;
     training the statistics pass, the finalize (which updates the running mean and variance
-    in place) and the normalize pass, with the workspace freed after them."""
+    in place) and the normalize pass, or the one "fused" kernel (geometry "fused"), with the
+    workspace freed after them."""
     dev, tail = x.device_id, geo["tail"]
     if not training:
         kernel = m.kernel(BN_TEMPLATE, dev, **bn_params(x.dtype, "normalize", layout, "infer"))
@@ -106,6 +115,13 @@ def bn_launch(m: Any, geo: Dict[str, Any], layout: str, training: bool, x: CudaT
             partials = base
             ws_mean = base + splits * 2 * C * acc_itemsize
             ws_scale = ws_mean + C * acc_itemsize
+            if geo["fused"]:
+                fused = m.kernel(BN_TEMPLATE, dev, **bn_params(x.dtype, "fused", layout))
+                m.backend.launch_kernel(fused.name, (C, 1, 1), x, out, partials, gamma, beta,
+                                        mean, var, ws_mean, ws_scale, eps, momentum,
+                                        *geo["fused_args"], block_size=(BLOCK, 1, 1),
+                                        device_id=dev)
+                return
             stats = m.kernel(BN_TEMPLATE, dev, **bn_params(x.dtype, "stats", layout))
             m.backend.launch_kernel(stats.name, geo["stats_grid"], x, partials,
                                     *geo["stats_args"], block_size=geo["stats_block"],
@@ -164,6 +180,10 @@ def bn_call_plan(m: Any, x: CudaTensor, eps: float, momentum: float, training: b
             base = int(ws)
             ws_mean = base + splits * 2 * c_bytes
             ws_scale = ws_mean + c_bytes
+            if stats_go is None:   # the fused kernel (go), its arguments in tail
+                go(px, po, base, gamma._ptr, beta._ptr, mean._ptr, var._ptr, ws_mean,
+                   ws_scale, eps, momentum, *tail)
+                return out
             stats_go(px, base, *stats_args)
             fin(px, base, splits, C, S_fin, count, gamma._ptr, mean._ptr, var._ptr, ws_mean,
                 ws_scale, eps, momentum)
@@ -178,7 +198,9 @@ def _bn_variants(m: Any, training: bool, dev: int, dtype: CudaDataType, layout: 
                  C: int, S: int, vec: int, can_vec: bool, sm: int,
                  acc_itemsize: int) -> Tuple[Any, List[tuple]]:
     """bn_call_plan's prepared launches: the finalize (training; else None) and by vec_ok
-    (normalize, its tail, stats or None, its args, splits, workspace bytes)."""
+    (normalize, its tail, stats or None, its args, splits, workspace bytes); a fused
+    training variant is (the fused kernel, its arguments after momentum, None, (), 1,
+    workspace bytes)."""
     prep, bk = m.backend.prepare_launch, m.kernel
     norm = bk(BN_TEMPLATE, dev, **bn_params(dtype, "normalize", layout,
                                             "train" if training else "infer"))
@@ -189,7 +211,12 @@ def _bn_variants(m: Any, training: bool, dev: int, dtype: CudaDataType, layout: 
                    (-(-C // BLOCK), 1, 1), (BLOCK, 1, 1), 0, dev)
     variants = []
     for vec_ok in ((0, 1) if can_vec else (0,)):
-        geo = bn_geometry(layout, N, C, S, vec_ok, vec, sm)
+        geo = bn_geometry(layout, N, C, S, vec_ok, vec, sm, training)
+        if geo["fused"]:
+            fused = bk(BN_TEMPLATE, dev, **bn_params(dtype, "fused", layout))
+            variants.append((prep(fused, (C, 1, 1), (BLOCK, 1, 1), 0, dev),
+                             geo["fused_args"], None, (), 1, 4 * C * acc_itemsize))
+            continue
         go = prep(norm, geo["grid"], geo["block"], 0, dev)
         if training:
             splits = geo["splits"]

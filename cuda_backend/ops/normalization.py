@@ -41,6 +41,8 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
             for mode in ("infer", "train"):
                 bn.append(bn_params(dt, "normalize", layout, mode))
             bn.append(bn_params(dt, "stats", layout))
+            if layout == "ncs":
+                bn.append(bn_params(dt, "fused", layout))
         bn.append(bn_params(dt, "finalize"))
         for tpr, vpt, block in LN_VEC_CONFIGS:
             ln.append(ln_params(dt, tpr, vpt, block, vec_width(dt)))
@@ -118,7 +120,7 @@ def batch_norm(m: Any, x: CudaTensor, gamma: CudaTensor, beta: CudaTensor, mean:
     aligned = x.ptr % 16 == 0 and out.ptr % 16 == 0
     vec_ok = int(aligned and can_vec)
     sm = m.backend.get_device_info(dev).multiprocessor_count
-    geo = bn_geometry(layout, N, C, S, vec_ok, vec, sm)
+    geo = bn_geometry(layout, N, C, S, vec_ok, vec, sm, bool(training))
     bn_launch(m, geo, layout, training, x, out, gamma, beta, mean, var, eps, momentum, C, S,
               count)
     if owned and type(training) is bool:
