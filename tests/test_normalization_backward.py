@@ -628,6 +628,16 @@ LN_STUB_SCRIPT = r'''
     from cuda_backend.ops import layer_norm_backward_plans as lb
     ml = CudaML(m)
     rng = np.random.default_rng(0)
+
+    def same_through_plan(out, call, general):
+        """out freed, then call() through the plan: the general path's launches."""
+        for t in out:
+            if t is not None:
+                t.free()
+        launches.clear()
+        call()
+        assert launches == general
+
     for shape, dtype, weight in (((8192, 1024), DT.FLOAT32, True),
                                  ((50, 1000), DT.FLOAT16, False), ((9, 4094), DT.FLOAT64, True)):
         host = np.float16 if dtype is DT.FLOAT16 else dtype.numpy_dtype
@@ -647,12 +657,7 @@ LN_STUB_SCRIPT = r'''
         assert general[0][1] == (p["block"], 1, 1) and general[1][3] == 0
         if shape == (8192, 1024):
             assert general[0][0] == (264, 1, 1)              # 2 blocks of 96 KiB per SM
-        for t in out:
-            if t is not None:
-                t.free()
-        launches.clear()
-        again = ml.layer_norm_backward(G, X, W)              # through the plan
-        assert launches == general
+        same_through_plan(out, lambda: ml.layer_norm_backward(G, X, W), general)
         # a view one element past: the element path, no stages
         Xm = CudaTensor(shape, dtype, 0, X.ptr + dtype.itemsize, owner=X)
         launches.clear()
@@ -677,12 +682,7 @@ LN_STUB_SCRIPT = r'''
         counter = lb.LN_COUNTERS.get(m, 0, None, 1).ptr
         tail = struct.pack("PPP", counter, out[1].ptr if weight else 0, out[2].ptr)
         assert general[0][2].endswith(tail)
-        for t in out:
-            if t is not None:
-                t.free()
-        launches.clear()
-        again = ml.layer_norm_backward(G, X, W)              # through the plan
-        assert launches == general
+        same_through_plan(out, lambda: ml.layer_norm_backward(G, X, W), general)
     print("OK")
 '''
 
