@@ -203,7 +203,6 @@ def bn_call_plan(m: Any, ks: Dict[str, str], x: CudaTensor, training: bool, eps:
     pool = m.backend.memory_pools[dev]
     alloc, release = pool.allocate_current, pool.release
     direct = m.backend.direct_launch
-    plan_pointer = common.plan_pointer
     counters = _bn_counter_source(m, dev, groups)
 
     def run(g: Any, x: CudaTensor, gamma: Any, mean: Any, var: Any) -> Any:
@@ -211,18 +210,7 @@ def bn_call_plan(m: Any, ks: Dict[str, str], x: CudaTensor, training: bool, eps:
         if ptrs is None:
             return None
         pg, px = ptrs
-        if training:
-            if plan_pointer(gamma, cshape, dtype, dev) is None:
-                return None
-            if mean is not None or var is not None:   # (unused, checked as the general path)
-                for t in (mean, var):
-                    if t is not None and (type(t) is not CudaTensor or t.shape != cshape or
-                                          t.dtype is not dtype or t.device_id != dev or
-                                          t._ptr is None):
-                        return None
-        elif mean is None or var is None or plan_pointer(gamma, cshape, dtype, dev) is None \
-                or plan_pointer(mean, cshape, dtype, dev) is None or \
-                plan_pointer(var, cshape, dtype, dev) is None:
+        if not _bn_params_ok(training, gamma, mean, var, cshape, dtype, dev):
             return None
         dx = pool_tensor(shape, dtype, dev, alloc(dx_bytes), pool, size, nbytes)
         dgamma = pool_tensor(cshape, dtype, dev, alloc(cbytes), pool, C, cbytes)
@@ -247,6 +235,26 @@ def bn_call_plan(m: Any, ks: Dict[str, str], x: CudaTensor, training: bool, eps:
                 release(ws)   # as ws.free() in the general path: stream-ordered
         return dx, dgamma, dbeta
     return run
+
+
+def _bn_params_ok(training: bool, gamma: Any, mean: Any, var: Any, cshape: Tuple[int, ...],
+                  dtype: CudaDataType, dev: int) -> bool:
+    """bn_call_plan's check of gamma and the running statistics as the general path checks
+    them (False: the general path runs and raises): training needs gamma (the statistics,
+    unused, must still be tensors of gamma's kind where given); inference all three."""
+    plan_pointer = common.plan_pointer
+    if training:
+        if plan_pointer(gamma, cshape, dtype, dev) is None:
+            return False
+        for t in (mean, var):
+            if t is not None and (type(t) is not CudaTensor or t.shape != cshape or
+                                  t.dtype is not dtype or t.device_id != dev or
+                                  t._ptr is None):
+                return False
+        return True
+    return not (mean is None or var is None or plan_pointer(gamma, cshape, dtype, dev) is None
+                or plan_pointer(mean, cshape, dtype, dev) is None or
+                plan_pointer(var, cshape, dtype, dev) is None)
 
 
 def _bn_variants(m: Any, ks: Dict[str, str], training: bool, dev: int, dtype: CudaDataType,
