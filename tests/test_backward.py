@@ -165,7 +165,9 @@ def ce_row_bound(stats, K, dtype, loss, stored=True):
 
 def ref_ce(x, lab, reduction, ignore_index, dtype):
     """(loss, bound): per row, or their mean / sum with the finish kernel's sum (depth
-    N / 1024 + 40) on the rows' losses."""
+    N / 1024 + 40) on the rows' losses; the fused forward's last block of T threads (depth
+    N / T + 5 + T / 32 for N <= 16 T rows, cross_entropy_plans.FUSE_ROWS_PER_THREAD) stays
+    within it for every T of 128-1024."""
     loss, stats = ref_ce_rows(x, lab, ignore_index)
     rb = ce_row_bound(stats, x.shape[1], dtype, loss, stored=reduction == "none")
     if reduction == "none":
@@ -920,6 +922,61 @@ def test_gpu_cross_entropy_every_candidate(apis, dtype):
             st.free()
         for t in (x, base, t_lab):
             t.free()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name_str)
+def test_gpu_cross_entropy_fused_every_candidate(apis, dtype):
+    """The fused kernels of every candidate: the forward summing its own losses (the last of
+    many blocks by ticket; "mean" and "sum"; twice, so the ticket is back at 0) against the
+    reference, and the "mean" backward counting its rows in every block bit-identical to the
+    unfused kernel given the finish kernel's scale (gmul / count, one rounding either way),
+    also with a grad tensor of shape ()."""
+    m, ml = apis
+    rng = np.random.default_rng(17)
+    adt = cep.acc_dtype(dtype)
+    counter = cep.COUNTERS.get(m, 0, None, 1)
+    for K in (1, 3, 64, 997, 4099):
+        for N in (1, 300):
+            ii = 0 if K % 3 == 0 else -100
+            lab = labels_for(rng, N, K, ignore_index=ii, frac_ignored=0.3)
+            t_lab = m.from_numpy(lab.astype(np.int32 if N == 1 else np.int64))
+            x, hx = make(m, rng.standard_normal((N, K)) * 3, dtype)
+            n = np.count_nonzero(lab != ii)
+            buf, out = m.create_tensor((N,), adt), m.create_tensor((), dtype)
+            for p in cep.forward_candidates(K, dtype.itemsize):
+                q = cep.prepare(m, "forward", p, dtype, 0, True)
+                for red in ("mean", "sum"):
+                    ref, b = ref_ce(hx, lab, red, ii, dtype)
+                    got = []
+                    for _ in range(2):
+                        cep.launch_forward(m, q, x, t_lab, buf, True, 0, 0, ii,
+                                           (counter, out, int(red == "mean")))
+                        got.append(m.to_numpy(out).astype(np.float64))
+                    check(got[0], ref, b, f"fused forward {N}x{K} {red} {p}")
+                    np.testing.assert_array_equal(got[1], got[0])
+            _, st = ml.cross_entropy(x, t_lab, "none", ii, return_row_stats=True)
+            g = m.from_numpy(np.asarray(0.75, host_dtype(dtype)), dtype=dtype)
+            with np.errstate(divide="ignore"):      # (no counted row: an infinite scale)
+                sc = adt.numpy_dtype.type(0.5) / adt.numpy_dtype.type(n)
+            scale = m.from_numpy(np.asarray([sc], adt.numpy_dtype))
+            ref, b = ref_ce_backward(hx, lab, 0.75 / n if n else np.inf, ii, dtype)
+            plans = [("backward", p) for p in cep.backward_candidates(K, dtype.itemsize)] + \
+                [("stats", p) for p in cep.stats_candidates(K, dtype.itemsize)]
+            for kind, p in plans:
+                q = cep.prepare(m, "backward", p, dtype, 0, True)
+                q0 = cep.prepare(m, "backward", p, dtype, 0)
+                sts = st if kind == "stats" else None
+                dx, dx0 = poisoned(m, (N, K), dtype), poisoned(m, (N, K), dtype)
+                cep.launch_backward(m, q, x, t_lab, dx, 0, 0, 0.5, 0, 0, ii, sts)
+                cep.launch_backward(m, q0, x, t_lab, dx0, 0, 0, 0.0, scale, 0, ii, sts)
+                np.testing.assert_array_equal(m.to_numpy(dx), m.to_numpy(dx0))
+                cep.launch_backward(m, q, x, t_lab, dx, g, 0, 1.0, 0, 0, ii, sts)
+                check(m.to_numpy(dx), ref, b, f"fused backward {N}x{K} {kind} {p}")
+                dx.free()
+                dx0.free()
+            for t in (x, t_lab, buf, out, st, g, scale):
+                t.free()
 
 
 @gpu

@@ -10,10 +10,12 @@ for float64), labels int32 or int64:
   across the row's lanes) writing the row's loss as log(sum) + (max - x[label]), which keeps
   large logits (1e4 offsets in float16 and bfloat16 too) exact to the dtype's rounding;
   mode "warp" (1-32 lanes per row, K <= 32 * vec * 4) or "block" (one block per row). For
-  "mean" and "sum" a one-block "finish" kernel then sums the per-row losses (float32 or
-  double, fixed order) and counts the rows: 2 launches; "none" is 1.
+  "mean" and "sum" the per-row losses are then summed (float32 or double, fixed order) and
+  the rows counted by one block: the forward's last block (a ticket) for up to 32 rows per
+  thread (16 for float64), else a one-block "finish" kernel (2 launches).
 - backward: dlogits = (softmax(x) - onehot(label)) * scale per row, one kernel per call
-  ("mean" first runs the one-block kernel that counts the rows into the scale): modes "warp"
+  ("mean" has each block count the rows where blocks x rows <= 2^18, else first runs the
+  one-block kernel that counts them into the scale): modes "warp"
   and "block" keep the row in registers (1 read + 1 write), "loop" for rows over
   512 * 4 * vec elements (8K float32) reads it twice. scale = grad_loss (a Python number;
   for "sum" also a tensor of shape () or (1,), for "none" a tensor of shape (N,)), divided
@@ -38,16 +40,17 @@ import numpy as np
 
 from ..dtypes import CudaDataType
 from ..errors import InvalidArgumentError
+from ..streams import current_pycuda_stream
 from ..tensor import CudaTensor, pool_tensor
 from . import common
 from .cross_entropy_checks import (check_grad, check_operands, check_row_stats,
                                    host_check_labels, label_slot)
-from .cross_entropy_plans import (BWD_BLOCK_CONFIGS, BWD_WARP_NV, FINISH_BLOCK,
+from .cross_entropy_plans import (BWD_BLOCK_CONFIGS, BWD_WARP_NV, COUNTERS, FINISH_BLOCK,
                                   FWD_BLOCKS, MAX_GRID, STATS_NV, TEMPLATE, acc_dtype,
-                                  backward_candidates, forward_candidates, grid,
-                                  kernel_params, launch_backward, launch_finish,
-                                  launch_forward, prepared_for, stats_candidates,
-                                  stats_chunks)
+                                  backward_candidates, backward_fuses, forward_candidates,
+                                  forward_fuses, grid, kernel_params, launch_backward,
+                                  launch_finish, launch_forward, prepared_for,
+                                  stats_candidates, stats_chunks)
 from .reduction import host_result
 
 DT = CudaDataType
@@ -56,15 +59,18 @@ TEMPLATES = (TEMPLATE,)
 
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     """Per float dtype: forward warp and block sizes, backward warp sizes, block configs,
-    loop and stats, and finish."""
+    loop and stats, each unfused and fused, and finish."""
     sets = []
     for dt in common.FLOATS:
-        sets.append(kernel_params(dt, "forward", "warp"))
-        sets += [kernel_params(dt, "forward", "block", b) for b in FWD_BLOCKS]
-        sets += [kernel_params(dt, "backward", "warp", nv=nv) for nv in BWD_WARP_NV]
-        sets += [kernel_params(dt, "backward", "block", b, nv) for b, nv in BWD_BLOCK_CONFIGS]
-        sets.append(kernel_params(dt, "backward", "loop"))
-        sets += [kernel_params(dt, "backward", "stats", nv=nv) for nv in STATS_NV]
+        for f in (False, True):
+            sets.append(kernel_params(dt, "forward", "warp", fused=f))
+            sets += [kernel_params(dt, "forward", "block", b, fused=f) for b in FWD_BLOCKS]
+            sets += [kernel_params(dt, "backward", "warp", nv=nv, fused=f)
+                     for nv in BWD_WARP_NV]
+            sets += [kernel_params(dt, "backward", "block", b, nv, f)
+                     for b, nv in BWD_BLOCK_CONFIGS]
+            sets.append(kernel_params(dt, "backward", "loop", fused=f))
+            sets += [kernel_params(dt, "backward", "stats", nv=nv, fused=f) for nv in STATS_NV]
         sets.append(kernel_params(dt, "finish"))
     return {TEMPLATE: sets}
 
@@ -191,13 +197,21 @@ def cross_entropy(m: Any, logits: CudaTensor, labels: CudaTensor, reduction: str
     else:
         buf = m.backend.empty((N,), acc_dtype(dtype), dev)
         out = m.backend.empty((), dtype, dev)
-    launch_forward(m, pf, logits, labels, buf if buf is not None else out, buf is not None,
-                   flag, stats if stats is not None else 0, ignore_index)
-    if buf is not None:
+    pstats = stats if stats is not None else 0
+    if buf is not None and forward_fuses(pf, N, C, dtype.itemsize):
+        pf = prepared_for(m, "forward", dtype, C, dev, True)
+        counter = COUNTERS.get(m, dev, current_pycuda_stream(dev), 1)
+        launch_forward(m, pf, logits, labels, buf, True, flag, pstats, ignore_index,
+                       (counter, out, int(reduction == "mean")))
+        buf.free()   # stream-ordered: reused only after the launch
+    elif buf is not None:
+        launch_forward(m, pf, logits, labels, buf, True, flag, pstats, ignore_index)
         pfin = prepared_for(m, "finish", dtype, 0, dev)
         launch_finish(m, pfin, buf, labels, N, ignore_index, reduction == "mean", 0, out, 0,
                       0.0, 0, dev)
         buf.free()   # stream-ordered: reused only after the finish kernel
+    else:
+        launch_forward(m, pf, logits, labels, out, False, flag, pstats, ignore_index)
     key = ("cross_entropy", logits.shape, dtype, labels.dtype, dev, reduction, ignore_index,
            bool(check_labels), bool(return_row_stats))
     if key not in m.plans:
@@ -224,9 +238,13 @@ def _fast_forward(m: Any, x: CudaTensor, ldt: CudaDataType, reduction: str, igno
     dev, dtype = x.device_id, x.dtype
     N, C = x.shape
     pf = prepared_for(m, "forward", dtype, C, dev)
+    fused = reduction != "none" and forward_fuses(pf, N, C, dtype.itemsize)
+    if fused:
+        pf = prepared_for(m, "forward", dtype, C, dev, True)
     go = backend.prepare_launch(backend.get_kernel(pf["kernel"], dev), (grid(pf, N), 1, 1),
                                 (pf["threads"], 1, 1), 0, dev)
-    fin = _finish_launch(m, dtype, dev) if reduction != "none" else None
+    fin = _finish_launch(m, dtype, dev) if reduction != "none" and not fused else None
+    counter = COUNTERS.source(m, dev, 1) if fused else None
     pool, alloc, direct = common.plan_memory(m, dev)
     adt = acc_dtype(dtype)
     label64 = int(ldt is DT.INT64)
@@ -244,7 +262,13 @@ def _fast_forward(m: Any, x: CudaTensor, ldt: CudaDataType, reduction: str, igno
             if with_stats else None
         pstats = stats._ptr if stats is not None else 0
         vec_ok = int(kvec and not (px & 15))
-        if fin is None:
+        if counter is not None:
+            buf = pool_tensor((N,), adt, dev, alloc(N * asz), pool, N, N * asz)
+            out = pool_tensor((), dtype, dev, alloc(isz), pool, 1, isz)
+            go(px, pl, label64, buf._ptr, 1, pflag, pstats, N, C, ignore_index, group, vec_ok,
+               counter(), out._ptr, mean)
+            buf.free()
+        elif fin is None:
             out = pool_tensor((N,), dtype, dev, alloc(N * isz), pool, N, N * isz)
             go(px, pl, label64, out._ptr, 0, pflag, pstats, N, C, ignore_index, group, vec_ok)
         else:
@@ -293,7 +317,12 @@ def cross_entropy_backward(m: Any, logits: CudaTensor, labels: CudaTensor,
     pflag = label_slot(m, name, C, ignore_index) if check_labels else 0
     dx = m.backend.empty((N, C), dtype, dev)
     pstats = stats if use_stats else None
-    if reduction == "mean":
+    kind = "stats" if use_stats else "backward"
+    if reduction == "mean" and backward_fuses(pb, N, C, dtype.itemsize):
+        pb = prepared_for(m, kind, dtype, C, dev, True)
+        launch_backward(m, pb, logits, labels, dx, grad if grad is not None else 0, 0, gmul, 0,
+                        pflag, ignore_index, pstats)
+    elif reduction == "mean":
         scale = m.backend.empty((1,), acc_dtype(dtype), dev)
         pfin = prepared_for(m, "finish", dtype, 0, dev)
         launch_finish(m, pfin, 0, labels, N, ignore_index, True, 1, 0,
@@ -323,10 +352,14 @@ def _fast_backward(m: Any, x: CudaTensor, ldt: CudaDataType, reduction: str,
     dev, dtype = x.device_id, x.dtype
     N, C = x.shape
     isz = dtype.itemsize
-    pb = prepared_for(m, "stats" if with_stats else "backward", dtype, C, dev)
+    kind = "stats" if with_stats else "backward"
+    pb = prepared_for(m, kind, dtype, C, dev)
+    fused = reduction == "mean" and backward_fuses(pb, N, C, isz)
+    if fused:   # each block counts the mean's rows: the kernel takes gmul as (sum) does
+        pb = prepared_for(m, kind, dtype, C, dev, True)
     go = backend.prepare_launch(backend.get_kernel(pb["kernel"], dev),
                                 (grid(pb, N, C, isz), 1, 1), (pb["threads"], 1, 1), 0, dev)
-    fin = _finish_launch(m, dtype, dev) if reduction == "mean" else None
+    fin = _finish_launch(m, dtype, dev) if reduction == "mean" and not fused else None
     pool, alloc, direct = common.plan_memory(m, dev)
     adt = acc_dtype(dtype)
     label64 = int(ldt is DT.INT64)

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional
 from ..dtypes import CudaDataType
 from ..kernels import accumulator_type
 from ..tensor import CudaTensor
+from . import common
 
 DT = CudaDataType
 TEMPLATE = "cross_entropy.cu.j2"
@@ -22,7 +23,15 @@ LOOP_BLOCK = 1024                 # backward loop mode
 STATS_BLOCK = 256                 # backward from the forward's row statistics
 STATS_NV = (1, 4)                 # its items (a 16-byte vector per thread each) per block
 FINISH_BLOCK = 1024               # the one-block finish kernel
+# the forward sums its own losses (last block, "fused") for rows <= FUSE_ROWS_PER_THREAD x
+# its threads (four of the tail's steps of 4 loads) and logits of <= FUSE_MAX_BYTES (the
+# fused kernels take 46-66 registers, the unfused 24-66: larger problems keep the occupancy)
+FUSE_ROWS_PER_THREAD = 16
+FUSE_MAX_BYTES = 1 << 22
+# the backward counts the mean's rows in every block ("fused") for blocks x rows <= this
+COUNT_FUSE_MAX = 1 << 18
 MAX_GRID = 2**31 - 1
+COUNTERS = common.TicketCounters(1)   # the fused forward's ticket, per device and stream
 _prepared: "weakref.WeakKeyDictionary[Any, Dict[tuple, Dict[str, Any]]]" = \
     weakref.WeakKeyDictionary()
 
@@ -33,10 +42,11 @@ def acc_dtype(dtype: CudaDataType) -> CudaDataType:
 
 
 def kernel_params(dtype: CudaDataType, kind: str, mode: str = "", block: int = 0,
-                  nv: int = 0) -> Dict[str, Any]:
+                  nv: int = 0, fused: bool = False) -> Dict[str, Any]:
     """Template parameters: kind "forward" (mode "warp" / "block" with block threads),
     "backward" (mode "warp" with nv, "block" with block threads and nv, "loop", "stats"
-    with nv), "finish"."""
+    with nv), "finish"; fused: the forward's sum, or the backward's mean count, in the
+    kernel (the template's header)."""
     if kind == "finish":
         size = FINISH_BLOCK
     elif mode == "warp":
@@ -51,6 +61,7 @@ def kernel_params(dtype: CudaDataType, kind: str, mode: str = "", block: int = 0
               "kind": kind, "vec": 16 // dtype.itemsize, "block_size": size}
     if kind != "finish":
         params["mode"] = mode
+        params["fused"] = bool(fused)
     if kind == "backward" and mode != "loop":
         params["nv"] = nv
     return params
@@ -135,34 +146,48 @@ def stats_chunks(p: Dict[str, Any], K: int, itemsize: int) -> int:
 
 
 def prepare(m: Any, kind: str, p: Optional[Dict[str, Any]], dtype: CudaDataType,
-            dev: int) -> Dict[str, Any]:
-    """A plan (None for "finish") with its compiled kernel's name."""
+            dev: int, fused: bool = False) -> Dict[str, Any]:
+    """A plan (None for "finish") with its compiled kernel's name (fused: see
+    kernel_params)."""
     if kind == "finish":
         return {"mode": "", "threads": FINISH_BLOCK, "group": 0, "nv": 0,
                 "kernel": m.kernel(TEMPLATE, dev, **kernel_params(dtype, "finish")).name}
     assert p is not None, "a forward/backward plan"
-    params = kernel_params(dtype, kind, p["mode"], p["threads"], p["nv"])
+    params = kernel_params(dtype, kind, p["mode"], p["threads"], p["nv"], fused)
     return dict(p, kernel=m.kernel(TEMPLATE, dev, **params).name)
 
 
 _RULES = {"forward": forward_plan, "backward": backward_plan, "stats": stats_plan}
 
 
-def prepared_for(m: Any, kind: str, dtype: CudaDataType, K: int, dev: int) -> Dict[str, Any]:
+def prepared_for(m: Any, kind: str, dtype: CudaDataType, K: int, dev: int,
+                 fused: bool = False) -> Dict[str, Any]:
     """The rule's prepared plan of kind ("forward", "backward", "stats" or "finish") for
-    (dtype, K, device), memoized per CudaMath."""
+    (dtype, K, device, fused), memoized per CudaMath."""
     per = _prepared.get(m)
     if per is None:
         per = _prepared.setdefault(m, {})
-    key = (kind, dev, dtype, K if kind != "finish" else 0)
+    key = (kind, dev, dtype, K if kind != "finish" else 0, fused)
     q = per.get(key)
     if q is None:
         p = None if kind == "finish" else _RULES[kind](K, dtype.itemsize)
-        q = prepare(m, "backward" if kind == "stats" else kind, p, dtype, dev)
+        q = prepare(m, "backward" if kind == "stats" else kind, p, dtype, dev, fused)
         if len(per) >= 4096:
             per.clear()
         per[key] = q
     return q
+
+
+def forward_fuses(p: Dict[str, Any], rows: int, K: int, itemsize: int) -> bool:
+    """Whether the forward of plan p over rows of K sums its own losses (see
+    FUSE_ROWS_PER_THREAD)."""
+    return rows <= FUSE_ROWS_PER_THREAD * p["threads"] and rows * K * itemsize <= FUSE_MAX_BYTES
+
+
+def backward_fuses(p: Dict[str, Any], rows: int, K: int, itemsize: int) -> bool:
+    """Whether the "mean" backward of plan p counts its rows in every block (see
+    COUNT_FUSE_MAX)."""
+    return grid(p, rows, K, itemsize) * rows <= COUNT_FUSE_MAX
 
 
 def grid(p: Dict[str, Any], rows: int, K: int = 0, itemsize: int = 4) -> int:
@@ -175,15 +200,17 @@ def grid(p: Dict[str, Any], rows: int, K: int = 0, itemsize: int = 4) -> int:
 
 
 def launch_forward(m: Any, p: Dict[str, Any], x: CudaTensor, labels: CudaTensor, loss: Any,
-                   loss_acc: bool, flag: Any, stats: Any, ignore_index: int) -> None:
+                   loss_acc: bool, flag: Any, stats: Any, ignore_index: int,
+                   fused: tuple = ()) -> None:
     """One forward launch of a prepared plan: per-row losses into loss (acc type when
     loss_acc, else x's dtype); flag: an int32 (2,) tensor zeroed before, or 0; stats: an
-    (N, 2) acc tensor for each row's (max, sum of exp(x - max)), or 0."""
+    (N, 2) acc tensor for each row's (max, sum of exp(x - max)), or 0; fused: a fused plan's
+    (ticket counter, out, mean)."""
     N, K = x.shape
     vec_ok = int(K % (16 // x.dtype.itemsize) == 0 and not (x.ptr & 15))
     m.backend.launch_kernel(p["kernel"], (grid(p, N), 1, 1), x, labels,
                             int(labels.dtype is DT.INT64), loss, int(bool(loss_acc)), flag,
-                            stats, N, K, ignore_index, p["group"], vec_ok,
+                            stats, N, K, ignore_index, p["group"], vec_ok, *fused,
                             block_size=(p["threads"], 1, 1), device_id=x.device_id)
 
 
