@@ -446,13 +446,22 @@ def test_configs_and_candidates():
         assert cfg["bm"] % mq == 0 and cfg["bn"] % mq == 0 and mq % 4 == 0
         assert bc.wgrad_shared_bytes(cfg) <= 227 * 1024
     variants = cb.template_variants()
-    assert len(variants[bc.DGRAD_TEMPLATE]) == 3 * len(bc.DGRAD_CONFIGS)
+    assert len(variants[bc.DGRAD_TEMPLATE]) == 3 * len(bc.DGRAD_CONFIGS) + \
+        len(bc.DGRAD_KCRS_CONFIGS)
     assert len(variants[bc.WGRAD_TEMPLATE]) == len(bc.WGRAD_CONFIGS)
     assert {p["kind"] for p in variants[bc.AUX_TEMPLATE]} == set(bc.AUX_KINDS)
     for case in CASES + [((32, 64, 128, 128), (128, 64, 3, 3), (1, 1), (1, 1), (1, 1), 1)]:
         g = geometry(case)
         for sms in (1, 7, 132):
             assert all(c in bc.DGRAD_CONFIGS for c in bc.candidates(g, sms, "dgrad"))
+            plain = bc.candidates(g, sms, "dgrad")
+            for dt in (DT.FLOAT32, DT.BFLOAT16):
+                cands = bc.candidates(g, sms, "dgrad", dt)
+                kcrs = [c for c in cands if c.get("kcrs")]
+                assert cands[:len(plain)] == plain and len(cands) == len(plain) + len(kcrs)
+                assert all(c in bc.DGRAD_KCRS_CONFIGS for c in kcrs)
+                assert bool(kcrs) == (bc.dgrad_kcrs_fits(g, dt) and any(
+                    dict(c, kcrs=True) in bc.DGRAD_KCRS_CONFIGS for c in plain))
             for c in bc.candidates(g, sms, "wgrad"):
                 assert {k: v for k, v in c.items() if k != "waves"} in bc.WGRAD_CONFIGS
                 splits, chunk = bc.wgrad_split(g, c, sms)
@@ -943,7 +952,8 @@ def test_gpu_every_config(apis, case, fam, monkeypatch):
     dtype, prec = FAMILIES[fam]
     rng = np.random.default_rng(7)
     g = geometry(case)
-    runs = [("dgrad", c, None) for c in bc.DGRAD_CONFIGS] + \
+    kcrs = bc.DGRAD_KCRS_CONFIGS if dtype is DT.FLOAT32 else ()
+    runs = [("dgrad", c, None) for c in bc.DGRAD_CONFIGS + kcrs] + \
         [("wgrad", None, {**c, "waves": wv}) for c in bc.WGRAD_CONFIGS for wv in (1, 2, 4)]
     for ints in (True, False):
         (go, hgo), (x, hx), (w, hw) = operands(m, rng, case, dtype, ints)

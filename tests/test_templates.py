@@ -77,7 +77,7 @@ def test_renders_and_declares_the_kernel(template, index, params):
 
 # Parameters a template documents as optional (with a default): leaving one out is legal.
 OPTIONAL = {"matmul_mma.cu.j2": {"x3", "tf32_trunc_a"}, "transpose.cu.j2": {"round_tf32"},
-            "conv2d_simt.cu.j2": {"kcrs"}}
+            "conv2d_simt.cu.j2": {"kcrs"}, "conv2d_dgrad.cu.j2": {"kcrs"}}
 
 
 @pytest.mark.parametrize("template, index, params", CASES, ids=CASE_IDS)

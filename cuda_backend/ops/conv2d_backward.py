@@ -66,9 +66,10 @@ from ..tensor import CudaTensor
 from . import common
 from .common import normalize_precision
 from . import conv2d as fwd
-from .conv2d_backward_configs import (AUX_KINDS, AUX_TEMPLATE, DGRAD_CONFIGS, DGRAD_TEMPLATE,
-                                      HALF, INT_MAX, WGRAD_CONFIGS, WGRAD_TEMPLATE,
-                                      WGRAD_X3_CONFIGS, WGRAD_X3_TEMPLATE)
+from .conv2d_backward_configs import (AUX_KINDS, AUX_TEMPLATE, DGRAD_CONFIGS,
+                                      DGRAD_KCRS_CONFIGS, DGRAD_TEMPLATE, HALF, INT_MAX,
+                                      WGRAD_CONFIGS, WGRAD_TEMPLATE, WGRAD_X3_CONFIGS,
+                                      WGRAD_X3_TEMPLATE)
 from .conv2d_backward_configs import candidates  # noqa: F401  (registry.CONTRACT, autotuned)
 from .conv2d_backward_program import get_kernel, make_plan, program
 from .conv2d_configs import DTYPES
@@ -81,10 +82,11 @@ TEMPLATES = (DGRAD_TEMPLATE, WGRAD_TEMPLATE, WGRAD_X3_TEMPLATE, AUX_TEMPLATE) + 
 
 
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
-    """Every parameter set this module renders: dgrad per grad_input dtype and config, wgrad
-    per config, SIMT and 3xTF32 (float32 operands and partials), the auxiliary kernels per
-    dtype."""
-    dgrad = [{**dtype_params(dt), **cfg} for dt in DTYPES for cfg in DGRAD_CONFIGS]
+    """Every parameter set this module renders: dgrad per grad_input dtype and config (the
+    KCRS ones for float32), wgrad per config, SIMT and 3xTF32 (float32 operands and
+    partials), the auxiliary kernels per dtype."""
+    dgrad = [{**dtype_params(dt), **cfg} for dt in DTYPES for cfg in DGRAD_CONFIGS] + \
+        [{**dtype_params(DT.FLOAT32), **cfg} for cfg in DGRAD_KCRS_CONFIGS]
     wgrad = [{**dtype_params(DT.FLOAT32), **cfg} for cfg in WGRAD_CONFIGS]
     wgrad_x3 = [{**dtype_params(DT.FLOAT32), **cfg} for cfg in WGRAD_X3_CONFIGS]
     aux = []

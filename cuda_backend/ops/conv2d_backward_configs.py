@@ -51,6 +51,9 @@ D_64x32x8s2 = fc.S_64x32x8s2                      # 128 threads x 2 k-slices, 20
 D_32x32x8s4 = fc.S_32x32x8s4                      # 64 threads x 4 k-slices, 27 KB
 DGRAD_CONFIGS = (D_128x128x8, D_128x128x16, D_128x64x8, D_64x64x8s2, D_64x32x8s2,
                  D_32x32x8s4)
+# the small tiles reading a float32 filter as given (no weight_rskc launch), where
+# dgrad_kcrs_fits: each candidate is timed as the whole part, its repack included
+DGRAD_KCRS_CONFIGS = tuple(dict(c, kcrs=True) for c in (D_64x64x8s2, D_64x32x8s2, D_32x32x8s4))
 # wgrad: threads = (bm / tm) * (bn / tn) over GEMM (K/groups, C/groups*R*S).
 W_128x128x8 = _wg(128, 128, 8, 8, 8, 4, 2)        # 256 threads, 33 KB
 W_128x64x8 = _wg(128, 64, 8, 8, 8, 4, 3)          # 128 threads, 25 KB
@@ -198,23 +201,39 @@ def wgrad_x3_fits(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> bool
             g.H + 2 * g.ph + 1 <= 2**30 and g.W + 2 * g.pw + 1 <= 2**30)
 
 
+def dgrad_kcrs_fits(g: Geometry, dtype: CudaDataType) -> bool:
+    """Whether the dgrad candidates include DGRAD_KCRS_CONFIGS: a float32 filter and a small
+    problem (pixels N*H*W <= fc.KCRS_MAX_M, Cg <= 64, Kg*R*S <= fc.KCRS_MAX_CRS: the
+    forward's KCRS bounds, its GEMM's M, N and depth), where the repack launch is a good
+    part of the time."""
+    return (dtype is DT.FLOAT32 and g.N * g.H * g.W <= fc.KCRS_MAX_M and g.Cg <= 64 and
+            g.Kg * g.R * g.S <= fc.KCRS_MAX_CRS)
+
+
+def _dgrad_candidates(g: Geometry, sm_count: int) -> List[Dict[str, Any]]:
+    if g.Cg <= 32:
+        return [D_64x32x8s2, D_32x32x8s4]
+    if g.Cg <= 64:
+        return [D_128x64x8, D_64x64x8s2, D_64x32x8s2]
+    grid = dgrad_grid(g, D_128x128x8)
+    if grid[0] * grid[1] * grid[2] >= 2 * sm_count:
+        return [D_128x128x8, D_128x128x16, D_128x64x8]
+    return [D_128x64x8, D_64x64x8s2, D_128x128x8]
+
+
 def candidates(g: Geometry, sm_count: int, kind: str = "dgrad",
                dtype: Optional[CudaDataType] = None,
                prec: Optional[str] = None) -> List[Dict[str, Any]]:
     """The configs the autotuner chooses from. dgrad: by input channels per group (GEMM N),
-    then by how many blocks the large tile gives (two waves or more keep it). wgrad: by
-    output channels per group (GEMM M), each with the waves its splits aim at; given the
-    dtype and precision, the 3xTF32 configs first where `wgrad_x3_fits` (without them: the
-    SIMT list alone)."""
+    then by how many blocks the large tile gives (two waves or more keep it); given the
+    dtype, also their KCRS versions where `dgrad_kcrs_fits`. wgrad: by output channels per
+    group (GEMM M), each with the waves its splits aim at; given the dtype and precision,
+    the 3xTF32 configs first where `wgrad_x3_fits` (without them: the SIMT list alone)."""
     if kind == "dgrad":
-        if g.Cg <= 32:
-            return [D_64x32x8s2, D_32x32x8s4]
-        if g.Cg <= 64:
-            return [D_128x64x8, D_64x64x8s2, D_64x32x8s2]
-        grid = dgrad_grid(g, D_128x128x8)
-        if grid[0] * grid[1] * grid[2] >= 2 * sm_count:
-            return [D_128x128x8, D_128x128x16, D_128x64x8]
-        return [D_128x64x8, D_64x64x8s2, D_128x128x8]
+        out = _dgrad_candidates(g, sm_count)
+        if dtype is not None and dgrad_kcrs_fits(g, dtype):
+            out += [dict(c, kcrs=True) for c in out if dict(c, kcrs=True) in DGRAD_KCRS_CONFIGS]
+        return out
     if kind != "wgrad":
         raise InvalidArgumentError(f"kind must be 'dgrad' or 'wgrad', got {kind!r}")
     if g.Kg <= 16:

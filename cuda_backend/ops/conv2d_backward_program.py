@@ -193,15 +193,17 @@ def _dgrad_steps(p: Program, g: Geometry, dtype: CudaDataType, prec: Optional[st
         return
     p.tensor("gi", (g.N, g.C, g.H, g.W), dtype, output=True)
     cgp = -(-Cg // 4) * 4
-    wt_size = G * RS * Kg * cgp
-    p.tensor("wt", (max(wt_size, 1),), DT.FLOAT32)
-    if wt_size:
-        p.aux("weight_rskc", dtype, wt_size, "w", "wt", Kg, Cg, RS, cgp, wt_size)
+    wt = "w"          # a KCRS config reads the (float32) filter as given
+    if not dcfg.get("kcrs"):
+        wt_size = G * RS * Kg * cgp
+        wt = p.tensor("wt", (max(wt_size, 1),), DT.FLOAT32)
+        if wt_size:
+            p.aux("weight_rskc", dtype, wt_size, "w", wt, Kg, Cg, RS, cgp, wt_size)
     grid = dgrad_grid(g, dcfg)
     geo = (g.sh, g.sw, g.ph, g.pw, g.dh, g.dw)
     vec = dtype is DT.FLOAT32 and (g.sh, g.sw) == (1, 1) and (g.H * g.W) % 4 == 0
     p.launch(DGRAD_TEMPLATE, {**dtype_params(dtype), **dcfg}, grid,
-             (dgrad_threads(dcfg), 1, 1), dgrad_shared_bytes(dcfg), gof, "wt",
+             (dgrad_threads(dcfg), 1, 1), dgrad_shared_bytes(dcfg), gof, wt,
              "gi", ("vec", "gi", vec), g.N, g.C, g.H, g.W, Cg, Kg, cgp, K, g.P, g.Q,
              g.R, g.S, *geo, dgrad_tiles_pp(g, dcfg["bm"]))
 
@@ -263,7 +265,7 @@ def program(m: Any, go: CudaTensor, x: CudaTensor, w: CudaTensor, g: Geometry,
     if "dgrad" in parts:
         dcfg = dgrad_path(g, dtype, prec)
         if dcfg == "simt":
-            cands = candidates(g, sms, "dgrad")
+            cands = candidates(g, sms, "dgrad", dtype)
             dcfg = _choose(m, "conv2d_dgrad", g, dtype, "dgrad", cands, go, x, w, dev,
                            prec) if work else cands[0]
     if "wgrad" in parts:
