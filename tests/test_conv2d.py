@@ -767,7 +767,8 @@ def test_x3_offered_at_the_default_precision_only(prec):
 def test_x3_fits_and_the_dgrad_routing():
     """x3_fits: float32, precision None / 'fp32', the GEMM family, Cg >= 13. The stride-1
     data gradient of float32 at the default precision runs through the forward where the
-    forward's x3 fits (its Cg is the layer's K/groups), else the dgrad kernel; 'ieee' keeps
+    forward's x3 fits (its Cg is the layer's K/groups) and the problem is not small
+    (dgrad_kcrs_fits), else the dgrad kernel; 'ieee' keeps
     the dgrad kernel; tf32 and the half types go through the forward as before."""
     from cuda_backend.ops import conv2d_backward_configs as bc
     conf = ConvolutionConfig(3, padding=1)
@@ -788,7 +789,11 @@ def test_x3_fits_and_the_dgrad_routing():
     assert bc.dgrad_path(thin_k, DT.FLOAT32, None) == "simt"
     odd = geo.plan((2, 9, 9, 7), (26, 9, 3, 1), ConvolutionConfig((3, 1), padding=(2, 0),
                                                                  dilation=(2, 1)))
-    assert bc.dgrad_path(odd, DT.FLOAT32, None) == "forward"
+    assert bc.dgrad_path(odd, DT.FLOAT32, None) == "simt"    # small: bc.dgrad_kcrs_fits
+    assert bc.dgrad_kcrs_fits(odd, DT.FLOAT32)
+    wide = geo.plan((2, 9, 9, 7), (40, 9, 3, 3), ConvolutionConfig(3, padding=2, dilation=2))
+    assert not bc.dgrad_kcrs_fits(wide, DT.FLOAT32)         # Kg * R * S = 360
+    assert bc.dgrad_path(wide, DT.FLOAT32, None) == "forward"
     strided = geo.plan((2, 64, 9, 9), (128, 64, 3, 3), ConvolutionConfig(3, 2, 1))
     assert bc.dgrad_path(strided, DT.FLOAT32, None) == "simt"
 

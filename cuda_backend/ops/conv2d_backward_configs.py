@@ -173,12 +173,15 @@ def bias_chunks(g: Geometry, sm_count: int) -> Tuple[int, int]:
 
 
 def dgrad_path(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> str:
-    """'forward' (conv2d of grad_out with the flipped filter, ops/conv2d.py) or 'simt'."""
+    """'forward' (conv2d of grad_out with the flipped filter, ops/conv2d.py) or 'simt' (the
+    dgrad kernel; on small float32 problems also reading the filter as given)."""
     ph2, pw2 = g.dh * (g.R - 1) - g.ph, g.dw * (g.S - 1) - g.pw
     if (g.sh, g.sw) != (1, 1) or ph2 < 0 or pw2 < 0:
         return "simt"
     if dtype is not DT.FLOAT32 or prec == "tf32" or g.Cg < 8:
         return "forward"
+    if dgrad_kcrs_fits(g, dtype):   # small: its KCRS configs need no filter launch at all
+        return "simt"
     # float32 at the default precision: the forward's autotuner may pick 3xTF32 ("ieee":
     # the dgrad kernel); g2 is the forward's geometry (grad_out in, the flipped filter)
     g2 = Geometry(g.N, g.K, g.P, g.Q, g.C, g.R, g.S, g.groups, 1, 1, ph2, pw2, g.dh, g.dw,
