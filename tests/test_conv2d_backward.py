@@ -1111,11 +1111,14 @@ def test_gpu_x3_wgrad_infinities(apis):
     free(go, x, w)
 
 
-X3_DGRAD_CASES = [  # stride 1, K/groups >= 13 (the forward's 3xTF32 fits), odd sizes
-    CASES[10], CASES[11], CASES[12],
-    ((3, 9, 11, 10), (14, 9, 3, 3), (1, 1), (1, 1), (1, 1), 1),
-    ((2, 10, 13, 12), (20, 10, 3, 3), (1, 1), (2, 2), (2, 2), 1),
-    ((1, 8, 9, 11), (16, 8, 3, 2), (1, 1), (0, 1), (1, 1), 1),
+X3_DGRAD_CASES = [  # stride 1, K/groups >= 13 (the forward's 3xTF32 fits), odd sizes, and
+    # K/groups * R * S > 288 (smaller ones take the dgrad kernel: bc.dgrad_kcrs_fits)
+    CASES[10],
+    ((2, 24, 9, 7), (40, 12, 5, 3), (1, 1), (2, 1), (1, 1), 2),
+    ((2, 16, 8, 9), (296, 16, 1, 1), (1, 1), (0, 0), (1, 1), 1),
+    ((3, 9, 11, 10), (33, 9, 3, 3), (1, 1), (1, 1), (1, 1), 1),
+    ((2, 10, 13, 12), (33, 10, 3, 3), (1, 1), (2, 2), (2, 2), 1),
+    ((1, 8, 9, 11), (49, 8, 3, 2), (1, 1), (0, 1), (1, 1), 1),
 ]
 
 
