@@ -111,6 +111,17 @@ def _found_on_device(e: Env, result: Any, free: bool = True) -> None:
     e.b.synchronize()
 
 
+def _ce_warmed(e: Env, operands: dict) -> dict:
+    """operands, after one good cross_entropy call of their shape: its one-launch form keeps a
+    ticket counter per device and stream (ops/cross_entropy_plans.py COUNTERS), made by the
+    first such call and held after it, as a cache is."""
+    good = e.m.from_numpy(np.zeros(operands["t"].shape, np.int64))
+    e.ml.cross_entropy(operands["x"], good).free()
+    good.free()
+    e.b.synchronize()
+    return operands
+
+
 class _DeviceArray:
     """What CuPy or PyTorch export for a device array: a pointer this process cannot read."""
     __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0xDEAD0000, False),
@@ -448,7 +459,8 @@ row("config/cross_entropy_backward-reduction", InvalidArgumentError, r"reduction
     setup=lambda e: dict(x=e.t((3, 5)), t=e.t(3, np.int64, value=0)))
 row("value/cross_entropy-label-out-of-range", InvalidArgumentError, r"label (5 )?in row 1 is out of range \[0, 5\) and is not ignore_index \(-100\)",
     lambda e, x, t: _found_on_device(e, e.ml.cross_entropy(x, t)),
-    setup=lambda e: dict(x=e.t((3, 5)), t=e.m.from_numpy(np.array([0, 5, -100], np.int64))))
+    setup=lambda e: _ce_warmed(e, dict(x=e.t((3, 5)),
+                                       t=e.m.from_numpy(np.array([0, 5, -100], np.int64)))))
 row("value/cross_entropy-label-out-of-range-none", InvalidArgumentError, r"label (-3 )?in row [02] is out of range \[0, 5\)",
     lambda e, x, t: _found_on_device(e, e.ml.cross_entropy(x, t, reduction="none")),
     setup=lambda e: dict(x=e.t((3, 5)), t=e.m.from_numpy(np.array([-3, 2, 9], np.int32))))
