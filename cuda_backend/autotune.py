@@ -255,18 +255,28 @@ class Autotuner:
                 logger.debug("autotune: timer cleanup after an error failed: %s", exc)
         return out
 
+    # The flush before each sample, at least: its memset keeps the GPU busy ~170 us on an
+    # H200, so a candidate's host work before and between its launches stays out of its time
+    # up to that (2 x L2, ~40 us, let it in: a two-launch split-K GEMM timed 24-28 us for its
+    # 18.5 in 2 of 5 first calls and lost to a 23.6 us config; perf/NOTES.md "Full reports"
+    # S16).
+    FLUSH_BYTES = 512 << 20
+
     def _timer(self, timing: Any, device_id: int) -> Any:
-        """The timing primitive with an L2 flush whose buffer comes from the driver, not the
-        pool (the op's first call must not show it in the pool's peak); without memory for
-        it, a timer without flush."""
-        try:
-            return timing.make_timer(self.backend, device_id, True, pool=False)
-        except Exception as exc:
-            if not isinstance(exc, MemoryError) and "out of memory" not in str(exc).lower():
-                raise
-            logger.debug("autotune: no memory for the L2 flush buffer (%s); timing with a "
-                         "warm L2", exc)
-            return timing.make_timer(self.backend, device_id, False)
+        """The timing primitive with an L2 flush of FLUSH_BYTES (or 2 x L2 if larger) whose
+        buffer comes from the driver, not the pool (the op's first call must not show it in
+        the pool's peak); without memory for it, the timer's own size, then no flush."""
+        for size in (self.FLUSH_BYTES, None):
+            try:
+                kw = {"min_flush_bytes": size} if size else {}
+                return timing.make_timer(self.backend, device_id, True, pool=False, **kw)
+            except Exception as exc:
+                if not isinstance(exc, MemoryError) and "out of memory" not in str(exc).lower():
+                    raise
+                logger.debug("autotune: no memory for a flush buffer of %s bytes (%s)",
+                             size or "2 x L2", exc)
+        logger.debug("autotune: timing with a warm L2")
+        return timing.make_timer(self.backend, device_id, False)
 
     def _as_cuda_error(self, exc: Exception, cfg: Any, device_id: int) -> Exception:
         """A raw driver error (a synchronize or event of the timer) as KernelLaunchError."""

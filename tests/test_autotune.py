@@ -274,7 +274,7 @@ def test_timing_goes_through_the_primitive(tmp_path, monkeypatch):
     monkeypatch.setattr(timing, "make_timer", fake_make_timer)
     tuner, run, calls = make(tmp_path)
     assert tuner.pick("op", "cls", CANDS, run, repeats=5) == {"tile": 128}
-    assert made == [(0, True, {"pool": False})]
+    assert made == [(0, True, {"pool": False, "min_flush_bytes": Autotuner.FLUSH_BYTES})]
     assert timed == [(1, 5)] * 3 and FakeTimer.closed
 
 
@@ -283,7 +283,8 @@ def test_the_l2_is_flushed_before_each_sample(tmp_path):
     tuner.pick("op", "cls", CANDS, run)
     drv = tuner.backend.drv
     assert drv.memsets == 3 * 3                       # 3 candidates x 3 samples
-    assert drv.allocated == [100 << 20] and drv.freed == 1   # 2 x L2, from the driver
+    # FLUSH_BYTES (over 2 x L2 here), from the driver
+    assert drv.allocated == [max(Autotuner.FLUSH_BYTES, 100 << 20)] and drv.freed == 1
 
 
 def test_device_timer_protocol():
@@ -312,6 +313,20 @@ def test_no_memory_for_the_flush_buffer_times_without_it(tmp_path):
     tuner.backend.drv.alloc_error = _DriverError("cuMemAlloc failed: out of memory")
     assert tuner.pick("op", "cls", CANDS, run) == {"tile": 64}
     assert tuner.backend.drv.memsets == 0 and len(calls) == 3 * 4
+
+
+def test_without_memory_for_the_long_flush_the_l2_sized_one_is_used(tmp_path):
+    tuner, run, calls = make(tmp_path)
+    drv = tuner.backend.drv
+    alloc = drv.mem_alloc
+
+    def small_only(nbytes):
+        if nbytes > 100 << 20:
+            raise _DriverError("cuMemAlloc failed: out of memory")
+        return alloc(nbytes)
+    drv.mem_alloc = small_only
+    assert tuner.pick("op", "cls", CANDS, run) == {"tile": 64}
+    assert drv.allocated == [100 << 20] and drv.memsets == 3 * 3 and drv.freed == 1
 
 
 # -- a damaged file: ignored with a warning, then replaced ------------------------------------
