@@ -509,6 +509,28 @@ def test_fill_and_copy(m, dtype, size):
             m.fill(t, 0.5)
 
 
+@pytest.mark.parametrize("dtype", [DT.FLOAT32, DT.FLOAT16, DT.FLOAT64, DT.UINT8, DT.INT64])
+def test_fill_views_at_every_offset_touch_only_the_view(m, dtype):
+    """fill.cu.j2 stores 16-byte vectors where the view is 16-byte aligned, elements
+    elsewhere, and the last n % vec elements by the first block's threads: views at each
+    element offset within a vector and lengths around the vector and block sizes fill
+    exactly their own elements (the base's others keep their values)."""
+    rng = np.random.default_rng(4227)
+    vec = 16 // dtype.itemsize
+    isz = dtype.itemsize
+    for n in (1, vec - 1, vec + 1, 256 * vec - 1, 256 * vec + vec + 3, 3 * 256 * vec + 5):
+        for off in sorted({0, 1, vec // 2, vec - 1}):
+            total = n + off + vec
+            vals = rng.integers(0, 100, total).astype(dtype.numpy_dtype)
+            base = m.from_numpy(vals)
+            view = CudaTensor((n,), dtype, base.device_id, base.ptr + off * isz, owner=base)
+            assert m.fill(view, 7) is view
+            want = vals.copy()
+            want[off:off + n] = 7
+            np.testing.assert_array_equal(m.to_numpy(base), want, err_msg=f"n={n} off={off}")
+            base.free()
+
+
 # -- memoized kernels -----------------------------------------------------------------------
 def test_repeat_calls_do_not_render_again(m, monkeypatch):
     a = m.from_numpy(np.ones(1024, np.float32))

@@ -28,6 +28,7 @@ from ..errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchErro
 from ..kernels import dtype_params
 from ..tensor import CudaTensor
 from . import common
+from .elementwise_kernels import FILL_BLOCK, fill_grid
 
 DT = CudaDataType
 TEMPLATE = "flash_attention.cu.j2"
@@ -451,11 +452,10 @@ def run_config(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: Operand, v: Operan
 
 
 def _fill_zero(m: Any, out: CudaTensor, dev: int, value: float = 0.0) -> None:
-    kernel = _kernel(m, FILL_TEMPLATE, dev, {**dtype_params(out.dtype), "block_size": 256})
-    sms = m.backend.get_device_info(dev).multiprocessor_count
-    grid = common.grid_1d(out.size, 256, sms)
-    m.backend.launch_kernel(kernel.name, (grid, 1, 1), out, value, out.size,
-                            block_size=(256, 1, 1), device_id=dev)
+    kernel = _kernel(m, FILL_TEMPLATE, dev, {**dtype_params(out.dtype),
+                                             "block_size": FILL_BLOCK})
+    m.backend.launch_kernel(kernel.name, (fill_grid(out.size, out.dtype), 1, 1), out,
+                            value, out.size, block_size=(FILL_BLOCK, 1, 1), device_id=dev)
 
 
 # -- fallback (NumPy) ------------------------------------------------------------------------

@@ -32,8 +32,8 @@ from .elementwise_broadcast import broadcast_launch, collapse
 from .elementwise_host import (NP_BINARY, binary_host, compute_type, host_values, np_unary,
                                store_host)
 from .elementwise_kernels import (ALPHA_OPS, BINARY_OPS, BLOCK_DIMS, COMMUTATIVE, DT, FILL_BLOCK,
-                                  TEMPLATE, UNARY_OPS, DeviceCache, device_cache, kernel_name,
-                                  kernel_params, launch_grid, scalar_arg)
+                                  TEMPLATE, UNARY_OPS, DeviceCache, device_cache, fill_grid,
+                                  kernel_name, kernel_params, launch_grid, scalar_arg)
 from .elementwise_plans import (make_copy_plan, make_fill_plan, make_full_plan,
                                 remember_launch_plan)
 
@@ -269,9 +269,8 @@ def fill(m: Any, tensor: CudaTensor, value: Any) -> CudaTensor:
                           block_size=FILL_BLOCK).name, FILL_BLOCK)
         cache.kernels[key] = entry
     name = entry[0]
-    grid = common.grid_1d(n, FILL_BLOCK, cache.sm_count)
-    m.backend.launch_kernel(name, grid, tensor, v, n, block_size=(FILL_BLOCK, 1, 1),
-                            device_id=dev)
+    m.backend.launch_kernel(name, fill_grid(n, dtype), tensor, v, n,
+                            block_size=(FILL_BLOCK, 1, 1), device_id=dev)
     _remember(m, ("fill", tensor.dtype, dev), make_fill_plan)   # CudaMath.fill looks it up
     return tensor
 

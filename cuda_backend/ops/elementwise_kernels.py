@@ -31,6 +31,7 @@ TEMPLATE = "elementwise.cu.j2"
 BLOCK = 128          # threads per block
 UNROLL = 1           # 16-byte vectors per operand per thread per loop step
 FILL_BLOCK = 256     # fill.cu.j2's block size (the parameter sets kernels.py lists)
+GRID_MAX = 2**31 - 1
 
 # op -> dtypes it supports
 BINARY_OPS: Dict[str, Tuple[CudaDataType, ...]] = {
@@ -109,17 +110,28 @@ def kernel_name(m: Any, cache: DeviceCache, dev: int, kind: str, op: str,
             for pname, default in UNARY_OPS[op][1].items():
                 zero = scalar_arg(dtype, default, pname)
         per_block = BLOCK * params["unroll"]
-        cap = 2**31 - 1   # one block per BLOCK*UNROLL vectors (an exact grid, see BLOCK)
+        cap = GRID_MAX   # one block per BLOCK*UNROLL vectors (an exact grid, see BLOCK)
         k = (m.kernel(TEMPLATE, dev, **params).name, per_block, params["vec"], zero, cap)
         cache.kernels[key] = k
     return k[0], k[1]
+
+
+def fill_span(dtype: CudaDataType) -> int:
+    """Elements one block of fill.cu.j2 stores per step: a 16-byte vector per thread."""
+    return FILL_BLOCK * _vec(DT.UINT8 if dtype is DT.BOOL else dtype)
+
+
+def fill_grid(n: int, dtype: CudaDataType) -> int:
+    """Blocks for fill.cu.j2 over n elements: an exact grid, one 16-byte vector per thread
+    (as BLOCK's sweep found best for the other elementwise kernels)."""
+    return min(-(-n // fill_span(dtype)) or 1, GRID_MAX)
 
 
 def launch_grid(items: int, per_block: int) -> int:
     """Blocks for `items` work items (vectors or elements), per_block per block-step: an
     exact grid (see BLOCK), within the 2^31 - 1 grid limit."""
     blocks = -(-items // per_block) or 1
-    return min(blocks, 2**31 - 1)
+    return min(blocks, GRID_MAX)
 
 
 # -- scalar operands ------------------------------------------------------------------------

@@ -19,8 +19,9 @@ from typing import Any, Callable, Optional, Tuple
 from ..dtypes import CudaDataType
 from ..tensor import CudaTensor
 from . import common
-from .elementwise_kernels import (ALPHA_OPS, BLOCK_DIMS, COMMUTATIVE, DT, FILL_BLOCK, INT_RANGE,
-                                  UNARY_OPS, device_cache, launch_grid, scalar_arg)
+from .elementwise_kernels import (ALPHA_OPS, BLOCK_DIMS, COMMUTATIVE, DT, FILL_BLOCK, GRID_MAX,
+                                  INT_RANGE, UNARY_OPS, device_cache, fill_span, launch_grid,
+                                  scalar_arg)
 
 MAX_BCAST_PLANS = 1024   # per CudaMath; the broadcast plans are cleared past this
 
@@ -215,15 +216,16 @@ def _plan_scalar(dtype: CudaDataType) -> Callable[[Any], Any]:
 
 
 def _fill_setup(m: Any, dtype: CudaDataType, dev: int) -> tuple:
-    """(packer, launch function, block, grid cap) of fill.cu.j2 for dtype (bool: its uint8
-    storage), compiled by an earlier general-path fill."""
+    """(packer, launch function, block, grid cap, elements per block-step, what) of
+    fill.cu.j2 for dtype (bool: its uint8 storage), compiled by an earlier general-path
+    fill."""
     kdt = DT.UINT8 if dtype is DT.BOOL else dtype
     cache = device_cache(m, dev)
     backend = m.backend
     kernel = backend.get_kernel(cache.kernels[("fill", "", kdt)][0], dev)
     prepared = backend.prepare_launch(kernel, (1, 1, 1), (FILL_BLOCK, 1, 1), 0, dev)
-    cap = min(cache.sm_count * 8, backend.get_device_info(dev).max_grid_dims[0])  # grid_1d's
-    return prepared.pack, prepared.launch_fn, prepared.block, cap, \
+    cap = min(GRID_MAX, backend.get_device_info(dev).max_grid_dims[0])   # fill_grid's
+    return prepared.pack, prepared.launch_fn, prepared.block, cap, fill_span(kdt), \
         f"launch of kernel '{kernel.name}'"
 
 
@@ -235,7 +237,7 @@ def make_fill_plan(m: Any, dtype: CudaDataType, dev: int) -> Optional[Callable]:
         return None
     from ..driver import load_driver
     from ..errors import driver_failure
-    pack, launch, block, cap, what = _fill_setup(m, dtype, dev)
+    pack, launch, block, cap, span, what = _fill_setup(m, dtype, dev)
     conv = _plan_scalar(dtype)
     direct = m.backend.direct_launch
     drv_error = load_driver()[0].Error
@@ -247,7 +249,7 @@ def make_fill_plan(m: Any, dtype: CudaDataType, dev: int) -> Optional[Callable]:
         v = conv(value) if pt is not None and n and t.stream is None and direct(dev) else None
         if v is None:
             return None
-        grid = -(-n // FILL_BLOCK)
+        grid = -(-n // span)    # fill_grid's
         try:
             launch((grid if grid < cap else cap, 1, 1), block, pack(pt, v, n), 0, None)
         except drv_error as exc:
@@ -270,7 +272,7 @@ def make_full_plan(m: Any, dtype: CudaDataType, dev: int, value: Any) -> Optiona
         v = int(bool(scalar_arg(DT.INT64, value, "value")))
     else:
         v = scalar_arg(dtype, value, "value")
-    pack, launch, block, cap, what = _fill_setup(m, dtype, dev)
+    pack, launch, block, cap, span, what = _fill_setup(m, dtype, dev)
     itemsize = dtype.itemsize
     direct = m.backend.direct_launch
     pool = m.backend.memory_pools[dev]
@@ -287,7 +289,7 @@ def make_full_plan(m: Any, dtype: CudaDataType, dev: int, value: Any) -> Optiona
         if not n or nbytes > 1 << 30:
             return None
         t = pool_tensor(shape, dtype, dev, alloc(nbytes, None), pool, n, nbytes)
-        grid = -(-n // FILL_BLOCK)
+        grid = -(-n // span)    # fill_grid's
         try:
             launch((grid if grid < cap else cap, 1, 1), block, pack(t._ptr, v, n), 0, None)
         except drv_error as exc:

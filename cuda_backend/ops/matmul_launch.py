@@ -13,6 +13,7 @@ from ..errors import InvalidArgumentError
 from ..kernels import dtype_params
 from ..tensor import CudaTensor
 from . import common
+from .elementwise_kernels import FILL_BLOCK, fill_grid
 from .matmul_configs import WGMMA16_STANDIN, candidates, gemm_family, tma_standin
 from .matmul_kernels import (FILL_TEMPLATE, GRAD_EPILOGUE, MMA_TEMPLATE, REDUCE_BLOCK,
                              SIMT_TEMPLATE, SKINNY_TEMPLATE, TMA16_TEMPLATE, WGMMA16_TEMPLATE,
@@ -36,11 +37,10 @@ DT = CudaDataType
 
 def fill_zero(m: Any, out: CudaTensor, dev: int) -> None:
     """out[:] = 0 with fill.cu.j2's kernel (K == 0: an empty sum)."""
-    kernel = cached_kernel(m, FILL_TEMPLATE, dev, {**dtype_params(out.dtype), "block_size": 256})
-    sms = m.backend.get_device_info(dev).multiprocessor_count
-    grid = common.grid_1d(out.size, 256, sms)
-    m.backend.launch_kernel(kernel.name, (grid, 1, 1), out, 0.0, out.size,
-                            block_size=(256, 1, 1), device_id=dev)
+    kernel = cached_kernel(m, FILL_TEMPLATE, dev, {**dtype_params(out.dtype),
+                                                   "block_size": FILL_BLOCK})
+    m.backend.launch_kernel(kernel.name, (fill_grid(out.size, out.dtype), 1, 1), out,
+                            0.0, out.size, block_size=(FILL_BLOCK, 1, 1), device_id=dev)
 
 
 # Per-CudaMath memo: (plan, dtype, precision, device, vec) -> (template, config), and
