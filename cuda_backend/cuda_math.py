@@ -36,6 +36,19 @@ Axis = Union[None, int, Tuple[int, ...]]
 # -- CudaMath's one-line methods, one per op of a family (tables in the class) ---------------
 def _binary(op: str) -> Callable[[CudaMath, Operand, Operand], CudaTensor]:
     def method(self: CudaMath, a: Operand, b: Operand) -> CudaTensor:
+        # the common calls: binary()'s plans, looked up here (one call less)
+        if type(a) is CudaTensor:
+            if type(b) is CudaTensor:
+                plan = self.ew_binary_plans.get((op, a.dtype._name_, a.device_id)) \
+                    if a.shape == b.shape else None
+                res = None if plan is None else plan(a, b)
+            elif type(b) is float or type(b) is int:
+                plan = self.ew_scalar_plans.get((op, a.dtype._name_, a.device_id))
+                res = None if plan is None else plan(a, b, 1)
+            else:
+                res = None
+            if res is not None:
+                return res
         return ew.binary(self, op, a, b)
     return common.named_method(method, "CudaMath", op,
                                f"{op}(a, b) elementwise with NumPy broadcasting; a and b "
@@ -44,6 +57,13 @@ def _binary(op: str) -> Callable[[CudaMath, Operand, Operand], CudaTensor]:
 
 def _unary(op: str) -> Callable[[CudaMath, CudaTensor], CudaTensor]:
     def method(self: CudaMath, x: CudaTensor) -> CudaTensor:
+        if type(x) is CudaTensor:
+            # the common call: unary()'s plan, looked up here (one call less)
+            plan = self.ew_unary_plans.get((op, x.dtype._name_, x.device_id))
+            if plan is not None:
+                res = plan(x)
+                if res is not None:
+                    return res
         return ew.unary(self, op, x)
     return common.named_method(method, "CudaMath", op,
                                f"{op}(x) elementwise (ops/elementwise.py).")
