@@ -6,6 +6,7 @@ The markers themselves are declared in pyproject.toml.
 """
 import collections
 import os
+import tempfile
 
 import pytest
 from hypothesis import settings
@@ -19,6 +20,20 @@ settings.load_profile("ci")
 
 # tests/helpers.py: the helpers several test files share; their asserts report like a test's.
 pytest.register_assert_rewrite("helpers")
+
+
+def _autotune_file_of_this_run() -> str:
+    """The tests' own autotuning choices, one folder per run (the xdist workers of a run share
+    it): picks timed under the suite's parallel load must not reach the user's file, where a
+    later `cuda-backend report` would reuse them (perf/NOTES.md "Full reports" S17)."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    folder = os.path.join(tempfile.gettempdir(), f"cuda_backend-tests-{uid}-{run}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    return os.path.join(folder, "autotune.json")
+
+
+os.environ["CUDA_BACKEND_AUTOTUNE_PATH"] = _autotune_file_of_this_run()
 
 
 # Tests at full sizes (4096^2 matmul, 2^26-element reductions, 8192x4096 rows, seq 16384
