@@ -255,26 +255,17 @@ class Autotuner:
                 logger.debug("autotune: timer cleanup after an error failed: %s", exc)
         return out
 
-    # The flush before each sample, at least: its memset keeps the GPU busy ~170 us on an
-    # H200, so a candidate's host work before and between its launches stays out of its time
-    # up to that (2 x L2, ~40 us, let it in: a two-launch split-K GEMM timed 24-28 us for its
-    # 18.5 in 2 of 5 first calls and lost to a 23.6 us config; perf/NOTES.md "Full reports"
-    # S16).
-    FLUSH_BYTES = 512 << 20
-
     def _timer(self, timing: Any, device_id: int) -> Any:
-        """The timing primitive with an L2 flush of FLUSH_BYTES (or 2 x L2 if larger) whose
-        buffer comes from the driver, not the pool (the op's first call must not show it in
-        the pool's peak); without memory for it, the timer's own size, then no flush."""
-        for size in (self.FLUSH_BYTES, None):
-            try:
-                kw = {"min_flush_bytes": size} if size else {}
-                return timing.make_timer(self.backend, device_id, True, pool=False, **kw)
-            except Exception as exc:
-                if not isinstance(exc, MemoryError) and "out of memory" not in str(exc).lower():
-                    raise
-                logger.debug("autotune: no memory for a flush buffer of %s bytes (%s)",
-                             size or "2 x L2", exc)
+        """The timing primitive with the long L2 flush (timing.LONG_FLUSH_BYTES: a
+        candidate's host work stays out of its time), else 2 x L2, whose buffer comes from
+        the driver, not the pool (the op's first call must not show it in the pool's peak);
+        without memory for either, no flush."""
+        try:
+            return timing.make_long_flush_timer(self.backend, device_id, pool=False)
+        except Exception as exc:
+            if not timing.out_of_memory(exc):
+                raise
+            logger.debug("autotune: no memory for a flush buffer (%s)", exc)
         logger.debug("autotune: timing with a warm L2")
         return timing.make_timer(self.backend, device_id, False)
 

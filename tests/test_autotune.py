@@ -274,7 +274,7 @@ def test_timing_goes_through_the_primitive(tmp_path, monkeypatch):
     monkeypatch.setattr(timing, "make_timer", fake_make_timer)
     tuner, run, calls = make(tmp_path)
     assert tuner.pick("op", "cls", CANDS, run, repeats=5) == {"tile": 128}
-    assert made == [(0, True, {"pool": False, "min_flush_bytes": Autotuner.FLUSH_BYTES})]
+    assert made == [(0, True, {"pool": False, "min_flush_bytes": timing.LONG_FLUSH_BYTES})]
     assert timed == [(1, 5)] * 3 and FakeTimer.closed
 
 
@@ -283,8 +283,8 @@ def test_the_l2_is_flushed_before_each_sample(tmp_path):
     tuner.pick("op", "cls", CANDS, run)
     drv = tuner.backend.drv
     assert drv.memsets == 3 * 3                       # 3 candidates x 3 samples
-    # FLUSH_BYTES (over 2 x L2 here), from the driver
-    assert drv.allocated == [max(Autotuner.FLUSH_BYTES, 100 << 20)] and drv.freed == 1
+    # LONG_FLUSH_BYTES (over 2 x L2 here), from the driver
+    assert drv.allocated == [max(timing.LONG_FLUSH_BYTES, 100 << 20)] and drv.freed == 1
 
 
 def test_device_timer_protocol():

@@ -40,7 +40,7 @@ from .peers import load_peers
 from .presets import pick
 from .progress import Progress
 from .runner import CaseRunner, context_dead, new_record
-from .timing import make_timer
+from .timing import make_long_flush_timer, make_timer
 
 
 class CudaPerformanceTester:
@@ -82,7 +82,8 @@ class CudaPerformanceTester:
         bar = Progress(len(cases), cfg.progress)
         try:
             with backend.device(dev), _sigterm_as_interrupt():
-                timer = make_timer(backend, dev, cfg.flush_l2)
+                timer = make_long_flush_timer(backend, dev) if cfg.flush_l2 else \
+                    make_timer(backend, dev, False)
                 self._flush = timer.flush_description()
                 ceilings = measure(backend, timer, dev, cfg.quick, max(3, cfg.iterations))
                 runner = CaseRunner(ctx, timer, peers, cfg, ceilings)

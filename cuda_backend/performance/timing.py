@@ -27,6 +27,11 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 
 MIN_FLUSH_BYTES = 8 << 20
+# The flush of the report's and the autotuner's timers (make_long_flush_timer): its memset
+# keeps an H200 busy ~130-170 us, so the timed call's host work (a multi-launch op's Python,
+# arguments built per call) stays out of its GPU time up to that; 2 x L2 (~35 us) let it in
+# (perf/NOTES.md "Full reports" S16, S17).
+LONG_FLUSH_BYTES = 512 << 20
 
 
 def stats(samples_ms: List[float]) -> Optional[Dict[str, float]]:
@@ -204,3 +209,19 @@ def make_timer(backend: Any, device_id: int, flush_l2: bool, **kw: Any) -> HostT
     if backend.is_available:
         return DeviceTimer(backend, device_id, flush_l2, **kw)
     return HostTimer()
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether exc is an allocation failure (the pool's or the driver's)."""
+    return isinstance(exc, MemoryError) or "out of memory" in str(exc).lower()
+
+
+def make_long_flush_timer(backend: Any, device_id: int, pool: bool = True) -> HostTimer:
+    """make_timer with the L2 flushed by LONG_FLUSH_BYTES before each sample, or by the
+    2 x L2 default where there is no memory for that (a failure of the default raises)."""
+    try:
+        return make_timer(backend, device_id, True, pool=pool, min_flush_bytes=LONG_FLUSH_BYTES)
+    except Exception as exc:
+        if not out_of_memory(exc):
+            raise
+    return make_timer(backend, device_id, True, pool=pool)
