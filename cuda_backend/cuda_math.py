@@ -57,13 +57,6 @@ def _binary(op: str) -> Callable[[CudaMath, Operand, Operand], CudaTensor]:
 
 def _unary(op: str) -> Callable[[CudaMath, CudaTensor], CudaTensor]:
     def method(self: CudaMath, x: CudaTensor) -> CudaTensor:
-        if type(x) is CudaTensor:
-            # the common call: unary()'s plan, looked up here (one call less)
-            plan = self.ew_unary_plans.get((op, x.dtype._name_, x.device_id))
-            if plan is not None:
-                res = plan(x)
-                if res is not None:
-                    return res
         return ew.unary(self, op, x)
     return common.named_method(method, "CudaMath", op,
                                f"{op}(x) elementwise (ops/elementwise.py).")
