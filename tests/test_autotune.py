@@ -329,6 +329,47 @@ def test_without_memory_for_the_long_flush_the_l2_sized_one_is_used(tmp_path):
     assert drv.allocated == [100 << 20] and drv.memsets == 3 * 3 and drv.freed == 1
 
 
+def test_the_reports_long_flush_timer_takes_its_buffer_from_the_pool_or_the_l2_size():
+    """performance/tester.py times with make_long_flush_timer(pool=True): the long flush's
+    buffer from the pool (the report's pool), 2 x L2 where the pool has no room for it, and
+    a failure other than out-of-memory raises."""
+    b = _Backend()
+    asked = []
+
+    def allocate(size, device_id=None):
+        asked.append(size)
+        if size > b.room:
+            raise MemoryError(f"out of memory: {size} bytes")
+        return 0x1000
+    b.allocate_memory, b.free_memory = allocate, lambda ptr, dev=None: None
+    b.room = 1 << 40
+    timer = timing.make_long_flush_timer(b, 0)
+    assert timer.flush_bytes == timing.LONG_FLUSH_BYTES and asked == [timing.LONG_FLUSH_BYTES]
+    assert "512 MiB" in timer.flush_description()
+    b.room, asked[:] = 200 << 20, []
+    timer = timing.make_long_flush_timer(b, 0)
+    assert timer.flush_bytes == 100 << 20 and asked == [timing.LONG_FLUSH_BYTES, 100 << 20]
+
+    def broken(size, device_id=None):
+        raise ValueError("not an allocation failure")
+    b.allocate_memory = broken
+    with pytest.raises(ValueError, match="not an allocation failure"):
+        timing.make_long_flush_timer(b, 0)
+
+
+def test_the_tests_autotune_into_a_folder_of_their_own():
+    """tests/conftest.py: choices timed under the suite's parallel load stay out of the
+    user's file (~/.cache/cuda_backend/autotune.json), in a private folder of this run."""
+    import os
+    import tempfile
+    from cuda_backend.autotune import default_path
+    path = default_path()
+    folder = os.path.dirname(path)
+    assert os.path.dirname(folder) == tempfile.gettempdir()
+    assert os.path.basename(folder).startswith("cuda_backend-tests-")
+    assert os.stat(folder).st_mode & 0o077 == 0      # trusted: the autotuner writes it
+
+
 # -- a damaged file: ignored with a warning, then replaced ------------------------------------
 @pytest.mark.parametrize("text", ["null", "[]", '"a string"', "42", "{truncated",
                                   '{"version": 2, "choices": {}}', '{"version": 1, "choices": []}'],
