@@ -244,6 +244,7 @@ GEMM_SCRIPT = script(STUBS, r'''
     from cuda_backend.errors import (DTypeMismatchError, InvalidArgumentError,
                                      ShapeMismatchError, TensorFreedError)
     from cuda_backend.ops import attention as fa, linear as lin, matmul as mm
+    from cuda_backend.ops import attention_backward as fab
     from cuda_backend.ops import matmul_launch as mml
 ''', BACKEND, r'''
     m._autotuner = Autotuner(b, path=os.path.join(tempfile.mkdtemp(), "t.json"))
@@ -485,6 +486,81 @@ GEMM_SCRIPT = script(STUBS, r'''
     with pytest.raises(DTypeMismatchError):
         ml.flash_attention(q, q, t(1, 2, 64, 64, dt=f16))
     ml.flash_attention(q, q, q, scale=np.float32(0.5))   # NumPy scalars: the general path
+
+    # -- flash_attention_backward and the packed backward: three launches, prepared
+    real_bwd_run_config = fab.run_config
+
+    def bwd_off(*a, **k):
+        raise AssertionError("general path taken")
+
+    def grads_same_as_general(call, key):
+        """same_as_general for results that are tuples of gradients (or one dqkv)."""
+        def listed(r):
+            return list(r) if isinstance(r, tuple) else [r]
+        for r in listed(call()):
+            r.free()
+        m.plans.pop(key, None)
+        active = pool._total("active_blocks")
+        launches.clear()
+        r1 = listed(call())
+        assert key in m.plans, key
+        general = list(launches)
+        assert len(general) == 3, general
+        refs = [slots(r) for r in r1]
+        for ref in refs:
+            for k in ("_block", "_owner", "_pool"):
+                del ref[k]
+        assert pool._total("active_blocks") == active + len(r1)   # workspaces given back
+        for r in reversed(r1):
+            r.free()
+        launches.clear()
+        fab.run_config = bwd_off
+        try:
+            r2 = listed(call())
+        finally:
+            fab.run_config = real_bwd_run_config
+        assert launches == general, (launches, general)
+        for r, ref in zip(r2, refs):
+            got = slots(r)
+            assert got.pop("_owner") is None and got.pop("_block") is not None
+            assert got.pop("_pool") is pool
+            assert got == ref, (got, ref)
+        assert pool._total("active_blocks") == active + len(r2)
+        for r in r2:
+            r.free()
+
+    for shape_q, shape_k, dt, scale, causal in (
+            ((1, 2, 64, 64), (1, 2, 64, 64), f32, None, False),
+            ((2, 3, 33, 40), (2, 3, 70, 40), f16, 0.3, True),
+            ((1, 1, 45, 37), (1, 1, 47, 37), f32, None, True)):
+        q, g = t(*shape_q, dt=dt), t(*shape_q, dt=dt)
+        k, v = t(*shape_k, dt=dt), t(*shape_k, dt=dt)
+        o, lse = ml.flash_attention(q, k, v, scale=scale, causal=causal, return_lse=True)
+        key = fab.plan_key(q, k, scale, causal)
+        grads_same_as_general(
+            lambda: ml.flash_attention_backward(g, q, k, v, o, lse, scale=scale,
+                                                causal=causal), key)
+    for B, T, heads, D, dt, scale, causal in ((1, 64, 2, 64, f32, None, False),
+                                              (2, 33, 3, 40, f16, 0.2, True),
+                                              (1, 17, 1, 37, f32, None, True)):
+        qkv = t(B, T, 3 * heads * D, dt=dt)
+        g = t(B, T, heads * D, dt=dt)
+        o, lse = ml.flash_attention_packed(qkv, heads, scale=scale, causal=causal,
+                                           return_lse=True)
+        key = ("flash_attention_packed_backward", qkv.shape, heads, qkv.dtype, 0,
+               scale is None, causal)
+        grads_same_as_general(
+            lambda: ml.flash_attention_packed_backward(g, qkv, o, lse, heads, scale=scale,
+                                                       causal=causal), key)
+        with pytest.raises(ShapeMismatchError):            # the plan steps aside: the error
+            ml.flash_attention_packed_backward(t(B, T + 1, heads * D, dt=dt), qkv, o, lse,
+                                               heads, scale=scale, causal=causal)
+        with pytest.raises(TensorFreedError):
+            ml.flash_attention_packed_backward(freed(t(B, T, heads * D, dt=dt)), qkv, o, lse,
+                                               heads, scale=scale, causal=causal)
+        with pytest.raises(InvalidArgumentError, match="finite"):
+            ml.flash_attention_packed_backward(g, qkv, o, lse, heads, scale=math.inf,
+                                               causal=causal)
     print("OK")
 ''')
 

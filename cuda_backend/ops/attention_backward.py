@@ -362,26 +362,16 @@ def run_config(m: Any, cfg: Dict[str, Any], g: CudaTensor, q: CudaTensor,
             acc.free()
 
 
-def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
-               causal: bool) -> Callable[..., Any]:
-    """Long because: run(), the per-call path, is 50 lines on its own and reads the launches
-    and sizes prepared above it as closure cells, so no split brings this under 60 lines.
-    The per-call plan (ops/common.py remember_plan) for operands shaped like q and k with
-    this causal flag, after the general path chose cfg: run(grad_out, q, k, v, out, lse,
-    scale) checks the operands the key does not fix (types, shapes, dtypes, devices, live,
-    no stream), takes the gradients and workspaces from the pool and makes run_config's three
-    launches, prepared; None where the general path must run (its checks and errors)."""
-    from ..tensor import pool_tensor
+def prepared_launches(m: Any, cfg: Dict[str, Any], p: attention.Problem,
+                      dtype: CudaDataType, dev: int, causal: bool) -> Callable[..., None]:
+    """run_config's three launches of cfg over problem p, prepared once, for the per-call
+    plans of flash_attention_backward and flash_attention_packed_backward: go(pg, pq, pk, pv,
+    po, pl, pdq, pdk, pdv, scale) on raw pointers takes the workspaces from the pool (released
+    after the launches, stream-ordered) and decides vec / pair from the pointers and the
+    layout as run_config does."""
     backend = m.backend
-    dtype, dev = q.dtype, q.device_id
-    q_shape, k_shape = q.shape, k.shape
-    B, Hh, Sq, D = q_shape
-    Skv = k_shape[2]
-    lse_shape = q_shape[:3]
-    hd = cfg["hd"]
-    prob = attention.contiguous_problem(q_shape, k_shape)
-    layout, o_layout, q_layout = prob.args(), prob.o, prob.q
-    geo = _geometry(cfg, prob)
+    Sq, Skv, D, hd = p.seq_q, p.seq_kv, p.d, cfg["hd"]
+    geo = _geometry(cfg, p)
     bh, sq_pad = geo["bh"], geo["sq_pad"]
     get = backend.get_kernel
     threads = (PREP_THREADS, 1, 1)
@@ -397,16 +387,55 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
         (geo["post_grid"], 1, 1), threads, 0, dev)
     pool = backend.memory_pools[dev]
     alloc, release = pool.allocate_current, pool.release
-    q_size, q_bytes = q.size, q.nbytes
-    k_size, k_bytes = k.size, k.nbytes
     ws_bytes, acc_bytes = 8 * bh * sq_pad, 4 * bh * Sq * hd
     delta_off = 4 * bh * sq_pad
     prep_rows, post_rows = geo["prep_rows"], bh * Sq
-    f32 = DT.FLOAT32
-    d_vec, d_pair = D * dtype.itemsize % 16 == 0, D % 2 == 0
-    pair_mask = 2 * dtype.itemsize - 1
-    default = attention.resolve_scale(None, D)
+    isz = dtype.itemsize
+    d_vec = D * isz % 16 == 0 and p.aligned("q,kv,o", 16, isz)
+    d_pair = D % 2 == 0 and p.aligned("kv", 2, 1)
+    pair_mask = 2 * isz - 1
+    heads, layout, o_layout, q_layout = p.heads, p.args(), p.o, p.q
     flag = int(causal)
+
+    def go(pg: int, pq: int, pk: int, pv: int, po: int, pl: int, pdq: int, pdk: int,
+           pdv: int, sc: float) -> None:
+        ws = alloc(ws_bytes)
+        acc = None
+        try:
+            acc = alloc(acc_bytes)
+            pw, pa = int(ws), int(acc)
+            prep(pg, po, pl, pw, pw + delta_off, pa, prep_rows, Sq, sq_pad, D, hd, 1, heads,
+                 *o_layout)
+            main(pq, pk, pv, pg, pw, pw + delta_off, pa, pdk, pdv, Sq, Skv, D, sq_pad,
+                 sc * LOG2E, sc, flag, int(d_vec and not (pq | pk | pv | pg) & 15),
+                 int(d_pair and not (pdk | pdv) & pair_mask), *layout)
+            post(pa, pdq, post_rows, D, hd, sc, Sq, heads, *q_layout)
+        finally:
+            release(ws)   # stream-ordered, in the general path's order (run_config)
+            if acc is not None:
+                release(acc)
+    return go
+
+
+def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
+               causal: bool) -> Callable[..., Any]:
+    """The per-call plan (ops/common.py remember_plan) for operands shaped like q and k with
+    this causal flag, after the general path chose cfg: run(grad_out, q, k, v, out, lse,
+    scale) checks the operands the key does not fix (types, shapes, dtypes, devices, live,
+    no stream), takes the gradients from the pool and makes prepared_launches' launches; None
+    where the general path must run (its checks and errors)."""
+    from ..tensor import pool_tensor
+    dtype, dev = q.dtype, q.device_id
+    q_shape, k_shape = q.shape, k.shape
+    lse_shape = q_shape[:3]
+    go = prepared_launches(m, cfg, attention.contiguous_problem(q_shape, k_shape), dtype, dev,
+                           causal)
+    pool = m.backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    q_size, q_bytes = q.size, q.nbytes
+    k_size, k_bytes = k.size, k.nbytes
+    f32 = DT.FLOAT32
+    default = attention.resolve_scale(None, q_shape[3])
     isfinite = math.isfinite
 
     def run(g: Any, q: CudaTensor, k: CudaTensor, v: Any, o: Any, lse: Any,
@@ -435,29 +464,15 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
             return None   # the general path's error
         dq = pool_tensor(q_shape, dtype, dev, alloc(q_bytes), pool, q_size, q_bytes)
         dk = dv = None
-        ws = acc = None
         try:
             dk = pool_tensor(k_shape, dtype, dev, alloc(k_bytes), pool, k_size, k_bytes)
             dv = pool_tensor(k_shape, dtype, dev, alloc(k_bytes), pool, k_size, k_bytes)
-            ws = alloc(ws_bytes)
-            acc = alloc(acc_bytes)
-            pw, pa = int(ws), int(acc)
-            pdk, pdv = dk._ptr, dv._ptr
-            prep(pg, po, pl, pw, pw + delta_off, pa, prep_rows, Sq, sq_pad, D, hd, 1, 1,
-                 *o_layout)
-            main(pq, pk, pv, pg, pw, pw + delta_off, pa, pdk, pdv, Sq, Skv, D, sq_pad,
-                 sc * LOG2E, sc, flag, int(d_vec and not (pq | pk | pv | pg) & 15),
-                 int(d_pair and not (pdk | pdv) & pair_mask), *layout)
-            post(pa, dq._ptr, post_rows, D, hd, sc, Sq, 1, *q_layout)
+            go(pg, pq, pk, pv, po, pl, dq._ptr, dk._ptr, dv._ptr, sc)
         except BaseException:
             for t in (dq, dk, dv):
                 if t is not None:
                     t.free()   # as the general path: nothing leaks from a failed launch
             raise
-        finally:
-            for b in (ws, acc):
-                if b is not None:
-                    release(b)   # stream-ordered, as ws.free()
         return dq, dk, dv
     return run
 

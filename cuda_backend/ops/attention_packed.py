@@ -210,6 +210,15 @@ def flash_attention_packed_backward(m: Any, grad_out: CudaTensor, qkv: CudaTenso
     """dqkv (batch, seq, 3 * C) of flash_attention_packed for the gradient grad_out (batch,
     seq, C) of its output, from its out and lse (return_lse=True); dq, dk, dv are written
     into their column blocks by the kernels."""
+    if type(qkv) is CudaTensor and type(heads) is int and type(causal) is bool and \
+            (scale is None or type(scale) is float):
+        plans = getattr(m, "plans", None)
+        fast = None if plans is None else plans.get(
+            (BACKWARD, qkv.shape, heads, qkv.dtype, qkv.device_id, scale is None, causal))
+        if fast is not None and m.backend.direct_launch(qkv.device_id):
+            res = fast(grad_out, qkv, out, lse, scale)
+            if res is not None:
+                return res
     dtype, B, T, D = check_qkv(qkv, heads, BACKWARD)
     heads = int(heads)
     for name, t in (("grad_out", grad_out), ("out", out), ("lse", lse)):
@@ -251,8 +260,63 @@ def flash_attention_packed_backward(m: Any, grad_out: CudaTensor, qkv: CudaTenso
             attention_backward.run_config(m, cfg, grad_out, qkv, k, v, out, lse, grads, sc,
                                           causal, p)
 
-        run(attention_backward.pick_config(m, dtype, dev, p, causal, run))
+        cfg = attention_backward.pick_config(m, dtype, dev, p, causal, run)
+        run(cfg)
     except BaseException:
         dqkv.free()   # nothing leaks from a failed launch
         raise
+    if type(heads) is int and type(scale) in (type(None), float) and \
+            getattr(m, "plans", None) is not None and hasattr(m.backend, "prepare_launch"):
+        common.remember_plan(m, (BACKWARD, qkv.shape, heads, dtype, dev, scale is None, causal),
+                             _backward_plan(m, cfg, qkv, p, causal))
     return dqkv
+
+
+def _backward_plan(m: Any, cfg: Any, qkv: CudaTensor, p: attention.Problem,
+                   causal: bool) -> Any:
+    """The per-call plan (ops/common.py remember_plan) of the backward for a qkv shaped like
+    this one: run(grad_out, qkv, out, lse, scale) checks what the key does not fix (types,
+    shapes, dtypes, devices, live, no stream; None: the general path runs and raises), takes
+    dqkv from the pool and makes attention_backward.prepared_launches' launches."""
+    from ..tensor import pool_tensor
+    dtype, dev, shape = qkv.dtype, qkv.device_id, qkv.shape
+    B, T, C3 = shape
+    C = C3 // 3
+    o_shape, lse_shape = (B, T, C), (B, p.heads, T)
+    go = attention_backward.prepared_launches(m, cfg, p, dtype, dev, causal)
+    pool = m.backend.memory_pools[dev]
+    alloc = pool.allocate_current
+    size, nbytes, step = qkv.size, qkv.nbytes, C * dtype.itemsize
+    f32 = DT.FLOAT32
+    default = attention.resolve_scale(None, p.d)
+    isfinite = math.isfinite
+
+    def run(g: Any, qkv: CudaTensor, o: Any, lse: Any, scale: Optional[float]) -> Any:
+        if type(g) is not CudaTensor or type(o) is not CudaTensor or \
+                type(lse) is not CudaTensor:
+            return None
+        pg, pq, po, pl = g._ptr, qkv._ptr, o._ptr, lse._ptr
+        if pg is None or pq is None or po is None or pl is None:
+            return None
+        if g.shape != o_shape or o.shape != o_shape or lse.shape != lse_shape or \
+                g.dtype is not dtype or o.dtype is not dtype or lse.dtype is not f32 or \
+                g.device_id != dev or o.device_id != dev or lse.device_id != dev:
+            return None
+        if qkv.stream is not None or g.stream is not None or o.stream is not None or \
+                lse.stream is not None:
+            return None
+        if scale is None:
+            sc = default
+        elif isfinite(scale):
+            sc = scale
+        else:
+            return None   # the general path's error
+        dqkv = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
+        try:
+            pd = dqkv._ptr
+            go(pg, pq, pq + step, pq + 2 * step, po, pl, pd, pd + step, pd + 2 * step, sc)
+        except BaseException:
+            dqkv.free()   # nothing leaks from a failed launch
+            raise
+        return dqkv
+    return run
