@@ -14,7 +14,7 @@ references on the permuted arrays.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, cast
 
 import numpy as np
 
@@ -210,15 +210,9 @@ def flash_attention_packed_backward(m: Any, grad_out: CudaTensor, qkv: CudaTenso
     """dqkv (batch, seq, 3 * C) of flash_attention_packed for the gradient grad_out (batch,
     seq, C) of its output, from its out and lse (return_lse=True); dq, dk, dv are written
     into their column blocks by the kernels."""
-    if type(qkv) is CudaTensor and type(heads) is int and type(causal) is bool and \
-            (scale is None or type(scale) is float):
-        plans = getattr(m, "plans", None)
-        fast = None if plans is None else plans.get(
-            (BACKWARD, qkv.shape, heads, qkv.dtype, qkv.device_id, scale is None, causal))
-        if fast is not None and m.backend.direct_launch(qkv.device_id):
-            res = fast(grad_out, qkv, out, lse, scale)
-            if res is not None:
-                return res
+    res = _planned_backward(m, grad_out, qkv, out, lse, heads, scale, causal)
+    if res is not None:
+        return res
     dtype, B, T, D = check_qkv(qkv, heads, BACKWARD)
     heads = int(heads)
     for name, t in (("grad_out", grad_out), ("out", out), ("lse", lse)):
@@ -270,6 +264,21 @@ def flash_attention_packed_backward(m: Any, grad_out: CudaTensor, qkv: CudaTenso
         common.remember_plan(m, (BACKWARD, qkv.shape, heads, dtype, dev, scale is None, causal),
                              _backward_plan(m, cfg, qkv, p, causal))
     return dqkv
+
+
+def _planned_backward(m: Any, grad_out: Any, qkv: Any, out: Any, lse: Any, heads: Any,
+                      scale: Any, causal: Any) -> Optional[CudaTensor]:
+    """dqkv from the per-call plan of this call's key, or None (no plan, or one that leaves
+    the call to the general path)."""
+    if type(qkv) is not CudaTensor or type(heads) is not int or type(causal) is not bool or \
+            not (scale is None or type(scale) is float):
+        return None
+    plans = getattr(m, "plans", None)
+    fast = None if plans is None else plans.get(
+        (BACKWARD, qkv.shape, heads, qkv.dtype, qkv.device_id, scale is None, causal))
+    if fast is None or not m.backend.direct_launch(qkv.device_id):
+        return None
+    return cast(Optional[CudaTensor], fast(grad_out, qkv, out, lse, scale))
 
 
 def _backward_plan(m: Any, cfg: Any, qkv: CudaTensor, p: attention.Problem,
