@@ -562,7 +562,8 @@ def _plan(shape, axes, dtype=DT.FLOAT32, src=0, dst=0):
 
 def test_plan_copy_picks_the_kernel():
     (g,) = _plan((64, 8, 4), (1, 0, 2))                   # innermost stays: 16-byte gather
-    assert g.params == sc.copy_params("gather", 4, 32) and g.args[2] == 1     # mode 1
+    assert g.params == sc.copy_params("gather", 4, 32, 3) and g.args[2] == 1  # mode 1
+    assert g.params["nd"] == g.args[1] == 3          # the render for its ndim (nd)
     assert g.args[0] == 64 * 8 * 4 // 4 and g.args[3] == 1                   # items, contig
     (g,) = _plan((64, 8, 4), (1, 0, 2), src=4)              # misaligned source: elements
     assert g.args[2] == 0 and g.args[0] == 64 * 8 * 4
@@ -572,6 +573,8 @@ def test_plan_copy_picks_the_kernel():
     assert launches and all(L.template == "transpose.cu.j2" for L in launches)
     (t,) = _plan((33, 65), (1, 0), DT.UINT8)              # 1-byte elements: tile
     assert t.params == sc.copy_params("tile", 1, 32)
+    (g6,) = _plan((2, 3, 2, 3, 2, 3), (0, 2, 1, 4, 3, 5))  # 6 dims: the any-ndim render
+    assert g6.params["kind"] == "gather" and g6.args[1] == 6 and g6.params["nd"] == 0
     assert _plan((0, 3), (1, 0)) == []
     big = sc.plan_copy(_Stub, 0, DT.FLOAT32, (3, 2**32), [1, 3], [2**32, 1], 0, 0)
     assert big[0].params["index"] == 64 and big[0].params["kind"] == "tile"   # sizes >= 2^32

@@ -35,9 +35,9 @@ from ..dtypes import CudaDataType, from_bfloat16_bits
 from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..tensor import CudaTensor, device_view, normalize_shape
 from . import common
-from .shape_copy import (BLOCK, TEMPLATE, cat_params, convert_host, convert_params, copy_into,
-                         copy_params, copy_plan, grid_blocks, plan_cat, record, run_cat,
-                         split_plan, strided_copy)
+from .shape_copy import (BLOCK, MAX_ND_FIXED, TEMPLATE, cat_params, convert_host,
+                         convert_params, copy_into, copy_params, copy_plan, grid_blocks,
+                         plan_cat, record, run_cat, split_plan, strided_copy)
 from .shape_join import concatenate, stack  # noqa: F401  (entries of this family)
 from .shape_layouts import (contiguous_strides, index_int, is_contiguous, make_view, one_axis,
                             parse_key)
@@ -53,7 +53,9 @@ CAT_UNITS = (1, 2, 4, 8, 16)
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     """gather and tile per element size and index width, cat per unit and index width;
     convert per ordered dtype pair."""
-    sets = [copy_params(k, e, i) for k in ("gather", "tile") for e in ELEMS for i in INDEX_BITS]
+    sets = [copy_params("gather", e, i, nd) for e in ELEMS for i in INDEX_BITS
+            for nd in range(MAX_ND_FIXED + 1)]
+    sets += [copy_params("tile", e, i) for e in ELEMS for i in INDEX_BITS]
     sets += [cat_params(u, i) for u in CAT_UNITS for i in INDEX_BITS]
     sets += [convert_params(s, d) for s in DT for d in DT if s is not d]
     return {TEMPLATE: sets}

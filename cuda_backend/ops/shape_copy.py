@@ -33,6 +33,7 @@ BLOCK = 128           # threads per block of "gather" and "convert"
 TILE_BLOCK = 256      # "tile": 32 x 8 threads
 TILE = 32
 MAX_DIMS = 8          # dims one "gather" launch covers (after merging)
+MAX_ND_FIXED = 5      # gathers of up to this many dims get a render for their ndim (nd)
 GATHER_ITEMS = 4      # items a "gather" thread moves per step (strided_copy.cu.j2 GU)
 MAX_BATCH = 6         # batch dims around a "tile" launch's two
 MAX_GRID = 2**31 - 1
@@ -41,10 +42,13 @@ _ALIAS = {2: DT.FLOAT16, 4: DT.INT32, 8: DT.INT64}   # transpose.cu.j2 dtype per
 
 
 # -- template parameters ------------------------------------------------------------------------
-def copy_params(kind: str, elem: int, index: int) -> Dict[str, Any]:
-    """Parameters of a "gather" or "tile" render for elements of `elem` bytes."""
-    return {"kind": kind, "elem": elem, "index": index,
-            "block_size": TILE_BLOCK if kind == "tile" else BLOCK}
+def copy_params(kind: str, elem: int, index: int, ndim: int = 0) -> Dict[str, Any]:
+    """Parameters of a "gather" or "tile" render for elements of `elem` bytes; a gather's
+    `nd` is its launch's ndim where that is at most MAX_ND_FIXED (0: any)."""
+    if kind == "tile":
+        return {"kind": kind, "elem": elem, "index": index, "block_size": TILE_BLOCK}
+    return {"kind": kind, "elem": elem, "index": index, "block_size": BLOCK,
+            "nd": ndim if ndim <= MAX_ND_FIXED else 0}
 
 
 def cat_params(unit: int, index: int) -> Dict[str, Any]:
@@ -132,7 +136,7 @@ def _gather_launch(itemsize: int, sizes: List[int], si: List[int], so: List[int]
     inner_first = sizes[::-1]
     args = [items, len(sizes), mode, int(out_contig)] + dims_args(inner_first, bits, MAX_DIMS) \
         + pad(si[::-1], MAX_DIMS) + pad(so[::-1], MAX_DIMS)
-    return Launch(TEMPLATE, copy_params("gather", itemsize, bits),
+    return Launch(TEMPLATE, copy_params("gather", itemsize, bits, len(sizes)),
                   grid_blocks(items, BLOCK * GATHER_ITEMS), (BLOCK, 1, 1), args)
 
 
