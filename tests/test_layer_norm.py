@@ -244,12 +244,38 @@ def test_candidates():
                     assert block % tpr == 0
                     assert not pf or (tpr == block and use_vec)
     assert lp.ln_candidates(4096, DT.FLOAT32, True) == [
-        (128, 8, 128, 4, 0), (256, 4, 256, 4, 0), (512, 2, 512, 4, 0), (256, 4, 256, 4, 1),
-        (512, 2, 512, 4, 1)]
-    assert lp.ln_candidates(1024, DT.FLOAT32, True) == [(32, 8, 256, 4, 0)]
+        (128, 8, 128, 4, 0), (256, 4, 256, 4, 0), (512, 2, 512, 4, 0), (1024, 1, 1024, 4, 0),
+        (256, 4, 256, 4, 1), (512, 2, 512, 4, 1)]
+    assert lp.ln_candidates(1024, DT.FLOAT32, True) == [
+        (32, 8, 256, 4, 0), (64, 4, 64, 4, 0), (128, 2, 128, 4, 0), (256, 1, 256, 4, 0)]
     assert lp.ln_candidates(4096, DT.BFLOAT16, True) == [
-        (128, 4, 128, 8, 0), (256, 2, 256, 8, 0), (128, 4, 128, 8, 1), (256, 2, 256, 8, 1)]
+        (128, 4, 128, 8, 0), (256, 2, 256, 8, 0), (512, 1, 512, 8, 0), (128, 4, 128, 8, 1),
+        (256, 2, 256, 8, 1)]
     assert lp.ln_candidates(1 << 20, DT.FLOAT32, True)[0][1] == 0
+
+
+def test_small_inputs_pick_by_rows():
+    """Under the autotuning size: block per row, 1 vector a thread under 1024 rows, 2 under
+    4096, 4 beyond; 64-thread blocks only with 1 vector, a 1024-thread block with 1 vector
+    only under 256 rows; warp per row where no block-per-row config holds the row with that
+    few vectors; prefetching configs never (they need the autotuner's choice)."""
+    def pick(D, dtype, rows):
+        return lp.ln_small_pick(lp.ln_candidates(D, dtype, True), rows)
+    assert [pick(1024, DT.FLOAT32, r)[:3] for r in (64, 1023, 1024, 4095, 4096)] == [
+        (256, 1, 256), (256, 1, 256), (128, 2, 128), (128, 2, 128), (32, 8, 256)]
+    assert pick(4096, DT.FLOAT32, 255)[:2] == (1024, 1)
+    assert pick(4096, DT.FLOAT32, 256)[:2] == (512, 2)
+    assert pick(8192, DT.FLOAT32, 64)[:2] == (1024, 2)
+    assert pick(256, DT.FLOAT32, 512)[:3] == (64, 1, 64)
+    assert pick(256, DT.FLOAT32, 2048)[:3] == (32, 2, 256)     # warp per row
+    assert pick(768, DT.BFLOAT16, 2048)[:3] == (32, 4, 256)    # not 64 threads x 2
+    assert pick(256, DT.BFLOAT16, 64)[:3] == (32, 1, 256)      # the only candidate
+    for dtype in FLOATS:
+        v = 16 // dtype.itemsize
+        for D in (v, 100 * v, 1000, 4096, 8192, 12288):
+            for rows in (1, 300, 3000, 30000):
+                tpr, vpt, block, vec, pf = pick(D, dtype, rows)
+                assert tpr * vpt * vec >= D and not pf and block % tpr == 0
 
 
 def test_register_budgets():

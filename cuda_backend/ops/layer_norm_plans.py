@@ -18,11 +18,21 @@ from . import common
 from .normalization_common import DT, vec_width
 
 LN_TEMPLATE = "layer_norm.cu.j2"
-# layer_norm register configs (threads_per_row, vpt, block_size), by capacity in vectors.
+# layer_norm register configs (threads_per_row, vpt, block_size): warp per row (8 rows a
+# block), then block per row, 1 to 8 vectors a thread.
 LN_VEC_CONFIGS = ((32, 1, 256), (32, 2, 256), (32, 4, 256), (32, 8, 256),
-                  (128, 4, 128), (128, 8, 128), (256, 2, 256), (256, 4, 256), (256, 8, 256),
-                  (512, 2, 512), (512, 4, 512), (512, 8, 512), (1024, 2, 1024),
-                  (1024, 4, 1024), (1024, 8, 1024))
+                  (64, 1, 64), (64, 2, 64), (64, 4, 64), (128, 1, 128), (128, 2, 128),
+                  (128, 4, 128), (128, 8, 128), (256, 1, 256), (256, 2, 256), (256, 4, 256),
+                  (256, 8, 256), (512, 1, 512), (512, 2, 512), (512, 4, 512), (512, 8, 512),
+                  (1024, 1, 1024), (1024, 2, 1024), (1024, 4, 1024), (1024, 8, 1024))
+# Inputs under LN_AUTOTUNE_MIN elements take ln_small_pick's config, no autotuning. From a
+# sweep of rows 64-8192 x D 256-8192 (perf/NOTES.md "Normalization" S18): block per row with
+# 1 vector a thread under 1024 rows, 2 under 4096, else 4 (warp per row where no block-per-
+# row config holds the row with that few), 64-thread blocks only with 1 vector, 1024 x 1
+# only under 256 rows.
+LN_AUTOTUNE_MIN = 1 << 22
+LN_SMALL_VPT = ((1024, 1), (4096, 2))   # (rows under, vectors a thread); more rows: 4
+LN_WIDE_ROWS = 256    # from this many rows, 1024-thread blocks with one vector are passed over
 # the same kernel, persistent with next-row prefetch (block per row only)
 LN_PREFETCH_CONFIGS = ((128, 4, 128), (256, 2, 256), (256, 4, 256), (512, 2, 512),
                        (512, 4, 512), (1024, 2, 1024))
@@ -84,8 +94,10 @@ def ln_pick(m: Any, x: CudaTensor, out: CudaTensor, weight: Optional[CudaTensor]
             use_vec: bool) -> LnConfig:
     """The config for this row length: autotuned among equally tight ones for large inputs."""
     cands = ln_candidates(D, x.dtype, use_vec)
-    if len(cands) == 1 or x.size < 1 << 22:
+    if len(cands) == 1:
         return cands[0]
+    if x.size < LN_AUTOTUNE_MIN:
+        return ln_small_pick(cands, rows)
     names = ("threads_per_row", "vpt", "block", "vec", "prefetch")
     keys = [dict(zip(names, c)) for c in cands]
     size_class = (x.dtype.name_str, D, "large" if x.size >= 1 << 25 else "medium")
@@ -99,6 +111,19 @@ def ln_pick(m: Any, x: CudaTensor, out: CudaTensor, weight: Optional[CudaTensor]
                                                 bias, rows, D, eps),
                             device_id=x.device_id)
     return tuple(best[n] for n in names)
+
+
+def ln_small_pick(cands: List[LnConfig], rows: int) -> LnConfig:
+    """The config of an input too small to autotune (LN_SMALL_VPT): the block-per-row
+    candidate with the fewest vectors a thread at least the rows' target (of 128 threads or
+    more from 1024 rows), else the first candidate (warp per row)."""
+    want = next((v for under, v in LN_SMALL_VPT if rows < under), 4)
+    narrowest = 64 if want == 1 else 128
+    per_row = sorted((c for c in cands if c[0] == c[2] and c[0] >= narrowest and not c[4] and
+                      c[1] >= want and not (rows >= LN_WIDE_ROWS and c[0] == 1024 and
+                                            c[1] == 1)),
+                     key=lambda c: c[1])
+    return per_row[0] if per_row else cands[0]
 
 
 def ln_launch(m: Any, cfg: LnConfig, x: CudaTensor, out: CudaTensor,
