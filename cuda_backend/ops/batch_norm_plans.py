@@ -19,6 +19,9 @@ BLOCK = 256
 UNROLL = 4            # rows (nc) or items (ncs) per thread in the normalize kernels
 STATS_BLOCKS_PER_SM = 4  # statistics pass: about one resident wave of looping blocks
 BN_FUSE_MAX = 8192  # training, "ncs": N * S up to this per channel: one fused launch
+# normalize "ncs": items a thread moves, by the blocks that makes per SM (perf/NOTES.md
+# "Normalization" S18): 1 while that is at most 2 blocks per SM, 2 while at most 4, else UNROLL
+ITEMS_BY_WAVES = ((1, 2), (2, 4))
 
 
 # -- template parameters ---------------------------------------------------------------
@@ -45,7 +48,7 @@ def bn_geometry(layout: str, N: int, C: int, S: int, vec_ok: int, vec: int,
     w = vec if vec_ok else 1
     SW = S // w if layout == "ncs" else 1  # items per plane ("nc": vectors run along C)
     tail = (N, C, N * C * SW, *fast_divisor(SW), *fast_divisor(C)[1:], vec_ok)
-    grid, block = _normalize_geometry(layout, N, C, S, w)
+    grid, block = _normalize_geometry(layout, N, C, S, w, sm)
     if layout == "nc":
         bx, by = nc_block(C // w)
         gx = -(-(C // w) // bx)
@@ -77,19 +80,24 @@ def nc_block(columns: int, block: int = BLOCK) -> Tuple[int, int]:
     return bx, block // bx
 
 
-def _normalize_geometry(layout: str, N: int, C: int, S: int,
-                        w: int) -> Tuple[Tuple[int, int, int], Tuple[int, int, int]]:
+def _normalize_geometry(layout: str, N: int, C: int, S: int, w: int,
+                        sm: int) -> Tuple[Tuple[int, int, int], Tuple[int, int, int]]:
     """(grid, block) of the normalize kernel: "nc" one block per (bx column vectors,
     by * UNROLL rows); "ncs" one UNROLL-item step per thread. Many short blocks rather than
-    a few long ones, so no partly filled last wave of long blocks."""
+    a few long ones, so no partly filled last wave of long blocks; small inputs move fewer
+    items a thread (ITEMS_BY_WAVES), so that they still spread over the SMs."""
     if layout == "nc":
         bx, by = nc_block(C // w)
         gx = -(-(C // w) // bx)
         gy = max(1, min(-(-N // (by * UNROLL)), 65535))
         return (gx, gy, 1), (bx, by, 1)
     items = N * C * (S // w)
-    grid = max(1, min(-(-items // (BLOCK * UNROLL)), 2**31 - 1))
-    return (grid, 1, 1), (BLOCK, 1, 1)
+    grid = -(-items // (BLOCK * UNROLL))
+    for per_thread, waves in ITEMS_BY_WAVES:
+        if -(-items // (BLOCK * per_thread)) <= waves * sm:
+            grid = -(-items // (BLOCK * per_thread))
+            break
+    return (max(1, min(grid, 2**31 - 1)), 1, 1), (BLOCK, 1, 1)
 
 
 # -- launches and the per-call plan ------------------------------------------------------
