@@ -322,6 +322,22 @@ def test_errors(m):
         m.log_softmax(x)
 
 
+def test_plan_few_rows():
+    """Warp mode that would launch fewer WARP_BLOCK blocks than SMs: WARP_SMALL_BLOCK
+    threads (the same group and nv), float64 smem mode; more rows or no row count: as
+    before; modes other than warp never change."""
+    limit = LIMIT
+    base = sm.plan(256, 4, limit)
+    assert base["threads"] == sm.WARP_BLOCK and base["group"] == 16
+    assert sm.few_rows(256, 4, 16 * 131, 132) and not sm.few_rows(256, 4, 16 * 132, 132)
+    assert sm.plan(256, 4, limit, 16 * 131, 132) == dict(base, threads=sm.WARP_SMALL_BLOCK)
+    assert sm.plan(256, 4, limit, 16 * 132, 132) == base
+    assert sm.plan(256, 8, limit, 256, 132)["mode"] == "smem"
+    assert sm.plan(256, 8, limit, 8 * 132, 132)["mode"] == "warp"
+    assert sm.plan(4096, 4, limit, 4, 132) == sm.plan(4096, 4, limit)       # block mode
+    assert not sm.few_rows(4096, 4, 4, 132)
+
+
 def test_plan_modes():
     limit = LIMIT
     assert sm.plan(1, 4, limit) == {"mode": "warp", "nv": 4, "group": 1, "threads": 256,
@@ -389,6 +405,8 @@ def test_block_register_budget():
 
 def test_template_variants():
     sets = sm.template_variants()["softmax.cu.j2"]
-    assert len(sets) == 4 * (len(sm.WARP_NV) + len(sm.BLOCK_CONFIGS) + 2)
+    assert len(sets) == 4 * (2 * len(sm.WARP_NV) + len(sm.BLOCK_CONFIGS) + 2)
+    assert {p["block_size"] for p in sets if p["mode"] == "warp"} == {
+        sm.WARP_BLOCK, sm.WARP_SMALL_BLOCK}
     assert {p["mode"] for p in sets} == {"warp", "block", "smem", "online"}
     assert all("prefetch" in p and "nv" in p for p in sets if p["mode"] == "block")

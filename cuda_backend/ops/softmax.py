@@ -36,6 +36,10 @@ from .reduction import host_result
 TEMPLATE = "softmax.cu.j2"
 TEMPLATES = (TEMPLATE,)
 WARP_BLOCK = 256        # threads per block in warp mode
+# Few rows (warp mode would launch fewer WARP_BLOCK blocks than the device has SMs): warp
+# mode on WARP_SMALL_BLOCK threads, and float64 one block per row in smem mode, where that
+# fits (perf/NOTES.md "Softmax" S18).
+WARP_SMALL_BLOCK = 128
 SMEM_BLOCK = 1024       # most threads per block in smem mode
 ONLINE_BLOCK = 512      # threads per block in online mode (1024 would cap double at 64 regs)
 WARP_NV = (4, 8)        # register-cached vectors per lane that warp mode is compiled for
@@ -69,9 +73,10 @@ def block_min_blocks(dtype: CudaDataType, block: int, nv: int, prefetch: bool) -
 
 def kernel_params(dtype: CudaDataType, mode: str, nv: int = 0, block: int = 0,
                   prefetch: bool = False) -> Dict[str, Any]:
-    """Template parameters for one mode ("warp" with nv vectors per lane, "block" with block
-    threads, nv vectors per thread and prefetch, "smem", "online")."""
-    if mode == "block":
+    """Template parameters for one mode ("warp" with nv vectors per lane on WARP_BLOCK
+    threads, or block threads where given, "block" with block threads, nv vectors per
+    thread and prefetch, "smem", "online")."""
+    if mode == "block" or (mode == "warp" and block):
         size = block
     else:
         size = {"warp": WARP_BLOCK, "smem": SMEM_BLOCK, "online": ONLINE_BLOCK}[mode]
@@ -86,6 +91,7 @@ def kernel_params(dtype: CudaDataType, mode: str, nv: int = 0, block: int = 0,
             min_blocks = 3
         else:
             min_blocks = 2
+        min_blocks = min_blocks * WARP_BLOCK // size   # the same registers per thread
     elif mode == "smem":
         min_blocks = 2
     elif mode == "block":
@@ -105,7 +111,8 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     configs, smem and online."""
     sets = []
     for dt in common.FLOATS:
-        sets += [kernel_params(dt, "warp", nv) for nv in WARP_NV]
+        sets += [kernel_params(dt, "warp", nv, blk) for nv in WARP_NV
+                 for blk in (0, WARP_SMALL_BLOCK)]
         sets += [kernel_params(dt, "block", nv, blk, pf) for blk, nv, pf in BLOCK_CONFIGS]
         sets += [kernel_params(dt, "smem"), kernel_params(dt, "online")]
     return {TEMPLATE: sets}
@@ -158,15 +165,26 @@ def _online_plan() -> Dict[str, Any]:
             "prefetch": 0}
 
 
-def plan(K: int, itemsize: int, smem_limit: int) -> Dict[str, Any]:
+def few_rows(K: int, itemsize: int, rows: int, sms: int) -> bool:
+    """Whether rows of K would run in warp mode on fewer WARP_BLOCK blocks than sms."""
+    p = _warp_plan(K, 16 // itemsize)
+    return p is not None and -(-rows // (WARP_BLOCK // p["group"])) < sms
+
+
+def plan(K: int, itemsize: int, smem_limit: int, rows: int = 0,
+         sms: int = 0) -> Dict[str, Any]:
     """Mode and launch sizing for rows of K elements: {"mode", "nv", "group", "threads",
     "smem", "prefetch"}. smem_limit: the dynamic shared memory one block may use. The rule:
     warp mode when the row fits a warp; else block mode on the fewest threads that hold the
     row with BLOCK_NV vectors per thread and BLOCK_PREFETCH (or the first config that holds
-    it); else smem, else online."""
+    it); else smem, else online. With rows and sms (the device's SMs) given, warp mode for
+    few rows takes WARP_SMALL_BLOCK threads (float64: smem mode)."""
     vec = 16 // itemsize
     p = _warp_plan(K, vec)
     if p is not None:
+        if few_rows(K, itemsize, rows, sms):
+            small = _smem_plan(K, itemsize, smem_limit) if itemsize == 8 else None
+            return small or dict(p, threads=WARP_SMALL_BLOCK)
         return p
     blocks = _block_plans(K, vec)
     if blocks:
@@ -177,10 +195,13 @@ def plan(K: int, itemsize: int, smem_limit: int) -> Dict[str, Any]:
 
 
 def candidates(K: int, itemsize: int, smem_limit: int) -> List[Dict[str, Any]]:
-    """Every plan able to run rows of K elements (the rule's choice first)."""
+    """Every plan able to run rows of K elements (the rule's choice first; warp mode on both
+    block sizes)."""
     vec = 16 // itemsize
     out = [plan(K, itemsize, smem_limit)]
-    for p in [_warp_plan(K, vec)] + _block_plans(K, vec) + \
+    warp = _warp_plan(K, vec)
+    small = None if warp is None else dict(warp, threads=WARP_SMALL_BLOCK)
+    for p in [warp, small] + _block_plans(K, vec) + \
             [_smem_plan(K, itemsize, smem_limit), _online_plan()]:
         if p is not None and p not in out:
             out.append(p)
@@ -218,12 +239,14 @@ def softmax(m: Any, x: CudaTensor, log: bool = False,
     plans = _plans.get(m)
     if plans is None:
         plans = _plans.setdefault(m, {})
-    key = (dev, x.dtype, K)
+    rows = x.size // K
+    info = m.backend.get_device_info(dev)
+    sms = int(info.multiprocessor_count)
+    key = (dev, x.dtype, K, few_rows(K, x.dtype.itemsize, rows, sms))
     p = plans.get(key)
-    if p is None:  # planned once per CudaMath, device, dtype and row length
-        info = m.backend.get_device_info(dev)
-        p = prepare(m, plan(K, x.dtype.itemsize, int(info.shared_memory_per_block_optin) - 1024),
-                    x.dtype, dev)
+    if p is None:  # planned once per CudaMath, device, dtype, row length and few_rows
+        p = prepare(m, plan(K, x.dtype.itemsize, int(info.shared_memory_per_block_optin) - 1024,
+                            rows, sms), x.dtype, dev)
         if len(plans) >= 4096:
             plans.clear()
         plans[key] = p
@@ -245,7 +268,7 @@ def _fast_plan(m: Any, p: Dict[str, Any], x: CudaTensor, log: bool) -> Any:
     rows, size, nbytes = x.size // K, x.size, x.nbytes
     itemsize, vec = dtype.itemsize, 16 // dtype.itemsize
     if p["mode"] == "warp":
-        grid = -(-rows // (WARP_BLOCK // p["group"]))
+        grid = -(-rows // (p["threads"] // p["group"]))
     else:
         grid = min(rows, p["max_grid"]) if p["max_grid"] else rows
     kernel = m.backend.get_kernel(p["kernel"], dev)
@@ -272,7 +295,8 @@ def _fast_plan(m: Any, p: Dict[str, Any], x: CudaTensor, log: bool) -> Any:
 def prepare(m: Any, p: Dict[str, Any], dtype: CudaDataType, dev: int) -> Dict[str, Any]:
     """The plan with its compiled kernel's name and, for persistent block mode, the grid
     size cap (resident blocks per SM x SMs x PERSIST_WAVES)."""
-    params = kernel_params(dtype, p["mode"], p["nv"], p["threads"], bool(p["prefetch"]))
+    block = 0 if p["mode"] == "warp" and p["threads"] == WARP_BLOCK else p["threads"]
+    params = kernel_params(dtype, p["mode"], p["nv"], block, bool(p["prefetch"]))
     q: Dict[str, Any] = dict(p, kernel=m.kernel(TEMPLATE, dev, **params).name, max_grid=0)
     if p["prefetch"]:
         sms = int(m.backend.get_device_info(dev).multiprocessor_count)
@@ -286,7 +310,7 @@ def launch(m: Any, p: Dict[str, Any], x: CudaTensor, out: CudaTensor, log: bool)
     rows = x.size // K
     if p["mode"] == "warp":
         vec_ok = int(K % (16 // x.dtype.itemsize) == 0 and x.ptr % 16 == 0 and out.ptr % 16 == 0)
-        grid = -(-rows // (WARP_BLOCK // p["group"]))
+        grid = -(-rows // (p["threads"] // p["group"]))
     else:  # rows are moved head / 16-byte body / tail, which needs x and y congruent
         vec_ok = int((x.ptr - out.ptr) % 16 == 0 and x.ptr % x.dtype.itemsize == 0)
         grid = min(rows, p["max_grid"]) if p["max_grid"] else rows
