@@ -106,13 +106,18 @@ def bn_launch(m: Any, geo: Dict[str, Any], layout: str, training: bool, x: CudaT
               var: CudaTensor, eps: float, momentum: float, C: int, S: int, count: int) -> None:
     """The general path's launches (geo: bn_geometry's): inference one normalize pass;
     training the statistics pass, the finalize (which updates the running mean and variance
-    in place) and the normalize pass, or the one "fused" kernel (geometry "fused"), with the
-    workspace freed after them."""
+    in place) and the normalize pass with the workspace freed after them, or the one
+    "fused" kernel (geometry "fused"), which needs none."""
     dev, tail = x.device_id, geo["tail"]
     if not training:
         kernel = m.kernel(BN_TEMPLATE, dev, **bn_params(x.dtype, "normalize", layout, "infer"))
         m.backend.launch_kernel(kernel.name, geo["grid"], x, out, gamma, beta, mean, var, eps,
                                 *tail, block_size=geo["block"], device_id=dev)
+    elif geo["fused"]:
+        fused = m.kernel(BN_TEMPLATE, dev, **bn_params(x.dtype, "fused", layout))
+        m.backend.launch_kernel(fused.name, (C, 1, 1), x, out, gamma, beta, mean, var, eps,
+                                momentum, *geo["fused_args"], block_size=(BLOCK, 1, 1),
+                                device_id=dev)
     else:
         acc_itemsize = 8 if x.dtype is DT.FLOAT64 else 4
         acc_dtype = DT.FLOAT64 if x.dtype is DT.FLOAT64 else DT.FLOAT32
@@ -123,13 +128,6 @@ def bn_launch(m: Any, geo: Dict[str, Any], layout: str, training: bool, x: CudaT
             partials = base
             ws_mean = base + splits * 2 * C * acc_itemsize
             ws_scale = ws_mean + C * acc_itemsize
-            if geo["fused"]:
-                fused = m.kernel(BN_TEMPLATE, dev, **bn_params(x.dtype, "fused", layout))
-                m.backend.launch_kernel(fused.name, (C, 1, 1), x, out, partials, gamma, beta,
-                                        mean, var, ws_mean, ws_scale, eps, momentum,
-                                        *geo["fused_args"], block_size=(BLOCK, 1, 1),
-                                        device_id=dev)
-                return
             stats = m.kernel(BN_TEMPLATE, dev, **bn_params(x.dtype, "stats", layout))
             m.backend.launch_kernel(stats.name, geo["stats_grid"], x, partials,
                                     *geo["stats_args"], block_size=geo["stats_block"],
@@ -156,7 +154,7 @@ def bn_call_plan(m: Any, x: CudaTensor, eps: float, momentum: float, training: b
     and changes the geometry, not the kernels): inference one launch; training the
     statistics pass, the finalize (which updates the running mean and variance in place)
     and the normalize pass, with the workspace allocated before and released after them as
-    the general path does."""
+    the general path does, or the fused kernel alone."""
     dev, shape, dtype = x.device_id, x.shape, x.dtype
     size, nbytes = x.size, x.nbytes
     N, C, S, count, layout, vec, can_vec = bn_layout(shape, dtype)
@@ -183,15 +181,14 @@ def bn_call_plan(m: Any, x: CudaTensor, eps: float, momentum: float, training: b
         if not training:
             go(px, po, gamma._ptr, beta._ptr, mean._ptr, var._ptr, eps, *tail)
             return out
+        if stats_go is None:   # the fused kernel (go), its arguments in tail; no workspace
+            go(px, po, gamma._ptr, beta._ptr, mean._ptr, var._ptr, eps, momentum, *tail)
+            return out
         ws = alloc(ws_bytes)
         try:
             base = int(ws)
             ws_mean = base + splits * 2 * c_bytes
             ws_scale = ws_mean + c_bytes
-            if stats_go is None:   # the fused kernel (go), its arguments in tail
-                go(px, po, base, gamma._ptr, beta._ptr, mean._ptr, var._ptr, ws_mean,
-                   ws_scale, eps, momentum, *tail)
-                return out
             stats_go(px, base, *stats_args)
             fin(px, base, splits, C, S_fin, count, gamma._ptr, mean._ptr, var._ptr, ws_mean,
                 ws_scale, eps, momentum)
@@ -207,8 +204,7 @@ def _bn_variants(m: Any, training: bool, dev: int, dtype: CudaDataType, layout: 
                  acc_itemsize: int) -> Tuple[Any, List[tuple]]:
     """bn_call_plan's prepared launches: the finalize (training; else None) and by vec_ok
     (normalize, its tail, stats or None, its args, splits, workspace bytes); a fused
-    training variant is (the fused kernel, its arguments after momentum, None, (), 1,
-    workspace bytes)."""
+    training variant is (the fused kernel, its arguments after momentum, None, (), 1, 0)."""
     prep, bk = m.backend.prepare_launch, m.kernel
     norm = bk(BN_TEMPLATE, dev, **bn_params(dtype, "normalize", layout,
                                             "train" if training else "infer"))
@@ -223,7 +219,7 @@ def _bn_variants(m: Any, training: bool, dev: int, dtype: CudaDataType, layout: 
         if geo["fused"]:
             fused = bk(BN_TEMPLATE, dev, **bn_params(dtype, "fused", layout))
             variants.append((prep(fused, (C, 1, 1), (BLOCK, 1, 1), 0, dev),
-                             geo["fused_args"], None, (), 1, 4 * C * acc_itemsize))
+                             geo["fused_args"], None, (), 1, 0))
             continue
         go = prep(norm, geo["grid"], geo["block"], 0, dev)
         if training:
