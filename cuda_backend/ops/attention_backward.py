@@ -362,6 +362,14 @@ def run_config(m: Any, cfg: Dict[str, Any], g: CudaTensor, q: CudaTensor,
             acc.free()
 
 
+def plan_scale(scale: Optional[float], default: float) -> Optional[float]:
+    """A per-call plan's scale: the default for None, a finite float as given; None (the
+    general path raises) otherwise."""
+    if scale is None:
+        return default
+    return scale if math.isfinite(scale) else None
+
+
 def prepared_launches(m: Any, cfg: Dict[str, Any], p: attention.Problem,
                       dtype: CudaDataType, dev: int, causal: bool) -> Callable[..., None]:
     """run_config's three launches of cfg over problem p, prepared once, for the per-call
@@ -436,7 +444,6 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
     k_size, k_bytes = k.size, k.nbytes
     f32 = DT.FLOAT32
     default = attention.resolve_scale(None, q_shape[3])
-    isfinite = math.isfinite
 
     def run(g: Any, q: CudaTensor, k: CudaTensor, v: Any, o: Any, lse: Any,
             scale: Optional[float]) -> Optional[Tuple[CudaTensor, CudaTensor, CudaTensor]]:
@@ -456,11 +463,8 @@ def _fast_plan(m: Any, cfg: Dict[str, Any], q: CudaTensor, k: CudaTensor,
         if q.stream is not None or k.stream is not None or v.stream is not None or \
                 g.stream is not None or o.stream is not None or lse.stream is not None:
             return None
-        if scale is None:
-            sc = default
-        elif isfinite(scale):
-            sc = scale
-        else:
+        sc = plan_scale(scale, default)
+        if sc is None:
             return None   # the general path's error
         dq = pool_tensor(q_shape, dtype, dev, alloc(q_bytes), pool, q_size, q_bytes)
         dk = dv = None

@@ -298,7 +298,6 @@ def _backward_plan(m: Any, cfg: Any, qkv: CudaTensor, p: attention.Problem,
     size, nbytes, step = qkv.size, qkv.nbytes, C * dtype.itemsize
     f32 = DT.FLOAT32
     default = attention.resolve_scale(None, p.d)
-    isfinite = math.isfinite
 
     def run(g: Any, qkv: CudaTensor, o: Any, lse: Any, scale: Optional[float]) -> Any:
         if type(g) is not CudaTensor or type(o) is not CudaTensor or \
@@ -314,11 +313,8 @@ def _backward_plan(m: Any, cfg: Any, qkv: CudaTensor, p: attention.Problem,
         if qkv.stream is not None or g.stream is not None or o.stream is not None or \
                 lse.stream is not None:
             return None
-        if scale is None:
-            sc = default
-        elif isfinite(scale):
-            sc = scale
-        else:
+        sc = attention_backward.plan_scale(scale, default)
+        if sc is None:
             return None   # the general path's error
         dqkv = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
         try:
