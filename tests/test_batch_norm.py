@@ -611,3 +611,21 @@ def _every_op(m, B, dt):
         opt.sgd_update(m, p, B.empty((n,), dt), None, OptimizerState(learning_rate=0.1))
         opt.adam_update(m, p, B.empty((n,), dt), B.empty((n,), sdt), B.empty((n,), sdt),
                         OptimizerState(learning_rate=0.1, decoupled=True))
+
+
+def test_ncs_normalize_items_per_thread_by_size():
+    """The NCHW normalize pass moves 1 item (16 bytes) a thread while that makes at most 2
+    blocks per SM, 2 while at most 4, else 4 (bp.ITEMS_BY_WAVES): small inputs still spread
+    over the SMs, large ones keep the short blocks' 4 loads in flight (perf/NOTES.md
+    "Normalization" S18). Every grid covers the items."""
+    sm, block = 132, bp.BLOCK
+    for (N, C, H, W), per_thread in (((3, 64, 32, 32), 1), ((3, 256, 14, 14), 1),
+                                     ((1, 32, 28, 28), 1), ((8, 64, 32, 32), 2),
+                                     ((16, 64, 32, 32), 2), ((3, 64, 56, 56), 2),
+                                     ((32, 64, 128, 128), 4), ((1, 8, 16, 16), 1)):
+        items = N * C * H * W // 4
+        grid = bp.bn_geometry("ncs", N, C, H * W, 1, 4, sm)["grid"]
+        assert grid == (-(-items // (block * per_thread)), 1, 1), (N, C, H, W, grid)
+        assert grid[0] * block * bp.UNROLL >= items
+        if per_thread < bp.UNROLL:
+            assert grid[0] <= dict(bp.ITEMS_BY_WAVES)[per_thread] * sm
