@@ -434,6 +434,11 @@ def test_rows_config_covers_rows_and_fills_the_gpu():
             assert grid == rows * splits and 1 <= splits <= wave
             assert splits == 1 or rows <= rcfg.MAX_SPLIT_GROUPS
     assert rcfg.rows_config(1, 1 << 28, 4, wave)[1] == wave  # a full reduction: one wave
+    # a row worth fewer than MIN_SPLITS blocks of UNROLL vectors a thread runs on one block
+    per_block = rcfg.BLOCK * rcfg.UNROLL
+    assert rcfg.rows_config(1, 4096, 8, wave)[1:] == (1, 1)          # 2 blocks' worth
+    assert rcfg.rows_config(1, 2 * per_block * 2 + 2, 8, wave)[1] == 1
+    assert rcfg.rows_config(1, rcfg.MIN_SPLITS * per_block * 4, 4, wave)[1] == rcfg.MIN_SPLITS
 
 
 def test_axis_config_shapes():
