@@ -103,8 +103,9 @@ _ENTRIES: List[OpEntry] = [
     # CudaMath: matrices (matmul: fill.cu.j2 for K == 0, transpose.cu.j2 for wgmma's B)
     _math("matrix_transpose", "transpose", ("transpose.cu.j2",), "tests/test_transpose.py",
           "matrix/matrix_transpose"),
-    _math("matrix_multiply", "matmul", _MM + ("matmul_wgmma.cu.j2",) + _FILL +
-          ("transpose.cu.j2",) + _WGMMA16, "tests/test_matmul.py", "matrix/matrix_multiply"),
+    _math("matrix_multiply", "matmul", _MM + ("matmul_wgmma.cu.j2", "matmul_dmma.cu.j2")
+          + _FILL + ("transpose.cu.j2",) + _WGMMA16, "tests/test_matmul.py",
+          "matrix/matrix_multiply"),
     # CudaMath: shapes (views: no kernel; permute's plain 2-D transposes: transpose.cu.j2)
     _math("reshape", "shape", (), _T_SHAPE, "matrix/reshape"),
     _math("view", "shape", (), _T_SHAPE, "matrix/view"),
@@ -144,8 +145,8 @@ _ENTRIES: List[OpEntry] = [
     _ml("flash_attention", "attention", ("flash_attention.cu.j2", "flash_attention_tma.cu.j2")
         + _FILL,
         "tests/test_flash_attention.py", "ml/flash_attention"),
-    _ml("sketched_linear", "linear", _MM + _REDUCE + _EW, "tests/test_linear.py",
-        "ml/sketched_linear"),
+    _ml("sketched_linear", "linear", _MM + ("matmul_dmma.cu.j2",) + _REDUCE + _EW,
+        "tests/test_linear.py", "ml/sketched_linear"),
     # gradients (models, part 1): activations, softmax / log_softmax, fused cross-entropy
     *[_ml(f"{op}_backward", "activation_backward", ("activation_backward.cu.j2",),
           "tests/test_backward.py", f"ml/{op}_backward")
@@ -158,8 +159,8 @@ _ENTRIES: List[OpEntry] = [
     # the matmul kernels (a_trans, b_trans, the bias_gelu_grad epilogue), wgmma and
     # transpose.cu.j2 for TF32's transposed A, the reductions for bias and batch sums
     _ml("linear", "linear", _MM, "tests/test_matmul_backward.py", "ml/linear"),
-    *[_ml(op, "matmul_backward", _MM + ("matmul_wgmma.cu.j2",) + _FILL + ("transpose.cu.j2",)
-          + _REDUCE + _WGMMA16, "tests/test_matmul_backward.py", f"ml/{op}")
+    *[_ml(op, "matmul_backward", _MM + ("matmul_wgmma.cu.j2", "matmul_dmma.cu.j2") + _FILL
+          + ("transpose.cu.j2",) + _REDUCE + _WGMMA16, "tests/test_matmul_backward.py", f"ml/{op}")
       for op in ("matmul_backward", "linear_backward", "fused_linear_gelu_backward")],
     *[_ml(f"{kind}_pool2d_backward", "pooling_backward", ("pool2d_backward.cu.j2",),
           "tests/test_pooling_backward.py", f"ml/{kind}_pool2d_backward")

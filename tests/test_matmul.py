@@ -166,7 +166,7 @@ def test_template_variants_cover_every_candidate():
     # test_tma16_configs_render_for_sm_90a)
     assert 20 <= sum(len(v) for t, v in keys.items()
                      if t not in (mm.SKINNY_TEMPLATE, mm.WGMMA16_TEMPLATE,
-                                  mm.TMA16_TEMPLATE)) <= 96
+                                  mm.TMA16_TEMPLATE)) <= 104
     from cuda_backend.kernels import dtype_params
     for dt, prec in ((DT.FLOAT32, None), (DT.FLOAT32, "ieee"), (DT.FLOAT64, None),
                      (DT.FLOAT32, "tf32"), (DT.FLOAT16, None), (DT.BFLOAT16, None)):
@@ -188,6 +188,7 @@ def test_template_variants_cover_every_candidate():
                         continue
                     template = mm.config_template(cfg, family)   # (x3: mma, vec only)
                     assert vec or not cfg.get("x3")
+                    assert template == mm.DMMA_TEMPLATE if cfg.get("dmma") else True
                     params = {**dtype_params(dt), **cfg, "vec": vec}
                     if template == mm.SIMT_TEMPLATE:
                         params["kind"] = "gemm"
@@ -196,6 +197,14 @@ def test_template_variants_cover_every_candidate():
 
 def test_configs_are_consistent():
     for cfg in mm.all_configs(DT.FLOAT32, "ieee") + mm.all_configs(DT.FLOAT64, None):
+        if cfg.get("dmma"):   # (matmul_dmma.cu.j2's static_asserts; 227 KB per block)
+            assert cfg["bm"] % cfg["wm"] == 0 and cfg["bn"] % cfg["wn"] == 0
+            assert cfg["wm"] % 16 == 0 and cfg["wn"] % 8 == 0 and cfg["bk"] % 16 == 0
+            assert cfg["bn"] % 16 == 0 and cfg["stages"] >= 2
+            threads = (cfg["bm"] // cfg["wm"]) * (cfg["bn"] // cfg["wn"]) * 32
+            assert threads <= 1024
+            assert mm.dmma_smem(cfg) * cfg["min_blocks"] <= 227 * 1024
+            continue
         threads = (cfg["bm"] // cfg["tm"]) * (cfg["bn"] // cfg["tn"])
         assert threads % 32 == 0 and threads <= 1024
         warp_m, warp_n = cfg["wtm"] * cfg["tm"], (32 // cfg["wtm"]) * cfg["tn"]

@@ -2,7 +2,8 @@
 
 The kernel families, all templated:
 - `matmul_simt.cu.j2`: true FP32 (float32's "ieee", beside 3xTF32 in its default) and FP64
-  on CUDA cores; register-tiled
+  on CUDA cores (the A-transposed and linear-layer float64 kernels, the plain GEMM's split-K
+  shapes and devices without DMMA); register-tiled
   GEMM with a split-K mode (partial products in a workspace, then `splitk_reduce`) so that
   skinny and small outputs still fill every SM; and for float32 with few rows (M <= 64,
   SKINNY_F32) a skinny-M split-K kernel (all M rows per block, K sliced over many blocks,
@@ -14,6 +15,9 @@ The kernel families, all templated:
   (x3: float32-level accuracy) in float32's default (precision None / "fp32", F32_DEFAULT,
   LINEAR_F32): the autotuner times the x3 configs beside the SIMT ones where the operands
   allow 16-byte loads; the x3 GEMMs split K as the SIMT one does (x3_split_options).
+- `matmul_dmma.cu.j2`: float64 on the FP64 tensor cores (mma.m16n8k16.f64, compute
+  capability >= 9.0) for matrix_multiply's plain GEMM: timed beside the SIMT configs
+  (SIMT_F64), no split-K, no epilogue.
 - `matmul_wgmma.cu.j2`: TF32 on Hopper's warpgroup tensor cores (wgmma, sm_90a) for
   precision="tf32" where K is a multiple of 4: B is first transposed to (N, K) and rounded to
   TF32 (transpose.transpose_tf32) into a pool block, since wgmma reads a TF32 B only K-major.
@@ -81,7 +85,8 @@ from .matmul_configs import (SCALAR_OK, all_configs, has_tn_kernel, linear_confi
                              linear_family)
 from .matmul_configs import candidates  # noqa: F401  (registry.CONTRACT of an autotuned family)
 from .matmul_fallback import fallback, linear_fallback
-from .matmul_kernels import (EPILOGUES, FILL_TEMPLATE, GRAD_EPILOGUE, MMA_TEMPLATE, REDUCE_BLOCK,
+from .matmul_kernels import (DMMA_TEMPLATE, EPILOGUES, FILL_TEMPLATE, GRAD_EPILOGUE, MMA_TEMPLATE,
+                             REDUCE_BLOCK,
                              SIMT_TEMPLATE, SKINNY_TEMPLATE, TMA16_TEMPLATE, WGMMA16_TEMPLATE,
                              WGMMA_TEMPLATE, config_template, kernel_params, linear_params,
                              splitk_epilogue_params, template_runs_on, tma16_params,
@@ -101,8 +106,8 @@ from .matmul_configs import (  # noqa: F401
     X3_GEMM, X_64x128x32_w32x64, family, gemm_family, tma_standin, tn_configs)
 from .matmul_fallback import gelu_tanh, gelu_tanh_grad, round_tf32  # noqa: F401
 from .matmul_kernels import (  # noqa: F401
-    TMA16_ARG_TYPES, TMA16_THREADS, blocks_per_sm, has_clusters, has_wgmma, simt_params,
-    simt_smem, tn_params, wgmma16_b_direct, wgmma16_ld, wgmma16_ok, wgmma_ok, wgmma_smem)
+    TMA16_ARG_TYPES, TMA16_THREADS, blocks_per_sm, dmma_smem, has_clusters, has_wgmma,
+    simt_params, simt_smem, tn_params, wgmma16_b_direct, wgmma16_ld, wgmma16_ok, wgmma_ok, wgmma_smem)
 from .matmul_launch import (  # noqa: F401
     compile_kernel, memo, op_name, run_config, wgmma16_usable)
 from .matmul_pad import (pad_a_launches, pad_b_launches, run_tf32_padded,  # noqa: F401
@@ -123,8 +128,9 @@ from .matmul_tma16 import tma16_shape_ok, tma16_usable  # noqa: F401
 DT = CudaDataType
 # the registry's contract: fill for K == 0, transpose.cu.j2 (ops/transpose.py) for wgmma's B,
 # strided_copy.cu.j2 (ops/shape_copy.py) for the 16-bit wgmma's padded B
-TEMPLATES = (SIMT_TEMPLATE, MMA_TEMPLATE, WGMMA_TEMPLATE, WGMMA16_TEMPLATE, TMA16_TEMPLATE,
-             SKINNY_TEMPLATE, FILL_TEMPLATE, "transpose.cu.j2", "strided_copy.cu.j2")
+TEMPLATES = (SIMT_TEMPLATE, MMA_TEMPLATE, DMMA_TEMPLATE, WGMMA_TEMPLATE, WGMMA16_TEMPLATE,
+             TMA16_TEMPLATE, SKINNY_TEMPLATE, FILL_TEMPLATE, "transpose.cu.j2",
+             "strided_copy.cu.j2")
 
 
 def matmul(m: Any, a: CudaTensor, b: CudaTensor, precision: Optional[str] = None,
@@ -370,13 +376,15 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     wgmma: List[Dict[str, Any]] = []
     wgmma16: List[Dict[str, Any]] = []
     tma16: List[Dict[str, Any]] = []
+    dmma: List[Dict[str, Any]] = []
     for dt in (DT.FLOAT32, DT.FLOAT64):
-        # (float32's default holds the x3 GEMM kernels too: mma, 16-byte loads only)
+        # (float32's default holds the x3 GEMM kernels too: mma, 16-byte loads only;
+        # float64's the DMMA ones)
         for cfg in all_configs(dt, None):
             template = config_template(cfg, SIMT_TEMPLATE)
             for vec in (True, False):
                 if vec or cfg in SCALAR_OK:
-                    (simt if template == SIMT_TEMPLATE else mma).append(
+                    {SIMT_TEMPLATE: simt, DMMA_TEMPLATE: dmma}.get(template, mma).append(
                         kernel_params(template, dt, cfg, vec))
         simt.append({**dtype_params(dt), "kind": "splitk_reduce", "block_size": REDUCE_BLOCK})
     for dt, prec in ((DT.FLOAT32, "tf32"), (DT.FLOAT16, None), (DT.BFLOAT16, None)):
@@ -415,7 +423,8 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
                for vec in (True, False) for cfg in cluster_configs(vec)
                for b_trans, epilogue in ((False, "none"), (True, "bias_gelu"))]
     return {SIMT_TEMPLATE: simt, MMA_TEMPLATE: mma, WGMMA_TEMPLATE: wgmma,
-            WGMMA16_TEMPLATE: wgmma16, TMA16_TEMPLATE: tma16, SKINNY_TEMPLATE: cluster}
+            WGMMA16_TEMPLATE: wgmma16, TMA16_TEMPLATE: tma16, SKINNY_TEMPLATE: cluster,
+            DMMA_TEMPLATE: dmma}
 
 
 def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8,
@@ -430,9 +439,10 @@ def warm_up(m: Any, device_id: Optional[int] = None, workers: int = 8,
 
 def runs_here(m: Any, template: str, device_id: Optional[int] = None) -> bool:
     """The device (None: the current one) runs the template's kernels (template_runs_on);
-    False for the wgmma (TF32, 16-bit, TMA) and cluster kernels where the backend has no
-    device info (stand-ins, fallback mode)."""
-    if template not in (WGMMA_TEMPLATE, WGMMA16_TEMPLATE, TMA16_TEMPLATE, SKINNY_TEMPLATE):
+    False for the wgmma (TF32, 16-bit, TMA), cluster and DMMA kernels where the backend has
+    no device info (stand-ins, fallback mode)."""
+    if template not in (WGMMA_TEMPLATE, WGMMA16_TEMPLATE, TMA16_TEMPLATE, SKINNY_TEMPLATE,
+                        DMMA_TEMPLATE):
         return True
     info = getattr(m.backend, "get_device_info", None)   # (absent on stand-in backends)
     if not m.gpu or info is None:

@@ -45,6 +45,14 @@ def _tma16(bm: int, bn: int, stages: int) -> Dict[str, Any]:
     return {"bm": bm, "bn": bn, "stages": stages, "group_m": 8, "tma16": True}
 
 
+def _dmma(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int,
+          min_blocks: int) -> Dict[str, Any]:
+    """Float64 tensor-core tile config (matmul_dmma.cu.j2, mma.m16n8k16.f64: sm_90+); the
+    "dmma" key names the template (config_template)."""
+    return {"bm": bm, "bn": bn, "bk": bk, "wm": wm, "wn": wn, "stages": stages,
+            "min_blocks": min_blocks, "dmma": True}
+
+
 def _mma(bm: int, bn: int, bk: int, wm: int, wn: int, stages: int,
          min_blocks: int, frag_pipe: bool = True, trunc_a: bool = False,
          x3: bool = False) -> Dict[str, Any]:
@@ -115,11 +123,16 @@ SIMT_F32_EXTRA = [S_128x128x16_16x8_s4, S_128x128x16_16x8_q2_s3, S_128x256x16_16
 D_128x64x8 = _simt(128, 64, 8, 8, 4, 8, 1)       # 256 threads
 D_64x64x8 = _simt(64, 64, 8, 8, 4, 4, 2)         # 128 threads
 D_32x64x8 = _simt(32, 64, 8, 4, 4, 4, 4)         # 128 threads
+# DMMA, float64 on the tensor cores (Hopper; timed beside the SIMT ones, which stay for the
+# devices without mma.m16n8k16.f64 and the split-K shapes). Registers (sm_90, vec / not).
+DM_128x64x16 = _dmma(128, 64, 16, 32, 32, 3, 1)    # 256 threads, 223 / 255 regs, 80 KB
+DM_64x64x16 = _dmma(64, 64, 16, 32, 32, 4, 2)      # 128 threads, 234 / 255 regs, 70 KB
+DM_32x64x16 = _dmma(32, 64, 16, 16, 32, 4, 2)      # 128 threads, 147 / 176 regs, 53 KB
 SIMT_F64 = {
-    "large": [D_128x64x8, D_64x64x8],
-    "medium": [D_64x64x8, D_128x64x8],
-    "skinny": [D_64x64x8, D_32x64x8],
-    "small": [D_32x64x8],
+    "large": [DM_128x64x16, DM_64x64x16, D_128x64x8, D_64x64x8],
+    "medium": [DM_64x64x16, DM_128x64x16, D_64x64x8, D_128x64x8],
+    "skinny": [DM_32x64x16, DM_64x64x16, D_64x64x8, D_32x64x8],
+    "small": [D_32x64x8, DM_32x64x16],
 }
 # mma.sync, 16-bit inputs: threads = (bm / wm) * (bn / wn) * 32; 64x64 warp tiles.
 H_256x128x64 = _mma(256, 128, 64, 64, 64, 3, 1)  # 256 threads, 144 KB
@@ -231,7 +244,7 @@ L_128x64x16_kc = _simt(128, 64, 16, 8, 8, 4, 3, 2, 3, kc=2)      # 168 regs, 460
 # and B's padded copies, ops/matmul_pad.py; their kernel is the same for both alignment
 # classes. Large unaligned shapes time both, 128x256 s4 first as for aligned ones.)
 SCALAR_OK = (S_128x256x8_16x8_q2, S_128x64x8_q2, S_64x128x8_q2, S_64x64x8_q2, S_32x64x16,
-             D_128x64x8, D_64x64x8, D_32x64x8,
+             D_128x64x8, D_64x64x8, D_32x64x8, DM_128x64x16, DM_64x64x16, DM_32x64x16,
              H_128x128x32, H_64x64x32, T_128x128x32, T_64x64x16, W16_128x256_s4,
              W16_128x128_s3)
 # The config a 16-bit wgmma one gives way to where a call cannot take it (the output not
@@ -405,7 +418,7 @@ def tn_configs(dtype: CudaDataType, precision: Optional[str],
         return []
     out: List[Dict[str, Any]] = []
     for c in all_configs(dtype, precision):
-        if not (c.get("wgmma") or c.get("wgmma16") or c.get("tma16")) and \
+        if not (c.get("wgmma") or c.get("wgmma16") or c.get("tma16") or c.get("dmma")) and \
                 (vec or c in SCALAR_OK) and c not in out:
             out.append(c)
     return out

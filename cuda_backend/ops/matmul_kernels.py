@@ -17,6 +17,7 @@ from .matmul_shapes import Plan
 DT = CudaDataType
 SIMT_TEMPLATE = "matmul_simt.cu.j2"
 MMA_TEMPLATE = "matmul_mma.cu.j2"
+DMMA_TEMPLATE = "matmul_dmma.cu.j2"   # float64 on the FP64 tensor cores (sm_90+)
 WGMMA_TEMPLATE = "matmul_wgmma.cu.j2"
 WGMMA16_TEMPLATE = "matmul_wgmma16.cu.j2"
 WGMMA16_THREADS = 256   # two warpgroups (bm 128) per block
@@ -55,10 +56,19 @@ def wgmma_smem(cfg: Dict[str, Any]) -> int:
     return cfg["stages"] * (cfg["bm"] + cfg["bn"]) * 128 + 1024
 
 
+def dmma_smem(cfg: Dict[str, Any]) -> int:
+    """Dynamic shared memory of a DMMA config: the ring of A tiles (rows of bk + 2 doubles)
+    and B tiles (matmul_dmma.cu.j2)."""
+    return cfg["stages"] * (cfg["bm"] * (cfg["bk"] + 2) + cfg["bk"] * cfg["bn"]) * 8
+
+
 def config_template(cfg: Dict[str, Any], family_template: str) -> str:
     """The template a config renders: its family's, mma for a 3xTF32 config (x3), which
-    sits in the float32 default lists (GEMM and linear layer) beside SIMT ones, wgmma for a
-    wgmma one (TF32 or 16-bit), the cluster kernel for a cluster one."""
+    sits in the float32 default lists (GEMM and linear layer) beside SIMT ones, DMMA for a
+    float64 tensor-core one (beside the float64 SIMT ones), wgmma for a wgmma one (TF32 or
+    16-bit), the cluster kernel for a cluster one."""
+    if cfg.get("dmma"):
+        return DMMA_TEMPLATE
     if cfg.get("tma16"):
         return TMA16_TEMPLATE
     if cfg.get("wgmma16"):
@@ -85,10 +95,11 @@ def has_clusters(info: Any) -> bool:
 
 def template_runs_on(template: str, info: Any) -> bool:
     """The device can run the template's kernels (warm-ups skip the others): wgmma needs
-    sm_90a, the cluster kernel compute capability >= 9.0; the rest run anywhere."""
+    sm_90a, the cluster kernel and DMMA (mma.m16n8k16.f64) compute capability >= 9.0; the
+    rest run anywhere."""
     if template in (WGMMA_TEMPLATE, WGMMA16_TEMPLATE, TMA16_TEMPLATE):
         return has_wgmma(info)
-    if template == SKINNY_TEMPLATE:
+    if template in (SKINNY_TEMPLATE, DMMA_TEMPLATE):
         return has_clusters(info)
     return True
 

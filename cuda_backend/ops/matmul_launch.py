@@ -15,11 +15,12 @@ from ..tensor import CudaTensor
 from . import common
 from .elementwise_kernels import FILL_BLOCK, fill_grid
 from .matmul_configs import WGMMA16_STANDIN, candidates, gemm_family, tma_standin
-from .matmul_kernels import (FILL_TEMPLATE, GRAD_EPILOGUE, MMA_TEMPLATE, REDUCE_BLOCK,
-                             SIMT_TEMPLATE, SKINNY_TEMPLATE, TMA16_TEMPLATE, WGMMA16_TEMPLATE,
-                             WGMMA16_THREADS, WGMMA_TEMPLATE, blocks_per_sm, compile_tma16,
-                             config_template, has_clusters, has_wgmma, kernel_params, simt_smem,
-                             splitk_epilogue_params, splitk_reduce_params, takes_k_chunk,
+from .matmul_kernels import (DMMA_TEMPLATE, FILL_TEMPLATE, GRAD_EPILOGUE, MMA_TEMPLATE,
+                             REDUCE_BLOCK, SIMT_TEMPLATE, SKINNY_TEMPLATE, TMA16_TEMPLATE,
+                             WGMMA16_TEMPLATE, WGMMA16_THREADS, WGMMA_TEMPLATE, blocks_per_sm,
+                             compile_tma16, config_template, dmma_smem, has_clusters, has_wgmma,
+                             kernel_params, simt_smem, splitk_epilogue_params,
+                             splitk_reduce_params, takes_k_chunk, template_runs_on,
                              tma16_params, wgmma16_b_direct, wgmma16_ok, wgmma16_params,
                              wgmma_ok, wgmma_params, wgmma_smem)
 from .matmul_pad import (free_all, operand_layout, pad_a_launches, pad_b_launches, planes_of,
@@ -128,7 +129,8 @@ def _call_candidates(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: P
                      sms: int) -> list:
     """launch's candidates for the autotuner: the family's configs for the shape class less
     those this device or these operands cannot take (wgmma, TMA, wgmma16: their stand-ins
-    where none is left), then for SIMT the split-K pairs and the skinny and cluster configs."""
+    where none is left; DMMA only for the plain GEMM on compute capability >= 9.0), then for
+    SIMT the split-K pairs and the skinny and cluster configs."""
     is_linear = epilogue is not None
     cands = candidates(dtype, prec, cls, vec, linear=is_linear)
     info = m.backend.get_device_info(dev)
@@ -139,6 +141,9 @@ def _call_candidates(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: P
         cands = [c for c in cands if not c.get("tma16")] or [tma_standin(dtype)]
     if not wgmma16_usable(info, dtype, a, out, p, epilogue, a_trans):
         cands = [c for c in cands if not c.get("wgmma16")] or [WGMMA16_STANDIN]
+    if a_trans or is_linear or not template_runs_on(DMMA_TEMPLATE, info):
+        cands = [c for c in cands if not c.get("dmma")] or \
+            [c for c in gemm_family(dtype, prec)[1]["small"] if not c.get("dmma")]
     if template == SIMT_TEMPLATE and not is_linear:
         # (config, split) pairs: split-K counts are measured, not only modelled
         info = m.backend.get_device_info(dev)
@@ -276,10 +281,11 @@ def tiled_kernel(m: Any, template: str, cfg: Dict[str, Any], p: Plan, dtype: Cud
             splits = split_count(cfg, p, info.multiprocessor_count, max_z,
                                  blocks_per_sm(cfg, getattr(kernel, "num_regs", 0), info,
                                                esize, getattr(kernel, "static_shared_bytes", 0)))
-    else:
-        kernel = cached_kernel(m, MMA_TEMPLATE, dev, params)
+    else:   # mma.sync: matmul_mma.cu.j2 or (float64) matmul_dmma.cu.j2
+        kernel = cached_kernel(m, template, dev, params)
         threads = (cfg["bm"] // cfg["wm"]) * (cfg["bn"] // cfg["wn"]) * 32
-        smem = cfg["stages"] * (cfg["bm"] * cfg["bk"] + cfg["bk"] * cfg["bn"]) * esize
+        smem = dmma_smem(cfg) if template == DMMA_TEMPLATE else \
+            cfg["stages"] * (cfg["bm"] * cfg["bk"] + cfg["bk"] * cfg["bn"]) * esize
     kchunk = takes_k_chunk(template, cfg, epilogue)
     if not kchunk:
         return kernel, threads, smem, False, 1

@@ -57,11 +57,15 @@ def split_candidates(cands: Sequence[Dict[str, Any]], p: Plan, shape_cls: str,
                      sm_count: int, max_z: int = 65535,
                      per_sm: Any = None) -> List[Dict[str, Any]]:
     """The autotuner's (config, split) candidates of the GEMM: each SIMT config with a
-    "split" key per split_options count, each x3 one per x3_split_options count (run_config
+    "split" key per split_options count, each x3 one per x3_split_options count, a DMMA one
+    as it is (run_config
     takes it out before rendering). per_sm(cfg): a SIMT config's resident blocks per SM
     (None: the configs' min_blocks)."""
     out: List[Dict[str, Any]] = []
     for c in cands:
+        if c.get("dmma"):   # (no split-K: the config as it is)
+            out.append(c)
+            continue
         if c.get("x3"):
             splits = x3_split_options(c, p, sm_count, max_z)
         else:
