@@ -124,13 +124,16 @@ D_128x64x8 = _simt(128, 64, 8, 8, 4, 8, 1)       # 256 threads
 D_64x64x8 = _simt(64, 64, 8, 8, 4, 4, 2)         # 128 threads
 D_32x64x8 = _simt(32, 64, 8, 4, 4, 4, 4)         # 128 threads
 # DMMA, float64 on the tensor cores (Hopper; timed beside the SIMT ones, which stay for the
-# devices without mma.m16n8k16.f64 and the split-K shapes). Registers (sm_90, vec / not).
-DM_128x64x16 = _dmma(128, 64, 16, 32, 32, 3, 1)    # 256 threads, 223 / 255 regs, 80 KB
-DM_64x64x16 = _dmma(64, 64, 16, 32, 32, 4, 2)      # 128 threads, 234 / 255 regs, 70 KB
-DM_32x64x16 = _dmma(32, 64, 16, 16, 32, 4, 2)      # 128 threads, 147 / 176 regs, 53 KB
+# devices without mma.m16n8k16.f64 and the split-K shapes). Registers on sm_90 (vec / not),
+# and ms on an H100 (perf/NOTES.md "Matmul, float64 on DMMA"): 4096^3 3.08 / 3.27 / 3.74,
+# 2048^3 0.39 / 0.41 / 0.48, 1000^3 0.102 / 0.058 / 0.067; 8192x64x8192 32x64 0.26.
+DM_128x128x16 = _dmma(128, 128, 16, 32, 64, 3, 1)  # 256 threads, 248 / 250 regs, 102 KB
+DM_64x64x16 = _dmma(64, 64, 16, 32, 32, 4, 2)      # 128 threads, 198 / 198 regs, 68 KB
+DM_128x64x16 = _dmma(128, 64, 16, 32, 32, 3, 1)    # 256 threads, 192 / 200 regs, 78 KB
+DM_32x64x16 = _dmma(32, 64, 16, 16, 32, 4, 2)      # 128 threads, 130 / 126 regs, 50 KB
 SIMT_F64 = {
-    "large": [DM_128x64x16, DM_64x64x16, D_128x64x8, D_64x64x8],
-    "medium": [DM_64x64x16, DM_128x64x16, D_64x64x8, D_128x64x8],
+    "large": [DM_128x128x16, DM_64x64x16, DM_128x64x16, D_128x64x8, D_64x64x8],
+    "medium": [DM_64x64x16, DM_128x128x16, DM_128x64x16, D_64x64x8, D_128x64x8],
     "skinny": [DM_32x64x16, DM_64x64x16, D_64x64x8, D_32x64x8],
     "small": [D_32x64x8, DM_32x64x16],
 }
@@ -244,7 +247,8 @@ L_128x64x16_kc = _simt(128, 64, 16, 8, 8, 4, 3, 2, 3, kc=2)      # 168 regs, 460
 # and B's padded copies, ops/matmul_pad.py; their kernel is the same for both alignment
 # classes. Large unaligned shapes time both, 128x256 s4 first as for aligned ones.)
 SCALAR_OK = (S_128x256x8_16x8_q2, S_128x64x8_q2, S_64x128x8_q2, S_64x64x8_q2, S_32x64x16,
-             D_128x64x8, D_64x64x8, D_32x64x8, DM_128x64x16, DM_64x64x16, DM_32x64x16,
+             D_128x64x8, D_64x64x8, D_32x64x8, DM_128x128x16, DM_128x64x16, DM_64x64x16,
+             DM_32x64x16,
              H_128x128x32, H_64x64x32, T_128x128x32, T_64x64x16, W16_128x256_s4,
              W16_128x128_s3)
 # The config a 16-bit wgmma one gives way to where a call cannot take it (the output not
