@@ -239,6 +239,28 @@ def test_configs_are_consistent():
                 assert cfg["stages"] >= 3 and (cfg["bk"] // (8 if dt.itemsize == 4 else 16)) % 2 == 0
 
 
+def test_dmma_configs_are_float64_plain_gemm_candidates():
+    """The DMMA configs (matmul_dmma.cu.j2) are float64 GEMM candidates in every shape class,
+    rendered for both alignments, never an A-transposed or linear-layer config, split as
+    they are, and run only where compute capability >= 9.0 (mma.m16n8k16.f64)."""
+    from types import SimpleNamespace
+    dm = [c for c in mm.all_configs(DT.FLOAT64, None) if c.get("dmma")]
+    assert dm and all(mm.config_template(c, mm.SIMT_TEMPLATE) == mm.DMMA_TEMPLATE for c in dm)
+    assert all(c in mm.SCALAR_OK for c in dm)
+    for cls in ("large", "medium", "skinny", "small"):
+        assert any(c.get("dmma") for c in mm.candidates(DT.FLOAT64, None, cls, True))
+    assert not any(c.get("dmma") for c in mm.tn_configs(DT.FLOAT64, None, True))
+    assert not any(c.get("dmma") for c in mm.linear_configs(DT.FLOAT64, None, True))
+    assert not any(c.get("dmma") for dt in (DT.FLOAT32, DT.FLOAT16, DT.BFLOAT16)
+                   for c in mm.all_configs(dt, None))
+    p = mm.plan_shapes((512, 512), (512, 512))
+    assert [c for c in mm.split_candidates(dm, p, "large", 132) if "split" not in c] == dm
+    assert mm.template_runs_on(mm.DMMA_TEMPLATE, SimpleNamespace(compute_capability=(9, 0)))
+    assert not mm.template_runs_on(mm.DMMA_TEMPLATE, SimpleNamespace(compute_capability=(8, 0)))
+    for c in dm:
+        assert mm.dmma_smem(c) == c["stages"] * (c["bm"] * (c["bk"] + 2) + c["bk"] * c["bn"]) * 8
+
+
 def test_shape_class_and_split_count():
     p = mm.plan_shapes((4096, 4096), (4096, 4096))
     assert mm.shape_class(p, 132) == "large"
@@ -553,6 +575,8 @@ def test_gpu_every_candidate_config_is_correct(m, fam):
         cfgs = [c for c in mm.all_configs(dtype, prec) if vec or c in mm.SCALAR_OK]
         if not mm.has_wgmma(m.backend.get_device_info(dev)):
             cfgs = [c for c in cfgs if not c.get("wgmma")]
+        if not mm.runs_here(m, mm.DMMA_TEMPLATE, dev):
+            cfgs = [c for c in cfgs if not c.get("dmma")]
         for cfg in cfgs:
             for splits in ((1, 3) if template == mm.SIMT_TEMPLATE else (None,)):
                 out = poisoned(m, ref.shape, dtype)
@@ -653,7 +677,8 @@ def test_gpu_batch_over_grid_z(m, fam):
     b = to_dev(m, rand(rng, (70000, 5, 2), dtype), dtype)
     ref, scale = reference(m, a, b)
     p = mm.plan_shapes(a.shape, b.shape)
-    for cfg in [c for c in mm.all_configs(dtype, prec) if c in mm.SCALAR_OK]:
+    for cfg in [c for c in mm.all_configs(dtype, prec) if c in mm.SCALAR_OK and
+                (not c.get("dmma") or mm.runs_here(m, mm.DMMA_TEMPLATE, dev))]:
         out = poisoned(m, ref.shape, dtype)
         assert not mm.is_vec_ok(a, b, out, p)
         mm.run_config(m, mm.config_template(cfg, template), cfg, a, b, out, p, dtype, False,

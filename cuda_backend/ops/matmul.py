@@ -138,7 +138,8 @@ def matmul(m: Any, a: CudaTensor, b: CudaTensor, precision: Optional[str] = None
     """a @ b with NumPy's matmul shape rules (batch: full or broadcast). float32 is
     float32-accurate by default (3xTF32 tensor-core or CUDA-core configs, the faster timed),
     precision='ieee' CUDA cores only, 'tf32' TF32; float16/bfloat16 use tensor cores with
-    float32 accumulation; float64 runs on CUDA cores. out= (optional) receives the result."""
+    float32 accumulation; float64 on the FP64 tensor cores (compute capability >= 9.0) or
+    CUDA cores, the faster timed. out= (optional) receives the result."""
     if out is None:
         res = _planned(m, "matmul", a, b, precision)
         if res is not None:
