@@ -203,16 +203,11 @@ def _fast_plan(m: Any, cfg: Any, qkv: CudaTensor, p: attention.Problem, causal: 
 
 
 # -- backward ------------------------------------------------------------------------------
-def flash_attention_packed_backward(m: Any, grad_out: CudaTensor, qkv: CudaTensor,
-                                    out: CudaTensor, lse: CudaTensor, heads: int,
-                                    scale: Optional[float] = None,
-                                    causal: bool = False) -> CudaTensor:
-    """dqkv (batch, seq, 3 * C) of flash_attention_packed for the gradient grad_out (batch,
-    seq, C) of its output, from its out and lse (return_lse=True); dq, dk, dv are written
-    into their column blocks by the kernels."""
-    res = _planned_backward(m, grad_out, qkv, out, lse, heads, scale, causal)
-    if res is not None:
-        return res
+
+def _check_backward(grad_out: Any, qkv: Any, out: Any, lse: Any,
+                    heads: Any) -> Tuple[CudaDataType, int, int, int]:
+    """flash_attention_packed_backward's operand checks (typed errors); returns (dtype,
+    batch, seq, head_dim) of qkv."""
     dtype, B, T, D = check_qkv(qkv, heads, BACKWARD)
     heads = int(heads)
     for name, t in (("grad_out", grad_out), ("out", out), ("lse", lse)):
@@ -233,6 +228,22 @@ def flash_attention_packed_backward(m: Any, grad_out: CudaTensor, qkv: CudaTenso
             f"{BACKWARD}: lse has dtype {lse.dtype.name_str}, expected float32 (as "
             f"flash_attention_packed(..., return_lse=True) gives it)")
     common.same_device(qkv, grad_out, out, lse)
+    return dtype, B, T, D
+
+
+def flash_attention_packed_backward(m: Any, grad_out: CudaTensor, qkv: CudaTensor,
+                                    out: CudaTensor, lse: CudaTensor, heads: int,
+                                    scale: Optional[float] = None,
+                                    causal: bool = False) -> CudaTensor:
+    """dqkv (batch, seq, 3 * C) of flash_attention_packed for the gradient grad_out (batch,
+    seq, C) of its output, from its out and lse (return_lse=True); dq, dk, dv are written
+    into their column blocks by the kernels."""
+    res = _planned_backward(m, grad_out, qkv, out, lse, heads, scale, causal)
+    if res is not None:
+        return res
+    dtype, B, T, D = _check_backward(grad_out, qkv, out, lse, heads)
+    heads = int(heads)
+    C = heads * D
     sc = attention.resolve_scale(scale, D)
     causal = check_bool(causal, "causal")
     dev = qkv.device_id
