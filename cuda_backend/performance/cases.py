@@ -224,13 +224,15 @@ def _reference(fn: Callable[..., Any], host: List[np.ndarray],
 
 
 # -- planning -------------------------------------------------------------------------
-TENSOR_UNITS = {"float16": "fp16_tensor", "bfloat16": "bf16_tensor", "float64": "fp64",
+TENSOR_UNITS = {"float16": "fp16_tensor", "bfloat16": "bf16_tensor", "float64": "fp64_tensor",
                 "float32": "fp32"}
 
 
 def compute_unit(declared: Optional[str], dtype: str) -> str:
-    """The compute ceiling a case is held to. 'tensor' means tensor cores for 16-bit inputs
-    (fp32 and fp64 run on CUDA cores unless the op says otherwise, e.g. 'tf32_tensor')."""
+    """The compute ceiling a case is held to. 'tensor' means the tensor cores' for 16-bit
+    and float64 inputs (matrix_multiply's float64 runs on DMMA on Hopper: the device's FP64
+    ceiling is the tensor one), CUDA cores' for float32 unless the op says otherwise (e.g.
+    'tf32_tensor'); without 'tensor', fp64 or fp32 CUDA cores."""
     if declared == "tensor":
         return TENSOR_UNITS.get(dtype, "fp32")
     return declared or ("fp64" if dtype == "float64" else "fp32")
