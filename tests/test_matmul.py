@@ -223,7 +223,7 @@ def test_configs_are_consistent():
                 assert mm.wgmma_smem(cfg) <= 227 * 1024 and cfg["stages"] >= 2
                 continue
             if cfg.get("tma16"):   # (the template's static_asserts: 227 KB per block)
-                assert (cfg["bm"], cfg["bn"]) in ((128, 128), (128, 256), (256, 128))
+                assert (cfg["bm"], cfg["bn"]) in ((128, 64), (128, 128), (128, 256), (256, 128))
                 assert 3 <= cfg["stages"] <= 7 and cfg["group_m"] >= 1
                 assert mm.wgmma_smem(cfg) + 1024 <= 227 * 1024
                 continue
@@ -242,7 +242,7 @@ def test_configs_are_consistent():
 def test_dmma_configs_are_float64_plain_gemm_candidates():
     """The DMMA configs (matmul_dmma.cu.j2) are float64 GEMM candidates in every shape class,
     rendered for both alignments, never an A-transposed or linear-layer config, split as
-    they are, and run only where compute capability >= 9.0 (mma.m16n8k16.f64)."""
+    the x3 GEMMs, and run only where compute capability >= 9.0 (mma.m16n8k16.f64)."""
     from types import SimpleNamespace
     dm = [c for c in mm.all_configs(DT.FLOAT64, None) if c.get("dmma")]
     assert dm and all(mm.config_template(c, mm.SIMT_TEMPLATE) == mm.DMMA_TEMPLATE for c in dm)
@@ -254,7 +254,10 @@ def test_dmma_configs_are_float64_plain_gemm_candidates():
     assert not any(c.get("dmma") for dt in (DT.FLOAT32, DT.FLOAT16, DT.BFLOAT16)
                    for c in mm.all_configs(dt, None))
     p = mm.plan_shapes((512, 512), (512, 512))
-    assert [c for c in mm.split_candidates(dm, p, "large", 132) if "split" not in c] == dm
+    pairs = mm.split_candidates(dm, p, "large", 132)   # (config, split) as the x3 ones
+    assert all(c.get("split", 0) >= 1 for c in pairs)
+    assert [{k: v for k, v in c.items() if k != "split"} for c in pairs if c["split"] == 1] == dm
+    assert all(mm.takes_k_chunk(mm.DMMA_TEMPLATE, c) for c in dm)
     assert mm.template_runs_on(mm.DMMA_TEMPLATE, SimpleNamespace(compute_capability=(9, 0)))
     assert not mm.template_runs_on(mm.DMMA_TEMPLATE, SimpleNamespace(compute_capability=(8, 0)))
     for c in dm:
@@ -578,7 +581,8 @@ def test_gpu_every_candidate_config_is_correct(m, fam):
         if not mm.runs_here(m, mm.DMMA_TEMPLATE, dev):
             cfgs = [c for c in cfgs if not c.get("dmma")]
         for cfg in cfgs:
-            for splits in ((1, 3) if template == mm.SIMT_TEMPLATE else (None,)):
+            for splits in ((1, 3) if template == mm.SIMT_TEMPLATE or cfg.get("dmma")
+                           else (None,)):
                 out = poisoned(m, ref.shape, dtype)
                 assert mm.is_vec_ok(a, b, out, p) is vec
                 mm.run_config(m, mm.config_template(cfg, template), cfg, a, b, out, p, dtype,
@@ -2124,7 +2128,10 @@ def test_gpu_wgmma16_padded_a_public_and_plan_path(m, fam, monkeypatch):
 
 
 # -- TMA + wgmma (Hopper) float16 / bfloat16: matmul_tma16.cu.j2 --------------------------------
-T16 = [mm.T16_128x256_s4, mm.T16_256x128_s4, mm.T16_128x128_s5]   # (all_configs' order)
+T16 = [mm.T16_128x256_s4, mm.T16_256x128_s4, mm.T16_128x128_s5]   # (the large class's order)
+# every TMA config of a family, in all_configs' order
+T16_ALL = {DT.FLOAT16: T16 + [mm.T16_128x64_s6], DT.BFLOAT16: T16 + [mm.T16_128x64_s6],
+           DT.FLOAT32: T16 + [mm.T16_128x64_s7]}
 # The parameter layout of the kernel without bias as the H100 reported it (CUDA 13: the maps
 # alignas(128) from c[0x0][0x210]): tm_a, tm_b, C, M, N, K; 0x184 bytes.
 H100_LAYOUT = (((0x70, 128), (0xF0, 128), (0x170, 8), (0x178, 4), (0x17C, 4), (0x180, 4)),
@@ -2216,7 +2223,7 @@ def test_tma16_configs_render_for_sm_90a():
     gen = KernelGenerator(backend=object())
     assert TEMPLATE_ARCH[mm.TMA16_TEMPLATE] == "sm_90a"
     for dt, prec in ((DT.FLOAT16, None), (DT.BFLOAT16, None), (DT.FLOAT32, "tf32")):
-        assert [c for c in mm.all_configs(dt, prec) if c.get("tma16")] == T16
+        assert [c for c in mm.all_configs(dt, prec) if c.get("tma16")] == T16_ALL[dt]
         assert not any(c.get("tma16") for vec in (True, False)
                        for c in mm.linear_configs(dt, prec, vec) + mm.tn_configs(dt, prec, vec)
                        + mm.candidates(dt, prec, "large", False))
@@ -2224,7 +2231,7 @@ def test_tma16_configs_render_for_sm_90a():
         assert not any(c.get("tma16") for c in mm.all_configs(dt, prec))
     sets = mm.template_variants()[mm.TMA16_TEMPLATE]
     assert sets == [mm.tma16_params(dt, c) for dt in (DT.FLOAT32, DT.FLOAT16, DT.BFLOAT16)
-                    for c in T16]
+                    for c in T16_ALL[dt]]
     for params in sets:
         assert params["out_ctype"] == params["ctype"]
         _, src = gen.render_kernel(mm.TMA16_TEMPLATE, **params)
@@ -2245,7 +2252,7 @@ def test_tma16_configs_render_for_sm_90a():
 def test_matmul_tma16_candidates_and_packed_launch(fam, M, K, N, t16_stubs):
     """On sm_90 a 16-bit GEMM of one aligned matrix (K, N multiples of 8) times the TMA
     configs of its class first (large: all three, then wgmma16, then mma.sync; medium: 128x128
-    s5 after wgmma16's); the chosen one compiles for sm_90a with TMA16_ARG_TYPES and launches
+    s5 and 128x64 s6 after wgmma16's); the chosen one compiles for sm_90a with TMA16_ARG_TYPES and launches
     min(tiles, 132) blocks of 384 threads, wgmma_smem bytes, its buffer packed at the kernel's
     offsets: A's map (dims (K, M), box (64, bm)), B's (dims (N, K), box (64, 64)), C, M, N, K.
     Later calls on the same buffers encode nothing."""
@@ -2258,7 +2265,7 @@ def test_matmul_tma16_candidates_and_packed_launch(fam, M, K, N, t16_stubs):
     cls = mm.shape_class(p, 132)
     assert cands == mm.candidates(dtype, None, cls, True)
     t = [c for c in cands if c.get("tma16")]
-    assert t == ([c for c in T16] if cls == "large" else [mm.T16_128x128_s5])
+    assert t == ([c for c in T16] if cls == "large" else [mm.T16_128x128_s5, mm.T16_128x64_s6])
     if cls == "large":
         assert cands[:3] == T16 and cands[3].get("wgmma16")
     cfg = t[0]
@@ -2341,7 +2348,7 @@ def test_tma16_run_config_gives_way_to_wgmma16(fam, t16_stubs):
         a = CudaTensor((M, K), dtype, 0, base_a.ptr + a_off, owner=base_a)
         b = CudaTensor((K, N), dtype, 0, base_b.ptr + b_off, owner=base_b)
         out = CudaTensor((M, N), dtype, 0, base_o.ptr + o_off, owner=base_o)
-        for cfg in T16:
+        for cfg in T16_ALL[dtype]:
             m.launches.clear()
             mm.run_config(m, mm.TMA16_TEMPLATE, cfg, a, b, out, p, dtype, False, 0)
             assert not m.packed
@@ -2375,7 +2382,7 @@ def test_tma16_plan_runner_launches(fam, t16_stubs):
     dtype = FAMS16[fam]
     M, K, N = 1023, 1000, 1032
     p = mm.plan_shapes((M, K), (K, N))
-    for cfg in T16:
+    for cfg in T16_ALL[dtype]:
         m = _T16Recorder()
         run = mm.config_runner(m, mm.TMA16_TEMPLATE, cfg, p, dtype, True, 0)
         t16_stubs.clear()
@@ -2540,7 +2547,7 @@ def test_gpu_tma16_configs(m, fam, M, K, N):
     ref, scale = reference(m, a, b)
     p = mm.plan_shapes(a.shape, b.shape)
     info = m.backend.get_device_info(dev)
-    for cfg in T16:
+    for cfg in T16_ALL[dtype]:
         for out_dtype in (dtype, DT.FLOAT32):
             out = poisoned(m, ref.shape, out_dtype)
             assert mm.tma16_usable(info, dtype, a, b, out, p)
@@ -2557,7 +2564,7 @@ def test_gpu_tma16_public_and_plan_path(m, fam, monkeypatch):
     _need_wgmma16(m)
     dtype = FAMS16[fam]
     _memoized_public_and_plan_path(
-        m, monkeypatch, dtype, None, mm.TMA16_TEMPLATE, T16,
+        m, monkeypatch, dtype, None, mm.TMA16_TEMPLATE, T16_ALL[dtype],
         lambda res, ref, scale, K, what: _check_tma16(m, res, ref, scale, K, dtype, what),
         1617, shapes=((1023, 1000, 1032), (300, 296, 512)))
 
@@ -2582,7 +2589,7 @@ def test_gpu_tma16_epilogue_store_paths(m, fam, M, K, N):
     ref, scale = reference(m, a, b)
     p = mm.plan_shapes(a.shape, b.shape)
     info = m.backend.get_device_info(dev)
-    for cfg in T16:
+    for cfg in T16_ALL[dtype]:
         for lead in (0, 2):
             base = poisoned(m, (lead + M * N + 16,), dtype)
             out = CudaTensor((M, N), dtype, base.device_id, base.ptr + lead * dtype.itemsize,
@@ -2640,7 +2647,7 @@ def test_gpu_tma_tf32_configs(m, M, K, N):
     dtype, dev, a, b, ref, scale = _tf32_operands(m, 3232, M, K, N)
     p = mm.plan_shapes(a.shape, b.shape)
     info = m.backend.get_device_info(dev)
-    for cfg in T16:
+    for cfg in T16_ALL[dtype]:
         out = poisoned(m, ref.shape, dtype)
         assert mm.tma16_usable(info, dtype, a, b, out, p)
         mm.run_config(m, mm.TMA16_TEMPLATE, cfg, a, b, out, p, dtype, True, dev)
@@ -2657,7 +2664,7 @@ def test_gpu_tma_tf32_public_and_plan_path(m, monkeypatch):
     assert not mm.tma16_shape_ok(DT.FLOAT32, mm.plan_shapes((64, 66), (66, 64)))
     # (N a multiple of 4: an odd N runs as the padded GEMM, test_gpu_tf32_unaligned_padded)
     _memoized_public_and_plan_path(
-        m, monkeypatch, DT.FLOAT32, "tf32", mm.TMA16_TEMPLATE, T16,
+        m, monkeypatch, DT.FLOAT32, "tf32", mm.TMA16_TEMPLATE, T16_ALL[DT.FLOAT32],
         lambda res, ref, scale, K, what: _check_tma_tf32(m, res, ref, scale, K, what), 3233,
         shapes=((1023, 1000, 1028), (300, 296, 512)))
 
@@ -2716,7 +2723,7 @@ def test_gpu_tma_tf32_rounds_a(m):
     B[0, :] = 1.0
     a, b = to_dev(m, A, dtype), to_dev(m, B, dtype)
     p = mm.plan_shapes(a.shape, b.shape)
-    for cfg in T16:
+    for cfg in T16_ALL[dtype]:
         out = poisoned(m, (128, 136), dtype)
         mm.run_config(m, mm.TMA16_TEMPLATE, cfg, a, b, out, p, dtype, True, dev)
         c = m.to_numpy(out)

@@ -17,7 +17,7 @@ The kernel families, all templated:
   allow 16-byte loads; the x3 GEMMs split K as the SIMT one does (x3_split_options).
 - `matmul_dmma.cu.j2`: float64 on the FP64 tensor cores (mma.m16n8k16.f64, compute
   capability >= 9.0) for matrix_multiply's plain GEMM: timed beside the SIMT configs
-  (SIMT_F64), no split-K, no epilogue.
+  (SIMT_F64), split-K as the x3 GEMMs (x3_split_options at the DMMA rate), no epilogue.
 - `matmul_wgmma.cu.j2`: TF32 on Hopper's warpgroup tensor cores (wgmma, sm_90a) for
   precision="tf32" where K is a multiple of 4: B is first transposed to (N, K) and rounded to
   TF32 (transpose.transpose_tf32) into a pool block, since wgmma reads a TF32 B only K-major.
@@ -33,8 +33,9 @@ The kernel families, all templated:
   accelerator (TMA) fills a shared-memory ring from tensor maps (tensor_maps.py), two
   consumer warpgroups run wgmma from it, persistent grid; for matrix_multiply's plain GEMM
   of one matrix where K and N are multiples of 8 and A, B and C are 16-byte aligned
-  (matmul_tma16.tma16_usable). Timed first among the large shapes' candidates (MMA_F16); a
-  call it cannot take runs TMA16_STANDIN (the wgmma16 kernel) instead.
+  (matmul_tma16.tma16_usable). Timed first among the large shapes' candidates and beside
+  the wgmma16 ones for medium shapes, with 128x64 tiles there too (MMA_F16; TF32: MMA_TF32);
+  a call it cannot take runs TMA16_STANDIN (the wgmma16 kernel) instead.
 - `matmul_skinny.cu.j2`: true FP32 for M <= 64 on devices with thread-block clusters (compute
   capability >= 9.0): split-K over the blocks of one cluster, whose partial tiles are summed
   through distributed shared memory in a fixed order, the epilogue applied there: one launch,
@@ -101,13 +102,15 @@ from .matmul_skinny import cluster_configs, cluster_params, skinny_configs, skin
 from .matmul_configs import (  # noqa: F401
     D_64x64x8, H_64x64x32, LINEAR_MMA_F32X3, LINEAR_SIMT_F32_KC, SIMT_F32, SIMT_F32_EXTRA,
     S_128x128x8_16x8, S_128x64x16_s3, S_128x64x8_q2, S_32x64x16, S_64x64x8, S_64x64x8_q2,
-    T16_128x128_s5, T16_128x256_s4, T16_256x128_s4, T_128x128x32, T_64x64x16, TMA16_STANDIN,
+    T16_128x128_s5, T16_128x256_s4, T16_128x64_s6, T16_128x64_s7, T16_256x128_s4, T_128x128x32,
+    T_64x64x16, TMA16_STANDIN,
     W16_128x128_s3, W16_128x256_s4, W_128x128_s3, W_64x128_s3, W_64x256_s4, WGMMA16_STANDIN,
     X3_GEMM, X_64x128x32_w32x64, family, gemm_family, tma_standin, tn_configs)
 from .matmul_fallback import gelu_tanh, gelu_tanh_grad, round_tf32  # noqa: F401
 from .matmul_kernels import (  # noqa: F401
     TMA16_ARG_TYPES, TMA16_THREADS, blocks_per_sm, dmma_smem, has_clusters, has_wgmma,
-    simt_params, simt_smem, tn_params, wgmma16_b_direct, wgmma16_ld, wgmma16_ok, wgmma_ok, wgmma_smem)
+    simt_params, simt_smem, takes_k_chunk, tn_params, wgmma16_b_direct, wgmma16_ld, wgmma16_ok,
+    wgmma_ok, wgmma_smem)
 from .matmul_launch import (  # noqa: F401
     compile_kernel, memo, op_name, run_config, wgmma16_usable)
 from .matmul_pad import (pad_a_launches, pad_b_launches, run_tf32_padded,  # noqa: F401

@@ -124,7 +124,7 @@ D_128x64x8 = _simt(128, 64, 8, 8, 4, 8, 1)       # 256 threads
 D_64x64x8 = _simt(64, 64, 8, 8, 4, 4, 2)         # 128 threads
 D_32x64x8 = _simt(32, 64, 8, 4, 4, 4, 4)         # 128 threads
 # DMMA, float64 on the tensor cores (Hopper; timed beside the SIMT ones, which stay for the
-# devices without mma.m16n8k16.f64 and the split-K shapes). Registers on sm_90 (vec / not),
+# devices without mma.m16n8k16.f64 and the A-transposed GEMM). Registers on sm_90 (vec / not),
 # and ms on an H100 (perf/NOTES.md "Matmul, float64 on DMMA"): 4096^3 3.08 / 3.27 / 3.74,
 # 2048^3 0.39 / 0.41 / 0.48, 1000^3 0.102 / 0.058 / 0.067; 8192x64x8192 32x64 0.26.
 DM_128x128x16 = _dmma(128, 128, 16, 32, 64, 3, 1)  # 256 threads, 248 / 250 regs, 102 KB
@@ -173,10 +173,17 @@ W16_128x256_s4 = _wgmma16(256, 4, 1)     # 256 thr, 197632 B
 T16_128x256_s4 = _tma16(128, 256, 4)     # 384 thr, 197632 B
 T16_256x128_s4 = _tma16(256, 128, 4)     # 384 thr, 197632 B
 T16_128x128_s5 = _tma16(128, 128, 5)     # 384 thr, 164864 B
+# 128x64 tiles: twice the blocks of 128x128 where those leave SMs idle (1024^2 outputs: 64
+# tiles on 132 SMs). H100, GPU time L2 flushed, us, 128x64 s6-s7 / 128x128 s5 / torch
+# (perf/NOTES.md "Matmul, mid sizes on TMA"): float16 1024^3 9.4-10.0 / 11.4 / 9.5, 768^3
+# 8.2-8.7 / 10.1 / 8.1, 1024x1024x4096 21.1-22.4 / 25.5 / 18.4; TF32 1024^3 18.9 / 22.0 /
+# 17.3. At 2048^3 and 1000^3 the 128x128 tiles stay faster (the autotuner times both).
+T16_128x64_s6 = _tma16(128, 64, 6)       # 384 thr, 149504 B
+T16_128x64_s7 = _tma16(128, 64, 7)       # 384 thr, 174080 B
 MMA_F16 = {
     "large": [T16_128x256_s4, T16_256x128_s4, T16_128x128_s5, W16_128x256_s4, W16_128x128_s3,
               H_256x128x64, H_256x128x32, H_128x256x64, H_128x128x32],
-    "medium": [W16_128x128_s3, T16_128x128_s5, H_128x128x32, H_64x64x32],
+    "medium": [W16_128x128_s3, T16_128x128_s5, T16_128x64_s6, H_128x128x32, H_64x64x32],
     "skinny": [H_64x64x32, H_128x128x32, W16_128x128_s3],
     "small": [H_64x64x32],
 }
@@ -209,7 +216,8 @@ MMA_TF32 = {
     "large": [T16_128x256_s4, T16_256x128_s4, T16_128x128_s5, W_128x128_s3, W_128x256_s4,
               W_128x256_s3, W_64x128_s3, W_128x128_s4, T_128x256x32, T_256x128x32,
               T_128x128x32],
-    "medium": [W_128x128_s3, W_64x128_s3, T_128x128x32, T_64x64x16],
+    "medium": [W_128x128_s3, W_64x128_s3, T16_128x128_s5, T16_128x256_s4, T16_128x64_s7,
+               T_128x128x32, T_64x64x16],
     "skinny": [W_64x128_s3, T_64x64x16, T_128x128x32],
     "small": [T_64x64x16],
 }

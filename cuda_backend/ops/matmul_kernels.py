@@ -165,9 +165,10 @@ def kernel_params(template: str, dtype: CudaDataType, cfg: Dict[str, Any], vec: 
 
 def takes_k_chunk(template: str, cfg: Dict[str, Any], epilogue: Optional[str] = None) -> bool:
     """The config's kernel takes (batch, k_chunk) after the batch strides and splits K: the
-    SIMT GEMM and the x3 GEMMs (3xTF32 without an epilogue: matmul_mma.cu.j2's rule)."""
-    return template == SIMT_TEMPLATE or (template == MMA_TEMPLATE and bool(cfg.get("x3"))
-                                         and epilogue is None)
+    SIMT GEMM, the DMMA GEMM and the x3 GEMMs (3xTF32 without an epilogue:
+    matmul_mma.cu.j2's rule)."""
+    return template in (SIMT_TEMPLATE, DMMA_TEMPLATE) or \
+        (template == MMA_TEMPLATE and bool(cfg.get("x3")) and epilogue is None)
 
 
 def linear_params(template: str, dtype: CudaDataType, cfg: Dict[str, Any], vec: bool,

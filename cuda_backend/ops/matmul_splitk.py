@@ -57,16 +57,15 @@ def split_candidates(cands: Sequence[Dict[str, Any]], p: Plan, shape_cls: str,
                      sm_count: int, max_z: int = 65535,
                      per_sm: Any = None) -> List[Dict[str, Any]]:
     """The autotuner's (config, split) candidates of the GEMM: each SIMT config with a
-    "split" key per split_options count, each x3 one per x3_split_options count, a DMMA one
-    as it is (run_config
+    "split" key per split_options count, each x3 and DMMA one per x3_split_options count
+    (at the kernel's rate; run_config
     takes it out before rendering). per_sm(cfg): a SIMT config's resident blocks per SM
     (None: the configs' min_blocks)."""
     out: List[Dict[str, Any]] = []
     for c in cands:
-        if c.get("dmma"):   # (no split-K: the config as it is)
-            out.append(c)
-            continue
-        if c.get("x3"):
+        if c.get("dmma"):
+            splits = x3_split_options(c, p, sm_count, max_z, DMMA_SM_FLOPS, 8)
+        elif c.get("x3"):
             splits = x3_split_options(c, p, sm_count, max_z)
         else:
             ps = per_sm(c) if per_sm is not None else 0
@@ -76,45 +75,50 @@ def split_candidates(cands: Sequence[Dict[str, Any]], p: Plan, shape_cls: str,
     return out
 
 
-# The x3 GEMMs' split-K model: one SM's 3xTF32 rate (the linear layer's x3 kernels held
-# 213 TF/s of mma.sync on the H200, 3 mma per product over 132 SMs), the split counts
-# modelled, the shortest K slice.
+# The tensor-core GEMMs' split-K model: one SM's rate, 3xTF32 (the linear layer's x3 kernels
+# held 213 TF/s of mma.sync on the H200, 3 mma per product over 132 SMs) or DMMA (the float64
+# GEMM's 46 TF/s at 4096^3 on the H200, perf/NOTES.md "Matmul, float64 on DMMA"), the split
+# counts modelled, the shortest K slice.
 X3_SM_FLOPS = 213e12 / 3 / 132
+DMMA_SM_FLOPS = 46e12 / 132
 X3_SPLITS = tuple(range(2, 17))
 X3_MIN_CHUNK = 256
 
 
-def x3_split_time(cfg: Dict[str, Any], p: Plan, sm_count: int, splits: int) -> float:
-    """Modelled seconds of an x3 GEMM config at a split count: the busiest SM runs
-    ceil(blocks / (SMs x min_blocks)) waves of min_blocks blocks sharing its tensor cores,
-    each over (K slice + 64) k, plus for splits > 1 the partials written and summed
-    (2 x splits x batch M N words at ~3 TB/s, + 4 us for the reduce's launch)."""
+def x3_split_time(cfg: Dict[str, Any], p: Plan, sm_count: int, splits: int,
+                  sm_flops: float = X3_SM_FLOPS, word: int = 4) -> float:
+    """Modelled seconds of a tensor-core GEMM config (x3; DMMA at its sm_flops, 8-byte
+    words) at a split count: the busiest SM runs ceil(blocks / (SMs x min_blocks)) waves of
+    min_blocks blocks sharing its tensor cores, each over (K slice + 64) k at sm_flops, plus
+    for splits > 1 the partials written and summed (2 x splits x batch M N words at ~3
+    TB/s, + 4 us for the reduce's launch)."""
     chunk = -(-p.K // splits)
     chunk = -(-chunk // cfg["bk"]) * cfg["bk"]
     per_sm = cfg["min_blocks"]
     blocks = p.batch * -(-p.M // cfg["bm"]) * -(-p.N // cfg["bn"]) * splits
     waves = -(-blocks // (sm_count * per_sm))
-    t = waves * per_sm * 2.0 * cfg["bm"] * cfg["bn"] * (chunk + 64) / X3_SM_FLOPS
+    t = waves * per_sm * 2.0 * cfg["bm"] * cfg["bn"] * (chunk + 64) / sm_flops
     if splits > 1:
-        t += 2.0 * splits * p.batch * p.M * p.N * 4 / 3e12 + 4e-6
+        t += 2.0 * splits * p.batch * p.M * p.N * word / 3e12 + 4e-6
     return t
 
 
-def x3_split_options(cfg: Dict[str, Any], p: Plan, sm_count: int,
-                     max_z: int = 65535) -> List[int]:
-    """Split-K counts to time for an x3 GEMM config: 1 (no workspace), then at most two
+def x3_split_options(cfg: Dict[str, Any], p: Plan, sm_count: int, max_z: int = 65535,
+                     sm_flops: float = X3_SM_FLOPS, word: int = 4) -> List[int]:
+    """Split-K counts to time for a tensor-core GEMM config (x3, or DMMA at its sm_flops and
+    8-byte words): 1 (no workspace), then at most two
     effective counts of X3_SPLITS (K slices >= X3_MIN_CHUNK, splits x batch <= max_z) that
     x3_split_time puts >= 3 % below one split, the fastest first: outputs of few tiles
     (wave quantization) or few blocks."""
     most = max(1, min(p.K // X3_MIN_CHUNK, max(X3_SPLITS), max_z // max(1, p.batch)))
-    t1 = x3_split_time(cfg, p, sm_count, 1)
+    t1 = x3_split_time(cfg, p, sm_count, 1, sm_flops, word)
     timed: List[Tuple[float, int]] = []
     for s in X3_SPLITS:
         if s > most:
             break
         eff = effective_split(cfg, p.K, s)
         if eff > 1 and all(eff != e for _, e in timed):
-            timed.append((x3_split_time(cfg, p, sm_count, eff), eff))
+            timed.append((x3_split_time(cfg, p, sm_count, eff, sm_flops, word), eff))
     return [1] + [e for t, e in sorted(timed)[:2] if t < 0.97 * t1]
 
 
