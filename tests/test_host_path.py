@@ -250,6 +250,9 @@ GEMM_SCRIPT = script(STUBS, r'''
     m._autotuner = Autotuner(b, path=os.path.join(tempfile.mkdtemp(), "t.json"))
     ml = CudaML(m)
     rng = np.random.default_rng(0)
+    # (the TMA configs read their parameter layout from the driver, which the stubs do not
+    # have: tests/test_matmul.py runs them and their plan with its own stubs and on a GPU)
+    mml.tma16_usable = lambda *args, **kw: False
 
     def t(*shape, dt=np.float32):
         return m.from_numpy(rng.standard_normal(shape).astype(dt))
@@ -373,10 +376,36 @@ GEMM_SCRIPT = script(STUBS, r'''
         m.matrix_multiply(t(64, 64, dt=f64), t(64, 64, dt=f64), precision="tf32")
     with pytest.raises(ShapeMismatchError):
         m.matrix_multiply(X, W)
+    # out=: the plan writes into a tensor that fits, with the general path's launches;
+    # anything else takes the general path and its typed errors
     out = m.create_tensor((64, 64))
-    assert mm.matmul(m, X, X, out=out) is out           # out= takes the general path
+    for o in (out, CudaTensor((64, 64), DT.FLOAT32, 0, base.ptr + 4, owner=base)):
+        m.plans.pop(key, None)
+        launches.clear()
+        assert mm.matmul(m, X, X, out=o) is o            # (general: makes the plan again)
+        general = list(launches)
+        launches.clear()
+        general_path_off()
+        try:
+            assert mm.matmul(m, X, X, out=o) is o
+        finally:
+            general_path_on()
+        assert launches == general and len(general) == 1, (launches, general)
+    active = pool._total("active_blocks")
+    mm.matmul(m, X, X, out=out)
+    assert pool._total("active_blocks") == active       # nothing allocated
     with pytest.raises(InvalidArgumentError):
-        mm.matmul(m, X, X, out=X)                        # (and its overlap check)
+        mm.matmul(m, X, X, out=X)                        # overlap
+    with pytest.raises(InvalidArgumentError):
+        mm.matmul(m, X, X, out=CudaTensor((64, 64), DT.FLOAT32, 0, X.ptr + 256, owner=X))
+    with pytest.raises(ShapeMismatchError):
+        mm.matmul(m, X, X, out=m.create_tensor((64, 65)))
+    with pytest.raises(DTypeMismatchError):
+        mm.matmul(m, X, X, out=m.create_tensor((64, 64), DT.FLOAT64))
+    dead_out = m.create_tensor((64, 64))
+    dead_out.free()
+    with pytest.raises(TensorFreedError):
+        mm.matmul(m, X, X, out=dead_out)
 
     # a `with stream:` block and profiling take the general path; an operand last used on
     # another stream too (its use on the default stream is recorded there), then the plan

@@ -143,8 +143,8 @@ def matmul(m: Any, a: CudaTensor, b: CudaTensor, precision: Optional[str] = None
     precision='ieee' CUDA cores only, 'tf32' TF32; float16/bfloat16 use tensor cores with
     float32 accumulation; float64 on the FP64 tensor cores (compute capability >= 9.0) or
     CUDA cores, the faster timed. out= (optional) receives the result."""
-    if out is None:
-        res = _planned(m, "matmul", a, b, precision)
+    if out is None or type(out) is CudaTensor:
+        res = _planned(m, "matmul", a, b, precision, out)
         if res is not None:
             return res
     common.check_tensor(a, "a")
@@ -272,17 +272,17 @@ def _swapped(shape: Tuple[int, ...]) -> Tuple[int, ...]:
     return tuple(shape[:-2]) + (shape[-1], shape[-2])
 
 
-def _planned(m: Any, op: str, a: CudaTensor, b: CudaTensor,
-             precision: Any) -> Optional[CudaTensor]:
-    """The result of op's per-call plan for these operands (matmul_plans.remember made it);
-    None where the general path must run."""
+def _planned(m: Any, op: str, a: CudaTensor, b: CudaTensor, precision: Any,
+             out: Optional[CudaTensor] = None) -> Optional[CudaTensor]:
+    """The result of op's per-call plan for these operands (matmul_plans.remember made it),
+    written into out where given; None where the general path must run."""
     if type(a) is CudaTensor and type(b) is CudaTensor and \
             (precision is None or type(precision) is str):
         plans = getattr(m, "plans", None)
         fast = None if plans is None else plans.get(
             (op, a.shape, b.shape, a.dtype, b.dtype, a.device_id, b.device_id, precision))
         if fast is not None and m.backend.direct_launch(a.device_id):
-            return fast(a, b, None)
+            return fast(a, b, None) if out is None else fast(a, b, None, dst=out)
     return None
 
 

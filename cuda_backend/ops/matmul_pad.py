@@ -154,11 +154,11 @@ def run_tf32_padded(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: Pl
 
 def tf32_padded_plan(m: Any, p: Plan, kp: int, np_: int, prec: Optional[str],
                      dev: int) -> Optional[Any]:
-    """plan(a, b, bias) of a tf32_pad_shape call, after its general path: run_tf32_padded's
-    blocks from the pool, memsets and copies, and the runner of the aligned GEMM's memoized
-    config (vector class: the blocks are aligned); None where none is memoized. The plan
-    declines (None: general path) operands on a stream, a bias, or an A read in place
-    (Kp == K) off 16 bytes."""
+    """plan(a, b, bias, dst=None) of a tf32_pad_shape call, after its general path:
+    run_tf32_padded's blocks from the pool, memsets and copies, and the runner of the aligned
+    GEMM's memoized config (vector class: the blocks are aligned); None where none is
+    memoized. The plan declines (None: general path) operands on a stream, a bias, an out=
+    tensor (dst), or an A read in place (Kp == K) off 16 bytes."""
     from .matmul_launch import config_key, memo
     from .matmul_plans import config_runner
     pp = plan_shapes((p.M, kp), (kp, np_))
@@ -178,10 +178,11 @@ def tf32_padded_plan(m: Any, p: Plan, kp: int, np_: int, prec: Optional[str],
         return pool_tensor(shapes[i], F32, dev, alloc(sizes[i] * 4), pool, sizes[i],
                            sizes[i] * 4)
 
-    def plan(a: CudaTensor, b: CudaTensor, bias: Optional[CudaTensor]) -> Optional[CudaTensor]:
+    def plan(a: CudaTensor, b: CudaTensor, bias: Optional[CudaTensor],
+             dst: Optional[CudaTensor] = None) -> Optional[CudaTensor]:
         pa, pb = a._ptr, b._ptr
         if pa is None or pb is None or a.stream is not None or b.stream is not None or \
-                bias is not None or (not ca and pa & 15):
+                bias is not None or dst is not None or (not ca and pa & 15):
             return None
         out = block(3)
         made = []

@@ -54,8 +54,9 @@ def remember(m: Any, key: tuple, p: Plan, dtype: CudaDataType, prec: Optional[st
 
 def _op_plan(m: Any, p: Plan, dtype: CudaDataType, dev: int, shape: Tuple[int, ...],
              a_trans: bool = False) -> Any:
-    """plan(a, b, bias, grad=None): the result (of `shape`) from the pool and the runner of
-    the call's alignment class; None where the general path must run."""
+    """plan(a, b, bias, grad=None, dst=None): the result (of `shape`; from the pool, or
+    dst, an out= tensor that fits and overlaps neither operand) and the runner of the call's
+    alignment class; None where the general path must run."""
     from ..tensor import pool_tensor
     pool = m.backend.memory_pools[dev]
     alloc = pool.allocate_current
@@ -67,7 +68,8 @@ def _op_plan(m: Any, p: Plan, dtype: CudaDataType, dev: int, shape: Tuple[int, .
     get = runners.get
 
     def plan(a: CudaTensor, b: CudaTensor, bias: Optional[CudaTensor],
-             grad: Optional[CudaTensor] = None) -> Optional[CudaTensor]:
+             grad: Optional[CudaTensor] = None,
+             dst: Optional[CudaTensor] = None) -> Optional[CudaTensor]:
         pa, pb = a._ptr, b._ptr
         if pa is None or pb is None or a.stream is not None or b.stream is not None:
             return None
@@ -76,11 +78,21 @@ def _op_plan(m: Any, p: Plan, dtype: CudaDataType, dev: int, shape: Tuple[int, .
         if pbias is None or pg is None or (bias is not None and bias.stream is not None) \
                 or (grad is not None and grad.stream is not None):
             return None
-        out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
-        pc = out._ptr
+        if dst is None:
+            out = pool_tensor(shape, dtype, dev, alloc(nbytes), pool, size, nbytes)
+            pc = out._ptr
+        else:   # out=: the general path checks (and raises) for anything but a fit
+            pc = dst._ptr
+            if pc is None or dst.stream is not None or dst.dtype is not dtype or \
+                    dst.device_id != dev or dst.shape != shape or \
+                    (pa < pc + nbytes and pc < pa + a.nbytes) or \
+                    (pb < pc + nbytes and pc < pb + b.nbytes):
+                return None
+            out = dst
         run = get(shape_vec and not (pa | pb | pc) & 15)
         if run is None:
-            out.free()
+            if dst is None:
+                out.free()
             return None
         if grad is None:
             run(pa, pb, pc, pbias)
