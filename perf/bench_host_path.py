@@ -401,6 +401,7 @@ class Timed:
 def _cases() -> list:
     from functools import partial as P
     import operator as op
+    from cuda_backend.ops import matmul as mm
     scale_in = 1024 ** -0.5
     # the MLP's x, w1, b1, w2 (mlp_forward, mlp_graph)
     mlp_in = [(32, 1024), ((4096, 1024), scale_in), (4096,), ((4096, 1024), 4096 ** -0.5)]
@@ -532,6 +533,9 @@ def _cases() -> list:
         # matrices
         Case("matrix_multiply", "64^3", [M, M], lambda c, a, b: P(c.m.matrix_multiply, a, b),
              lambda c, a, b: P(c.torch.matmul, a, b)),
+        Case("matmul_out", "64^3 into an out= tensor (ops.matmul.matmul)", [M, M, M],
+             lambda c, a, b, o: P(mm.matmul, c.m, a, b, None, out=o),
+             lambda c, a, b, o: P(c.torch.matmul, a, b, out=o)),
         Case("matrix_transpose", "64x64", [M], lambda c, x: P(c.m.matrix_transpose, x),
              lambda c, x: lambda: x.t().contiguous()),
         # CudaML
