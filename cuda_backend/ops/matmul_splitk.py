@@ -57,10 +57,9 @@ def split_candidates(cands: Sequence[Dict[str, Any]], p: Plan, shape_cls: str,
                      sm_count: int, max_z: int = 65535,
                      per_sm: Any = None) -> List[Dict[str, Any]]:
     """The autotuner's (config, split) candidates of the GEMM: each SIMT config with a
-    "split" key per split_options count, each x3 and DMMA one per x3_split_options count
-    (at the kernel's rate; run_config
-    takes it out before rendering). per_sm(cfg): a SIMT config's resident blocks per SM
-    (None: the configs' min_blocks)."""
+    "split" key per split_options count, each x3 and DMMA one per x3_split_options count at
+    the kernel's rate (run_config takes the key out before rendering). per_sm(cfg): a SIMT
+    config's resident blocks per SM (None: the configs' min_blocks)."""
     out: List[Dict[str, Any]] = []
     for c in cands:
         if c.get("dmma"):
@@ -106,8 +105,7 @@ def x3_split_time(cfg: Dict[str, Any], p: Plan, sm_count: int, splits: int,
 def x3_split_options(cfg: Dict[str, Any], p: Plan, sm_count: int, max_z: int = 65535,
                      sm_flops: float = X3_SM_FLOPS, word: int = 4) -> List[int]:
     """Split-K counts to time for a tensor-core GEMM config (x3, or DMMA at its sm_flops and
-    8-byte words): 1 (no workspace), then at most two
-    effective counts of X3_SPLITS (K slices >= X3_MIN_CHUNK, splits x batch <= max_z) that
+    8-byte words): 1 (no workspace), then at most two effective counts of X3_SPLITS (K slices >= X3_MIN_CHUNK, splits x batch <= max_z) that
     x3_split_time puts >= 3 % below one split, the fastest first: outputs of few tiles
     (wave quantization) or few blocks."""
     most = max(1, min(p.K // X3_MIN_CHUNK, max(X3_SPLITS), max_z // max(1, p.batch)))
