@@ -223,7 +223,8 @@ def test_configs_are_consistent():
                 assert mm.wgmma_smem(cfg) <= 227 * 1024 and cfg["stages"] >= 2
                 continue
             if cfg.get("tma16"):   # (the template's static_asserts: 227 KB per block)
-                assert (cfg["bm"], cfg["bn"]) in ((128, 64), (128, 128), (128, 256), (256, 128))
+                assert (cfg["bm"], cfg["bn"]) in ((128, 64), (128, 128), (128, 192), (128, 256),
+                                                  (256, 128))
                 assert 3 <= cfg["stages"] <= 7 and cfg["group_m"] >= 1
                 assert mm.wgmma_smem(cfg) + 1024 <= 227 * 1024
                 continue
@@ -2130,8 +2131,9 @@ def test_gpu_wgmma16_padded_a_public_and_plan_path(m, fam, monkeypatch):
 # -- TMA + wgmma (Hopper) float16 / bfloat16: matmul_tma16.cu.j2 --------------------------------
 T16 = [mm.T16_128x256_s4, mm.T16_256x128_s4, mm.T16_128x128_s5]   # (the large class's order)
 # every TMA config of a family, in all_configs' order
-T16_ALL = {DT.FLOAT16: T16 + [mm.T16_128x64_s6], DT.BFLOAT16: T16 + [mm.T16_128x64_s6],
-           DT.FLOAT32: T16 + [mm.T16_128x64_s7]}
+T16_ALL = {DT.FLOAT16: T16 + [mm.T16_128x64_s6, mm.T16_128x192_s4],
+           DT.BFLOAT16: T16 + [mm.T16_128x64_s6, mm.T16_128x192_s4],
+           DT.FLOAT32: T16 + [mm.T16_128x64_s7, mm.T16_128x192_s4]}
 # The parameter layout of the kernel without bias as the H100 reported it (CUDA 13: the maps
 # alignas(128) from c[0x0][0x210]): tm_a, tm_b, C, M, N, K; 0x184 bytes.
 H100_LAYOUT = (((0x70, 128), (0xF0, 128), (0x170, 8), (0x178, 4), (0x17C, 4), (0x180, 4)),
@@ -2252,7 +2254,7 @@ def test_tma16_configs_render_for_sm_90a():
 def test_matmul_tma16_candidates_and_packed_launch(fam, M, K, N, t16_stubs):
     """On sm_90 a 16-bit GEMM of one aligned matrix (K, N multiples of 8) times the TMA
     configs of its class first (large: all three, then wgmma16, then mma.sync; medium: 128x128
-    s5 and 128x64 s6 after wgmma16's); the chosen one compiles for sm_90a with TMA16_ARG_TYPES and launches
+    s5, 128x64 s6 and 128x192 s4 after wgmma16's); the chosen one compiles for sm_90a with TMA16_ARG_TYPES and launches
     min(tiles, 132) blocks of 384 threads, wgmma_smem bytes, its buffer packed at the kernel's
     offsets: A's map (dims (K, M), box (64, bm)), B's (dims (N, K), box (64, 64)), C, M, N, K.
     Later calls on the same buffers encode nothing."""
@@ -2265,7 +2267,8 @@ def test_matmul_tma16_candidates_and_packed_launch(fam, M, K, N, t16_stubs):
     cls = mm.shape_class(p, 132)
     assert cands == mm.candidates(dtype, None, cls, True)
     t = [c for c in cands if c.get("tma16")]
-    assert t == ([c for c in T16] if cls == "large" else [mm.T16_128x128_s5, mm.T16_128x64_s6])
+    assert t == ([c for c in T16] if cls == "large" else
+                 [mm.T16_128x128_s5, mm.T16_128x64_s6, mm.T16_128x192_s4])
     if cls == "large":
         assert cands[:3] == T16 and cands[3].get("wgmma16")
     cfg = t[0]

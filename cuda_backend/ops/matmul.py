@@ -102,9 +102,9 @@ from .matmul_skinny import cluster_configs, cluster_params, skinny_configs, skin
 from .matmul_configs import (  # noqa: F401
     D_64x64x8, H_64x64x32, LINEAR_MMA_F32X3, LINEAR_SIMT_F32_KC, SIMT_F32, SIMT_F32_EXTRA,
     S_128x128x8_16x8, S_128x64x16_s3, S_128x64x8_q2, S_32x64x16, S_64x64x8, S_64x64x8_q2,
-    T16_128x128_s5, T16_128x256_s4, T16_128x64_s6, T16_128x64_s7, T16_256x128_s4,
-    T_128x128x32, T_64x64x16, TMA16_STANDIN, W16_128x128_s3, W16_128x256_s4, W_128x128_s3,
-    W_64x128_s3, W_64x256_s4, WGMMA16_STANDIN,
+    T16_128x128_s5, T16_128x192_s4, T16_128x256_s4, T16_128x64_s6, T16_128x64_s7,
+    T16_256x128_s4, T_128x128x32, T_64x64x16, TMA16_STANDIN, W16_128x128_s3, W16_128x256_s4,
+    W_128x128_s3, W_64x128_s3, W_64x256_s4, WGMMA16_STANDIN,
     X3_GEMM, X_64x128x32_w32x64, family, gemm_family, tma_standin, tn_configs)
 from .matmul_fallback import gelu_tanh, gelu_tanh_grad, round_tf32  # noqa: F401
 from .matmul_kernels import (  # noqa: F401

@@ -180,10 +180,15 @@ T16_128x128_s5 = _tma16(128, 128, 5)     # 384 thr, 164864 B
 # 17.3. At 2048^3 and 1000^3 the 128x128 tiles stay faster (the autotuner times both).
 T16_128x64_s6 = _tma16(128, 64, 6)       # 384 thr, 149504 B
 T16_128x64_s7 = _tma16(128, 64, 7)       # 384 thr, 174080 B
+# 128x192 tiles: 1536^2 outputs are 144 tiles of 128x128 (two waves on 132 SMs, the second
+# nearly empty) but 96 of 128x192 (one wave). Not yet timed (perf/NOTES.md "Matmul, mid
+# sizes on TMA", Next).
+T16_128x192_s4 = _tma16(128, 192, 4)     # 384 thr, 165888 B
 MMA_F16 = {
     "large": [T16_128x256_s4, T16_256x128_s4, T16_128x128_s5, W16_128x256_s4, W16_128x128_s3,
               H_256x128x64, H_256x128x32, H_128x256x64, H_128x128x32],
-    "medium": [W16_128x128_s3, T16_128x128_s5, T16_128x64_s6, H_128x128x32, H_64x64x32],
+    "medium": [W16_128x128_s3, T16_128x128_s5, T16_128x64_s6, T16_128x192_s4, H_128x128x32,
+               H_64x64x32],
     "skinny": [H_64x64x32, H_128x128x32, W16_128x128_s3],
     "small": [H_64x64x32],
 }
@@ -217,7 +222,7 @@ MMA_TF32 = {
               W_128x256_s3, W_64x128_s3, W_128x128_s4, T_128x256x32, T_256x128x32,
               T_128x128x32],
     "medium": [W_128x128_s3, W_64x128_s3, T16_128x128_s5, T16_128x256_s4, T16_128x64_s7,
-               T_128x128x32, T_64x64x16],
+               T16_128x192_s4, T_128x128x32, T_64x64x16],
     "skinny": [W_64x128_s3, T_64x64x16, T_128x128x32],
     "small": [T_64x64x16],
 }
