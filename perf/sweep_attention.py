@@ -197,7 +197,8 @@ def main() -> None:
                     if "ms" in row:
                         row["vs_torch"] = torch_ms / row["ms"]
                 key = ("flash_attention", 0, (dt.name_str, fa.padded_head_dim(D), causal,
-                                              fa._bucket(S), fa._bucket(S), fa._bucket(B * H)))
+                                              common.size_bucket(S), common.size_bucket(S),
+                                              common.size_bucket(B * H)))
                 chosen = m.__dict__.get("_attention_choices", {}).get(key)
                 chosen_name = cfg_name(chosen) if chosen else "?"
                 rows.append({"case": case, "dtype": dt.name_str, "causal": causal,

@@ -17,6 +17,7 @@ from cuda_backend import (CudaDataType as DT, CudaTensor, DTypeMismatchError,
                           InvalidArgumentError, ShapeMismatchError, TensorFreedError)
 from cuda_backend.dtypes import to_bfloat16_bits
 from cuda_backend.ops import matmul as mm
+from cuda_backend.ops import common
 
 gpu = pytest.mark.gpu
 
@@ -365,7 +366,22 @@ def test_tf32_tune_key_has_the_batch_bucket():
     assert mm.tune_key(p2, "large", True, "tf32") != mm.tune_key(pbig, "large", True, "tf32")
     for prec in (None, "fp32"):
         assert mm.tune_key(p2, "large", True, prec) == mm.tune_key(pbig, "large", True, prec) \
-            == ["large", True, 9, 9, 9, True]
+            == ["large", True, 19, 19, 9, True]
+
+
+def test_tune_key_splits_output_octaves_in_half():
+    """M and N are keyed by half octaves, K by octaves: 1536^2 and 2048^2 outputs choose
+    their tiles apart (128x192 fills one wave at 1536^2 and is the slowest at 2048^2),
+    1000 and 1024 share a choice, and K from 1025 to 2048 shares one."""
+    def key(M, N, K):
+        return mm.tune_key(mm.plan_shapes((M, K), (K, N)), "medium", True, None)
+    assert key(1536, 1536, 1536) != key(2048, 2048, 2048)
+    assert key(1536, 1536, 1536) != key(1536, 2048, 1536) != key(2048, 1536, 1536)
+    assert key(1000, 1000, 1000) == key(1024, 1024, 1024)
+    assert key(1536, 1536, 1100) == key(1536, 1536, 2048)
+    for x in range(1, 5000):   # monotone, and one size's bucket differs from its octave's
+        assert common.half_octave_bucket(x) <= common.half_octave_bucket(x + 1)
+        assert common.half_octave_bucket(x) // 2 == common.size_bucket(x)
 
 
 def test_run_config_batch_over_grid_z():

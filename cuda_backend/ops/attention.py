@@ -355,7 +355,8 @@ def shape_class_choice(m: Any, op: str, cands: List[Dict[str, Any]], dtype: Cuda
     seq_q, seq_kv and batch*heads; any layout), autotuned once per op and device with run."""
     if len(cands) == 1:
         return cands[0]
-    key = [dtype.name_str, hd, causal, _bucket(p.seq_q), _bucket(p.seq_kv), _bucket(p.bh)]
+    bucket = common.size_bucket
+    key = [dtype.name_str, hd, causal, bucket(p.seq_q), bucket(p.seq_kv), bucket(p.bh)]
     memo = m.__dict__.setdefault("_attention_choices", {})
     mkey = (op, dev, tuple(key))
     cfg = memo.get(mkey)
@@ -363,9 +364,6 @@ def shape_class_choice(m: Any, op: str, cands: List[Dict[str, Any]], dtype: Cuda
         cfg = memo[mkey] = m.autotuner.pick(op, key, cands, run, device_id=dev)
     return cfg
 
-
-def _bucket(x: int) -> int:
-    return max(0, int(x) - 1).bit_length()
 
 
 def _kernel(m: Any, template: str, dev: int, params: Dict[str, Any]) -> Any:

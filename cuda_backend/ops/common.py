@@ -168,6 +168,20 @@ def grid_1d(n: int, block: int, sm_count: int, waves: int = 8) -> int:
 
 
 # -- host side ------------------------------------------------------------------------
+def size_bucket(x: int) -> int:
+    """An autotuner key's octave of a size: 1 for 1, then 2 for 2, 3 for 3-4, 4 for 5-8, ..."""
+    return max(0, int(x) - 1).bit_length()
+
+
+def half_octave_bucket(x: int) -> int:
+    """size_bucket with each octave split in two (1025-1536, 1537-2048): for output sizes
+    whose tile counts, hence wave quantization, differ within an octave (1536^2 and 2048^2
+    GEMMs pick different tiles, perf/NOTES.md "Matmul, mid sizes on TMA")."""
+    v = max(0, int(x) - 1)
+    n = v.bit_length()
+    return 2 * n + ((v >> (n - 2)) & 1 if n >= 2 else 0)
+
+
 def host_array(m: Any, t: CudaTensor) -> np.ndarray:
     """The tensor's values as a NumPy array (bfloat16 widened to float32)."""
     a = m.backend.to_host(t)

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..dtypes import CudaDataType
 from ..errors import InvalidArgumentError
+from . import common
 from . import conv2d_configs as fc
 from .conv2d_geometry import Geometry
 
@@ -191,9 +192,6 @@ def dgrad_path(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> str:
     return "simt"
 
 
-def _bucket(v: int) -> int:
-    return max(0, int(v) - 1).bit_length()
-
 
 def wgrad_x3_fits(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> bool:
     """Whether the 3xTF32 wgrad configs are candidates: float32 at precision None / "fp32" /
@@ -262,7 +260,8 @@ def candidates(g: Geometry, sm_count: int, kind: str = "dgrad",
 
 def shape_key(g: Geometry, dtype: CudaDataType, kind: str) -> List[Any]:
     """The autotuner's shape class: powers of two of the GEMM sizes, groups > 1, stride."""
+    bucket = common.size_bucket
     if kind == "dgrad":
-        return [dtype.name_str, _bucket(g.N * g.H * g.W), _bucket(g.Cg),
-                _bucket(g.Kg * g.R * g.S), g.groups > 1, (g.sh, g.sw) != (1, 1)]
-    return [_bucket(g.Kg), _bucket(g.Cg * g.R * g.S), _bucket(g.N * g.P * g.Q), g.groups > 1]
+        return [dtype.name_str, bucket(g.N * g.H * g.W), bucket(g.Cg),
+                bucket(g.Kg * g.R * g.S), g.groups > 1, (g.sh, g.sw) != (1, 1)]
+    return [bucket(g.Kg), bucket(g.Cg * g.R * g.S), bucket(g.N * g.P * g.Q), g.groups > 1]

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..dtypes import CudaDataType
 from ..errors import InvalidArgumentError
+from . import common
 from .conv2d_geometry import Geometry
 
 DT = CudaDataType
@@ -189,14 +190,12 @@ def _mma_candidates(g: Geometry, dtype: CudaDataType, table: Sequence[Dict[str, 
     return fitting or [min(cands, key=lambda c: c["bk"])]
 
 
-def _bucket(v: int) -> int:
-    return max(0, int(v) - 1).bit_length()
-
 
 def shape_key(g: Geometry, dtype: CudaDataType, prec: Optional[str]) -> List[Any]:
     """The autotuner's shape class: powers of two of the GEMM sizes, and groups > 1."""
-    return [dtype.name_str, prec or "fp32", _bucket(g.M), _bucket(g.Kg),
-            _bucket(g.Cg * g.R * g.S), g.groups > 1]
+    bucket = common.size_bucket
+    return [dtype.name_str, prec or "fp32", bucket(g.M), bucket(g.Kg),
+            bucket(g.Cg * g.R * g.S), g.groups > 1]
 
 
 def choose(m: Any, op: str, g: Geometry, dtype: CudaDataType, prec: Optional[str],

@@ -181,8 +181,10 @@ T16_128x128_s5 = _tma16(128, 128, 5)     # 384 thr, 164864 B
 T16_128x64_s6 = _tma16(128, 64, 6)       # 384 thr, 149504 B
 T16_128x64_s7 = _tma16(128, 64, 7)       # 384 thr, 174080 B
 # 128x192 tiles: 1536^2 outputs are 144 tiles of 128x128 (two waves on 132 SMs, the second
-# nearly empty) but 96 of 128x192 (one wave). Not yet timed (perf/NOTES.md "Matmul, mid
-# sizes on TMA", Next).
+# nearly empty) but 96 of 128x192 (one wave). H200, GPU time L2 flushed, us, 128x192 s4 /
+# best other config / torch at 1536^3: float16 18.2 / 22.0 / 14.8, TF32 37.1 / 43.8 / 37.7
+# (perf/NOTES.md "Matmul, mid sizes on TMA"); at 2048^3 it is the slowest TMA config, so
+# the autotuner's key splits 1025-1536 from 1537-2048 (matmul_shapes.tune_key).
 T16_128x192_s4 = _tma16(128, 192, 4)     # 384 thr, 165888 B
 MMA_F16 = {
     "large": [T16_128x256_s4, T16_256x128_s4, T16_128x128_s5, W16_128x256_s4, W16_128x128_s3,

@@ -82,17 +82,16 @@ def shape_class(p: Plan, sm_count: int) -> str:
     return "large" if tiles >= 2 * sm_count else "medium"
 
 
-def _bucket(x: int) -> int:
-    return max(0, int(x) - 1).bit_length()
-
 
 def tune_key(p: Plan, shape_cls: str, vec: bool, prec: Optional[str]) -> List[Any]:
-    """The autotuner's shape class of a call. TF32 adds the batch's bucket: the wgmma
+    """The autotuner's shape class of a call: half octaves of M and N (the tile count decides
+    the wave quantization), octaves of K. TF32 adds the batch's bucket: the wgmma
     configs first transpose every B plane, and batches over the grid's z limit take several
     launches, so a choice timed at one batch does not carry to a much larger one."""
-    key: List[Any] = [shape_cls, vec, _bucket(p.M), _bucket(p.N), _bucket(p.K), p.batch > 1]
+    key: List[Any] = [shape_cls, vec, common.half_octave_bucket(p.M),
+                      common.half_octave_bucket(p.N), common.size_bucket(p.K), p.batch > 1]
     if prec == "tf32":
-        key.append(_bucket(p.batch))
+        key.append(common.size_bucket(p.batch))
     return key
 
 
