@@ -160,7 +160,8 @@ _ENTRIES: List[OpEntry] = [
     # transpose.cu.j2 for TF32's transposed A, the reductions for bias and batch sums
     _ml("linear", "linear", _MM, "tests/test_matmul_backward.py", "ml/linear"),
     *[_ml(op, "matmul_backward", _MM + ("matmul_wgmma.cu.j2", "matmul_dmma.cu.j2") + _FILL
-          + ("transpose.cu.j2",) + _REDUCE + _WGMMA16, "tests/test_matmul_backward.py", f"ml/{op}")
+          + ("transpose.cu.j2",) + _REDUCE + _WGMMA16 + ("matmul_grouped.cu.j2",),
+          "tests/test_matmul_backward.py", f"ml/{op}")
       for op in ("matmul_backward", "linear_backward", "fused_linear_gelu_backward")],
     *[_ml(f"{kind}_pool2d_backward", "pooling_backward", ("pool2d_backward.cu.j2",),
           "tests/test_pooling_backward.py", f"ml/{kind}_pool2d_backward")

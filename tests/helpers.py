@@ -190,6 +190,9 @@ class RecordingBackend:
         self.next_ptr += (t.nbytes // 256 + 2) * 256
         return t
 
+    def memset_async(self, tensor, value, stream=None):
+        self.launches.append(("memset", tensor.ptr, value, stream))
+
     def get_device_info(self, device_id):
         return SimpleNamespace(multiprocessor_count=132,
                                max_grid_dims=(2**31 - 1, 65535, 65535), **self.info)

@@ -46,11 +46,12 @@ import cuda_backend as cb
 from cuda_backend import CudaDataType as DT
 from cuda_backend.compiler import declared_kernels, kernel_signature
 from cuda_backend.cuda_ml import CudaML
-from cuda_backend.kernels import KernelGenerator
+from cuda_backend.kernels import KernelGenerator, dtype_params
 from cuda_backend.ops import linear as lin
 from cuda_backend.ops import matmul as mm
 from cuda_backend.ops import matmul_backward as mb
 from cuda_backend.ops import matmul_backward_layers as mbl
+from cuda_backend.ops import matmul_grouped as grouped
 from cuda_backend.tensor import CudaTensor
 
 gpu = pytest.mark.gpu
@@ -565,7 +566,8 @@ def test_matmul_tn_and_nt_against_numpy(apis):
 # -- kernels: parameter sets, rendering (anywhere) --------------------------------------------
 def test_template_variants_are_the_configs_launched():
     """The family lists the a_trans GEMM of every tn config (both alignments; none for TF32),
-    the bias_gelu_grad kernel of every linear config and the skinny reduce with it; all
+    the bias_gelu_grad kernel of every linear config, the skinny reduce with it and the
+    grouped kernels (every dtype, tile and column-sum choice); all
     render to one kernel without #error, with names unique across the package's variants."""
     v = mb.template_variants()
     want = set()
@@ -587,6 +589,11 @@ def test_template_variants_are_the_configs_launched():
                                                            mm.GRAD_EPILOGUE).items()))))
     want.add((mm.SIMT_TEMPLATE, tuple(sorted(mm.splitk_epilogue_params(
         DT.FLOAT32, mm.GRAD_EPILOGUE).items()))))
+    for dt in FLOATS:   # the grouped small GEMMs: every tile, with and without column sums
+        for bm in grouped.TILES:
+            for colsum in (False, True):
+                want.add((grouped.TEMPLATE, tuple(sorted({
+                    **dtype_params(dt), "bm": bm, "bk": grouped.BK, "colsum": colsum}.items()))))
     got = {(t, tuple(sorted(p.items()))) for t, sets in v.items() for p in sets}
     assert got == want and len(got) == sum(len(s) for s in v.values())
     assert not mm.tn_configs(DT.FLOAT32, "tf32", True) and mm.has_tn_kernel(DT.FLOAT16, None)
@@ -1267,3 +1274,163 @@ def test_gpu_issue_shapes_float32(apis, case):
         print(f"{line}; torch {tms * 1e3:.1f} us: torch / ours time {tms / ms:.2f}")
     finally:
         timer.close()
+
+
+# -- grouped launches (ops/matmul_grouped.py): the small gradients in one launch ---------------
+def _emulate_grouped(products, cfg, flats):
+    """The grouped kernel's partition in float64 NumPy: every product's tiles and K splits
+    as cfg lays them out, each operand read from its flat array through the product's
+    strides. Checks that each output element gets every k exactly once and that the blocks,
+    workspace ranges and counters are disjoint and counted as cfg says; returns each C."""
+    bm, out, first, ws_end, cnt_end = cfg.bm, [], 0, 0, 0
+    for p, (splits, kchunk, tiles_n, p_first, ws_off, cnt_off), (a, b) in zip(
+            products, cfg.jobs, flats):
+        assert p_first == first and kchunk % grouped.BK == 0
+        assert splits == 1 or (ws_off == ws_end and cnt_off == cnt_end)
+        tiles = -(-p.M // bm) * tiles_n
+        assert tiles_n == -(-p.N // bm)
+        c = np.zeros((p.M, p.N))
+        seen = np.zeros((p.M, p.N, p.K), np.int64)
+        for tile in range(tiles):
+            m0, n0 = (tile // tiles_n) * bm, (tile % tiles_n) * bm
+            rows = np.arange(m0, min(p.M, m0 + bm))[:, None]
+            cols = np.arange(n0, min(p.N, n0 + bm))[None, :]
+            for split in range(splits):
+                ks = np.arange(split * kchunk, min(p.K, (split + 1) * kchunk))
+                A = a[rows * p.sam + ks[None, :] * p.sak]
+                B = b[ks[:, None] * p.sbk + cols * p.sbn]
+                c[rows, cols] += A @ B
+                seen[rows[:, :, None], cols[:, :, None], ks[None, None, :]] += 1
+        assert (seen == 1).all()
+        out.append(c)
+        first += tiles * splits
+        if splits > 1:
+            ws_end += tiles * splits * bm * bm
+            cnt_end += tiles
+    assert cfg.sum_first == first and cfg.ws_elems == ws_end and cfg.counters == cnt_end
+    return out
+
+
+@pytest.mark.parametrize("op, dims", [("matmul", (1, 1, 1)), ("matmul", (3, 17, 5)),
+                                      ("matmul", (64, 64, 64)), ("matmul", (129, 33, 1000)),
+                                      ("matmul", (17, 1000, 2048)), ("linear", (1000, 17, 3)),
+                                      ("linear", (32, 1024, 1024)), ("linear", (7, 300, 65))])
+def test_grouped_products_compute_the_gradients(op, dims):
+    """matmul_products / linear_products read the operands in place (strides, no
+    transposed copy) and, in choose's layout, give the reference gradients."""
+    rng = np.random.default_rng(seed("grouped", op, dims))
+    if op == "matmul":
+        M, N, K = dims
+        g, a, b = (rng.standard_normal(s) for s in ((M, N), (M, K), (K, N)))
+        products = grouped.matmul_products(M, N, K)
+        flats = ((g.ravel(), b.ravel()), (a.ravel(), g.ravel()))
+        refs = mb.reference("matmul_backward", g, a, b)
+        sums = (0, 0)
+    else:
+        rows, in_f, out_f = dims
+        g, x, w = (rng.standard_normal(s) for s in ((rows, out_f), (rows, in_f), (out_f, in_f)))
+        products = grouped.linear_products(rows, in_f, out_f)
+        flats = ((g.ravel(), w.ravel()), (g.ravel(), x.ravel()))
+        refs = mb.reference("linear_backward", g, x, w)[:2]
+        sums = (rows, out_f)
+    cfg = grouped.choose(products, *sums, 132)
+    assert cfg is not None
+    assert cfg.blocks == cfg.sum_first + -(-sums[1] // 32)
+    for got, ref in zip(_emulate_grouped(products, cfg, flats), refs):
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_grouped_choose_declines_what_one_launch_does_not_pay():
+    """Empty products, long K (over MAX_ITERS * MAX_SPLITS k tiles), too many
+    multiply-adds or rows to sum: None (the separate launches run). The tile is the largest
+    whose grid fills the SMs."""
+    lp = grouped.linear_products
+    assert grouped.choose(grouped.matmul_products(0, 5, 3), 0, 0, 132) is None
+    assert grouped.choose(grouped.matmul_products(2049 + grouped.BK, 5, 4), 0, 0, 132) is None
+    assert grouped.choose(lp(64, 2048, 2048), 64, 2048, 132) is None        # 2^28 MACs
+    assert grouped.choose(lp(grouped.MAX_SUM_ROWS + 1, 8, 8), grouped.MAX_SUM_ROWS + 1, 8,
+                          132) is None
+    assert grouped.choose(lp(grouped.MAX_SUM_ROWS, 8, 8), grouped.MAX_SUM_ROWS, 8,
+                          132) is not None
+    big = grouped.choose(lp(32, 1024, 1024), 32, 1024, 132)
+    assert big.bm == 64 and big.jobs[0][0] == 8 and big.jobs[1][0] == 1   # grad_x splits K
+    assert grouped.choose(grouped.matmul_products(64, 64, 64), 0, 0, 132).bm == 16
+
+
+@pytest.mark.parametrize("fam", ["fp32", "fp64", "fp16", "bf16"])
+def test_grouped_launch_is_the_gradients_one_launch(fam):
+    """Small linear_backward, fused_linear_gelu_backward's GEMMs and matmul_backward: one
+    launch of the grouped kernel with the operands in place and choose's integers; TF32
+    and large or batched products keep their separate launches."""
+    dtype, prec = FAMILIES[fam]
+    m = RecordingMath()
+    e = m.backend.empty
+    g, x, w = e((1000, 40), dtype), e((1000, 24), dtype), e((40, 24), dtype)
+    gx, gw, gb = mbl.linear_backward(m, g, x, w)
+    grp = [ln for ln in m.backend.launches if ln[0] != "memset"]
+    assert len(grp) == 1
+    k, grid, _, v = grp[0]
+    assert k.template == grouped.TEMPLATE and k.params["colsum"] is True
+    cfg = grouped.choose(grouped.linear_products(1000, 24, 40), 1000, 40, 132)
+    assert grid == (cfg.blocks, 1, 1) and cfg.counters > 0
+    assert v[:8] == [g.ptr, w.ptr, gx.ptr, g.ptr, x.ptr, gw.ptr, g.ptr, gb.ptr]
+    assert v[8] != 0 and v[9] != 0     # the split-K workspace and the ticket counters
+    splits, kchunk, tiles_n = cfg.jobs[0][:3]
+    assert v[10:20] == [1000, 24, 40, 40, 1, 24, 1, tiles_n, splits, kchunk]
+    assert v[-3:] == [1000, 40, cfg.sum_first]
+    m.backend.launches.clear()
+    ga, gb2 = mb.matmul_backward(m, e((3, 5), dtype), e((3, 7), dtype), e((7, 5), dtype))
+    (k, _, _, v), = m.backend.launches
+    assert k.template == grouped.TEMPLATE and k.params["colsum"] is False
+    assert v[8:10] == [0, 0] and ga.shape == (3, 7) and gb2.shape == (7, 5)
+    assert not grouped.use_for(m, DT.FLOAT32, "tf32") and grouped.use_for(m, dtype, prec)
+    for call in (lambda: mbl.linear_backward(m, e((64, 2048), dtype), e((64, 2048), dtype),
+                                             e((2048, 2048), dtype), has_bias=False),
+                 lambda: mb.matmul_backward(m, e((2, 3, 5), dtype), e((2, 3, 7), dtype),
+                                            e((2, 7, 5), dtype))):
+        m.backend.launches.clear()
+        call()
+        assert all(ln[0] == "memset" or ln[0].template != grouped.TEMPLATE
+                   for ln in m.backend.launches)
+
+
+@gpu
+@pytest.mark.parametrize("fam", ["fp32", "fp64", "fp16", "bf16", "ieee"])
+def test_gpu_grouped_gradients(apis, fam, monkeypatch):
+    """The grouped kernel on the GPU at every tile (16, 32, 64), with and without K splits,
+    odd sizes, through the general path and then the plan (the same bits), against float64
+    with the module's bounds."""
+    m, ml = apis
+    dtype, prec = FAMILIES.get(fam, (DT.FLOAT32, "ieee"))
+    launches = []
+    real = grouped.Grouped.launch
+    monkeypatch.setattr(grouped.Grouped, "launch",
+                        lambda self, m_, ptrs: launches.append(self.cfg.bm) or real(self, m_, ptrs))
+    rng = np.random.default_rng(seed("gpu grouped", fam))
+    for x_shape, out_f in (((3, 17), 5), ((1000, 17), 3), ((2, 33, 70), 129),
+                           ((32, 1000), 1000), ((130, 257), 300)):
+        for op in ("linear", "fused"):
+            (tg, tx, tw, tb), (g, x, w, b) = layer_inputs(m, rng, dtype, x_shape, out_f,
+                                                           bias=op == "fused")
+            call = (lambda: ml.fused_linear_gelu_backward(tg, tx, tw, tb, precision=prec)) \
+                if op == "fused" else (lambda: ml.linear_backward(tg, tx, tw, precision=prec))
+            refs, bounds = layer_bounds(g, x, w, b, dtype, prec, op == "fused")
+            first = call()
+            key = mbl.layer_plan_key(f"{op}_backward" if op == "linear" else
+                                     "fused_linear_gelu_backward", tg, tx, tw,
+                                     True if op == "linear" else tb, prec)
+            again = call_through_plan(m, key, call)
+            for r0, r1, ref, bound in zip(first, again, refs, bounds):
+                check(stored(m, r0), ref, bound, f"{op} {fam} {x_shape} {out_f}")
+                np.testing.assert_array_equal(stored(m, r0), stored(m, r1))
+    for a_shape, b_shape in (((3, 17), (17, 5)), ((64, 64), (64, 64)), ((129, 1000), (1000, 33)),
+                             ((1000, 130), (130, 70))):
+        (tg, ta, tb), (g, a, b) = matmul_inputs(m, rng, dtype, a_shape, b_shape)
+        (ra, rb), (ba, bb) = matmul_bounds(g, a, b, dtype, prec)
+        first = ml.matmul_backward(tg, ta, tb, precision=prec)
+        again = call_through_plan(m, mb.matmul_plan_key(tg, ta, tb, prec),
+                                  lambda: ml.matmul_backward(tg, ta, tb, precision=prec))
+        for r0, r1, ref, bound in zip(first, again, (ra, rb), (ba, bb)):
+            check(stored(m, r0), ref, bound, f"matmul {fam} {a_shape} {b_shape}")
+            np.testing.assert_array_equal(stored(m, r0), stored(m, r1))
+    assert set(launches) == {16, 32, 64}, launches

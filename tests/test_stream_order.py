@@ -407,6 +407,12 @@ def stress_cases(m, ml, rng):
         "matmul_tf32": (lambda: [ints((192, 256), -3, 3), ints((256, 160), -3, 3)],
                         lambda t: m.matrix_multiply(*t, precision="tf32"),
                         lambda a: a[0] @ a[1], None),
+        # one grouped launch (ops/matmul_grouped.py): grad_W over 1,000 rows in 8 K splits,
+        # its tiles summed by the last split's block (per-stream ticket counters)
+        "linear_backward_grouped": (lambda: [ints((1000, 40), -3, 3), ints((1000, 24), -3, 3),
+                                             ints((40, 24), -3, 3)],
+                                    lambda t: _grad_weight(ml, *t), lambda a: a[0].T @ a[1],
+                                    None),
         "transpose": (lambda: [normal((999, 1001))], lambda t: m.matrix_transpose(t[0]),
                       lambda a: a[0].T, None),
         "conv2d": (lambda: [ints((2, 8, 33, 35), -2, 2), ints((16, 8, 3, 3), -2, 2)],
@@ -430,6 +436,13 @@ def stress_cases(m, ml, rng):
                             lambda t: ml.flash_attention(*t), lambda a: attention_ref(*a),
                             (0, 200 * EPS32)),
     }
+
+
+def _grad_weight(ml, g, x, w):
+    gx, gw, gb = ml.linear_backward(g, x, w)
+    gx.free()
+    gb.free()
+    return gw
 
 
 def _bn_train(m, ml, x):

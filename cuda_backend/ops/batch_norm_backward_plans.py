@@ -14,7 +14,8 @@ from ..streams import current_pycuda_stream
 from ..tensor import CudaTensor, pool_tensor
 from . import common
 from .batch_norm_plans import nc_block
-from .normalization_common import acc_dtype, bn_layout, grad_pointers, prepared, vec_width
+from .common import acc_dtype
+from .normalization_common import bn_layout, grad_pointers, prepared, vec_width
 from .pooling import fast_divisor
 
 BN_TEMPLATE = "batch_norm_backward.cu.j2"

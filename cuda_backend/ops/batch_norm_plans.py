@@ -120,9 +120,8 @@ def bn_launch(m: Any, geo: Dict[str, Any], layout: str, training: bool, x: CudaT
                                 device_id=dev)
     else:
         acc_itemsize = 8 if x.dtype is DT.FLOAT64 else 4
-        acc_dtype = DT.FLOAT64 if x.dtype is DT.FLOAT64 else DT.FLOAT32
         splits = geo["splits"]
-        ws = m.backend.empty(((splits * 2 + 2) * C,), acc_dtype, dev)
+        ws = m.backend.empty(((splits * 2 + 2) * C,), common.acc_dtype(x.dtype), dev)
         try:
             base = ws.ptr
             partials = base

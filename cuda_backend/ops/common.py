@@ -168,6 +168,11 @@ def grid_1d(n: int, block: int, sm_count: int, waves: int = 8) -> int:
 
 
 # -- host side ------------------------------------------------------------------------
+def acc_dtype(dtype: CudaDataType) -> CudaDataType:
+    """The dtype kernels accumulate in: float64 for float64, else float32."""
+    return CudaDataType.FLOAT64 if dtype is CudaDataType.FLOAT64 else CudaDataType.FLOAT32
+
+
 def size_bucket(x: int) -> int:
     """An autotuner key's octave of a size: 1 for 1, then 2 for 2, 3 for 3-4, 4 for 5-8, ..."""
     return max(0, int(x) - 1).bit_length()

@@ -43,10 +43,11 @@ from ..errors import InvalidArgumentError
 from ..streams import current_pycuda_stream
 from ..tensor import CudaTensor, pool_tensor
 from . import common
+from .common import acc_dtype
 from .cross_entropy_checks import (check_grad, check_operands, check_row_stats,
                                    host_check_labels, label_slot)
 from .cross_entropy_plans import (BWD_BLOCK_CONFIGS, BWD_WARP_NV, COUNTERS, FINISH_BLOCK,
-                                  FWD_BLOCKS, MAX_GRID, STATS_NV, TEMPLATE, acc_dtype,
+                                  FWD_BLOCKS, MAX_GRID, STATS_NV, TEMPLATE,
                                   backward_candidates, backward_fuses, forward_candidates,
                                   forward_fuses, grid, kernel_params, launch_backward,
                                   launch_finish, launch_forward, prepared_for,

@@ -12,7 +12,7 @@ from ..dtypes import CudaDataType
 from ..errors import DTypeMismatchError, InvalidArgumentError, ShapeMismatchError
 from ..tensor import CudaTensor
 from . import common
-from .cross_entropy_plans import acc_dtype
+from .common import acc_dtype
 
 DT = CudaDataType
 REDUCTIONS = ("mean", "sum", "none")

@@ -36,11 +36,6 @@ _prepared: "weakref.WeakKeyDictionary[Any, Dict[tuple, Dict[str, Any]]]" = \
     weakref.WeakKeyDictionary()
 
 
-def acc_dtype(dtype: CudaDataType) -> CudaDataType:
-    """The dtype of per-row losses and statistics: float64 for float64, else float32."""
-    return DT.FLOAT64 if dtype is DT.FLOAT64 else DT.FLOAT32
-
-
 def kernel_params(dtype: CudaDataType, kind: str, mode: str = "", block: int = 0,
                   nv: int = 0, fused: bool = False) -> Dict[str, Any]:
     """Template parameters: kind "forward" (mode "warp" / "block" with block threads),

@@ -18,7 +18,8 @@ from ..kernels import dtype_params
 from ..streams import current_pycuda_stream
 from ..tensor import CudaTensor, pool_tensor
 from . import common
-from .normalization_common import acc_dtype, grad_pointers, prepared, vec_width
+from .common import acc_dtype
+from .normalization_common import grad_pointers, prepared, vec_width
 
 LN_TEMPLATE = "layer_norm_backward.cu.j2"
 # layer norm: warp mode (a power of two <= 32 lanes per row, 256-thread blocks); block mode

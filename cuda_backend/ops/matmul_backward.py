@@ -40,6 +40,7 @@ from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..tensor import CudaTensor
 from . import common
 from . import matmul as mm
+from . import matmul_grouped as grouped
 from .linear import LINEAR_FAMILIES   # every linear-layer family (the recompute's epilogue)
 from .matmul_backward_layers import (  # noqa: F401  (the linear layers' gradients: CudaML's)
     fused_linear_gelu_backward, linear_backward)
@@ -50,7 +51,7 @@ DT = CudaDataType
 # kernel, B padded by strided_copy.cu.j2)
 TEMPLATES = (mm.SIMT_TEMPLATE, mm.MMA_TEMPLATE, mm.WGMMA_TEMPLATE, mm.WGMMA16_TEMPLATE,
              mm.TMA16_TEMPLATE, mm.FILL_TEMPLATE, "transpose.cu.j2", "strided_copy.cu.j2",
-             "reduce.cu.j2", "reduce_axis.cu.j2")
+             "reduce.cu.j2", "reduce_axis.cu.j2", grouped.TEMPLATE)
 # (dtype, precision) of the families with an a_trans kernel (TF32 transposes A first)
 TN_FAMILIES = ((DT.FLOAT32, None), (DT.FLOAT64, None), (DT.FLOAT16, None), (DT.BFLOAT16, None))
 
@@ -59,7 +60,8 @@ TN_FAMILIES = ((DT.FLOAT32, None), (DT.FLOAT64, None), (DT.FLOAT16, None), (DT.B
 def template_variants() -> Dict[str, List[Dict[str, Any]]]:
     """The kernels only the gradients use: the A-transposed GEMM of every config the a_trans
     families may launch (both alignments), the linear kernels with the bias_gelu_grad
-    epilogue (every linear config of every family), and the skinny split-K reduce with it.
+    epilogue (every linear config of every family), the skinny split-K reduce with it, and
+    the grouped small GEMMs (ops/matmul_grouped.py).
     (matmul_nt's bias-only linear kernels are ops/linear.py's.)"""
     out: Dict[str, List[Dict[str, Any]]] = {mm.SIMT_TEMPLATE: [], mm.MMA_TEMPLATE: []}
     for dt, prec in TN_FAMILIES:
@@ -76,6 +78,7 @@ def template_variants() -> Dict[str, List[Dict[str, Any]]]:
                 out[template].append(mm.linear_params(template, dt, cfg, vec,
                                                       mm.GRAD_EPILOGUE))
     out[mm.SIMT_TEMPLATE].append(mm.splitk_epilogue_params(DT.FLOAT32, mm.GRAD_EPILOGUE))
+    out[grouped.TEMPLATE] = grouped.template_variants()
     return out
 
 
@@ -202,7 +205,8 @@ def _mm_steps(p: mm.Plan) -> Dict[str, Any]:
             gb_a, gb_g = a_shape, g3
         else:                       # one GEMM over the stacked rows of a full a
             gb_a, gb_g = (B * M, K), (B * M, N)
-    return {"g": g3, "a": a_shape, "b": b_shape, "sum_a": sum_a, "gb_a": gb_a, "gb_g": gb_g}
+    return {"g": g3, "a": a_shape, "b": b_shape, "sum_a": sum_a, "gb_a": gb_a, "gb_g": gb_g,
+            "grouped": grouped.matmul_products(M, N, K) if B == 1 else None}
 
 
 def _mm_run(m: Any, st: Dict[str, Any], g: CudaTensor, a: CudaTensor, b: CudaTensor,
@@ -210,6 +214,17 @@ def _mm_run(m: Any, st: Dict[str, Any], g: CudaTensor, a: CudaTensor, b: CudaTen
     """The two products (and the batch sum) of matmul_backward; results already made are
     freed if a later step raises."""
     from . import reduction as red
+    if st["grouped"] is not None:
+        grp = grouped.for_products(m, g.dtype, g.device_id, precision, st["grouped"])
+        if grp is not None:
+            ga, gb = m.backend.empty(st["a"], g.dtype, g.device_id), None
+            try:
+                gb = m.backend.empty(st["b"], g.dtype, g.device_id)
+                grp.launch(m, (g, b, ga, a, g, gb, 0, 0))
+            except BaseException:
+                free_all(ga, gb)
+                raise
+            return view(ga, a.shape), view(gb, b.shape)
     ga = gb = work = None
     try:
         work = mm.matmul_nt(m, view(g, st["g"]), view(b, st["b"]), precision)
@@ -242,6 +257,10 @@ def _mm_plan(m: Any, st: Dict[str, Any], precision: Optional[str], key: tuple) -
     its own); None (general path) where a step steps aside."""
     from . import reduction as red
     dt, dev = key[4], key[7]
+    if st["grouped"] is not None:
+        grp = grouped.for_products(m, dt, dev, precision, st["grouped"])
+        if grp is not None:
+            return _mm_grouped_plan(m, grp, st)
     nt = plan_step(m, ("matmul_nt", st["g"], st["b"], dt, dt, dev, dev, precision),
                    lambda m_, x, y: mm.matmul_nt(m_, x, y, precision))
     tn = plan_step(m, ("matmul_tn", st["gb_a"], st["gb_g"], dt, dt, dev, dev, precision),
@@ -269,5 +288,26 @@ def _mm_plan(m: Any, st: Dict[str, Any], precision: Optional[str], key: tuple) -
         if gb is None:
             ga.free()
             return None
+        return view(ga, a.shape), view(gb, b.shape)
+    return plan
+
+
+def _mm_grouped_plan(m: Any, grp: grouped.Grouped, st: Dict[str, Any]) -> Any:
+    """matmul_backward's per-call plan where one grouped launch makes both gradients (the
+    general path's launch: _mm_run)."""
+    run = grp.prepared(m)
+    new = grouped.outputs_maker(m, grp.dev, grp.dtype, (st["a"], st["b"]))
+
+    def plan(g: CudaTensor, a: CudaTensor, b: CudaTensor) -> Optional[Tuple[CudaTensor, ...]]:
+        pg, pa, pb = g._ptr, a._ptr, b._ptr
+        if pg is None or pa is None or pb is None or g.stream is not None \
+                or a.stream is not None or b.stream is not None:
+            return None   # (the general path raises TensorFreedError, or orders the streams)
+        ga, gb = new()
+        try:
+            run(pg, pb, ga._ptr, pa, pg, gb._ptr, 0, 0)
+        except BaseException:
+            free_all(ga, gb)
+            raise
         return view(ga, a.shape), view(gb, b.shape)
     return plan

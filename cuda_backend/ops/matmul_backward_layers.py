@@ -12,6 +12,7 @@ from ..errors import InvalidArgumentError, ShapeMismatchError
 from ..tensor import CudaTensor
 from . import common
 from . import matmul as mm
+from . import matmul_grouped as grouped
 from .matmul_backward_steps import Grads, free_all, plan_ok, plan_step, run_plan, view
 
 
@@ -130,6 +131,12 @@ def _layer_grads(m: Any, g2: CudaTensor, x2: CudaTensor, w: CudaTensor, with_bia
     """(g2 W viewed as x_shape, g2ᵀ x2, the column sums of g2 or None); results already
     made are freed if a later step raises."""
     from . import reduction as red
+    rows, out_f = g2.shape
+    grp = grouped.for_products(m, g2.dtype, g2.device_id, precision,
+                               grouped.linear_products(rows, w.shape[1], out_f),
+                               (rows, out_f) if with_bias else (0, 0))
+    if grp is not None:
+        return _grouped_grads(m, grp, g2, x2, w, with_bias, x_shape)
     gx = gw = None
     try:
         gx = mm.matmul(m, g2, w, precision)
@@ -137,6 +144,24 @@ def _layer_grads(m: Any, g2: CudaTensor, x2: CudaTensor, w: CudaTensor, with_bia
         gb = red.reduce(m, "sum", g2, axis=0) if with_bias else None
     except BaseException:
         free_all(gx, gw)
+        raise
+    return view(gx, x_shape), gw, gb
+
+
+def _grouped_grads(m: Any, grp: grouped.Grouped, g2: CudaTensor, x2: CudaTensor,
+                   w: CudaTensor, with_bias: bool, x_shape: Tuple[int, ...]) -> Grads:
+    """_layer_grads in one grouped launch (ops/matmul_grouped.py)."""
+    backend, dt, dev = m.backend, g2.dtype, g2.device_id
+    out_f, in_f = w.shape
+    gx = gw = gb = None
+    try:
+        gx = backend.empty((g2.shape[0], in_f), dt, dev)
+        gw = backend.empty((out_f, in_f), dt, dev)
+        gb = backend.empty((out_f,), dt, dev) if with_bias else None
+        grp.launch(m, (g2, w, gx, g2, x2, gw, g2 if with_bias else 0,
+                       gb if gb is not None else 0))
+    except BaseException:
+        free_all(gx, gw, gb)
         raise
     return view(gx, x_shape), gw, gb
 
@@ -169,6 +194,11 @@ def _layer_plan(m: Any, key: tuple, rows: int, in_f: int, out_f: int, with_bias:
     fused = key[0] == "fused_linear_gelu_backward"
     dt, dev = key[4], key[7]
     g2s, x2s, ws = (rows, out_f), (rows, in_f), (out_f, in_f)
+    grp = grouped.for_products(m, dt, dev, precision,
+                               grouped.linear_products(rows, in_f, out_f),
+                               (rows, out_f) if with_bias else (0, 0))
+    if grp is not None:
+        return _grouped_layer_plan(m, grp, fused, key, g2s, x2s, with_bias, x_shape)
     grad_in = plan_step(m, ("matmul", g2s, ws, dt, dt, dev, dev, precision),
                         lambda m_, a, b: mm.matmul(m_, a, b, precision))
     grad_w = plan_step(m, ("matmul_tn", g2s, x2s, dt, dt, dev, dev, precision),
@@ -206,4 +236,46 @@ def _layer_plan(m: Any, key: tuple, rows: int, in_f: int, out_f: int, with_bias:
             if fused:
                 dz.free()
         return view(gx, x_shape), gw, gb
+    return plan
+
+
+def _grouped_layer_plan(m: Any, grp: grouped.Grouped, fused: bool, key: tuple,
+                        g2s: Tuple[int, int], x2s: Tuple[int, int], with_bias: bool,
+                        x_shape: Tuple[int, ...]) -> Any:
+    """_layer_plan where one grouped launch makes the three gradients (the general path's
+    launch: _grouped_grads), after the recompute's plan for the fused layer."""
+    run = grp.prepared(m)
+    rows, out_f = g2s
+    in_f = x2s[1]
+    shapes = [(rows, in_f), (out_f, in_f)] + ([(out_f,)] if with_bias else [])
+    new = grouped.outputs_maker(m, grp.dev, grp.dtype, shapes)
+    recompute = m.plans.get(_recompute_key(key)) if fused else None
+
+    def plan(g: CudaTensor, x: CudaTensor, w: CudaTensor,
+             b: Optional[CudaTensor] = None) -> Optional[Grads]:
+        px, pw = x._ptr, w._ptr
+        if g._ptr is None or px is None or pw is None or x.stream is not None \
+                or w.stream is not None or g.stream is not None:
+            return None   # (the general path raises TensorFreedError, or orders the streams)
+        dz = g
+        if fused:
+            if recompute is None:
+                return None
+            dz = recompute(view(x, x2s), w, b, view(g, g2s))
+            if dz is None:
+                return None
+        try:
+            outs = new()
+            pz = dz._ptr
+            gb = outs[2] if with_bias else None
+            try:
+                run(pz, pw, outs[0]._ptr, pz, px, outs[1]._ptr, pz if with_bias else 0,
+                    gb._ptr if gb is not None else 0)
+            except BaseException:
+                free_all(*outs)
+                raise
+        finally:
+            if fused:
+                dz.free()
+        return view(outs[0], x_shape), outs[1], gb
     return plan

@@ -27,11 +27,6 @@ def vec_width(dtype: CudaDataType) -> int:
     return 16 // dtype.itemsize
 
 
-def acc_dtype(dtype: CudaDataType) -> CudaDataType:
-    """The dtype the kernels accumulate in: float64 for float64, else float32."""
-    return DT.FLOAT64 if dtype is DT.FLOAT64 else DT.FLOAT32
-
-
 def bn_layout(shape: Sequence[int], dtype: CudaDataType
               ) -> Tuple[int, int, int, int, str, int, bool]:
     """(N, C, S, count, layout, vec, can_vec) of a batch-norm input of shape (N, C, ...): S
