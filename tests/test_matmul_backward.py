@@ -1399,7 +1399,7 @@ def test_grouped_launch_is_the_gradients_one_launch(fam):
 def test_gpu_grouped_gradients(apis, fam, monkeypatch):
     """The grouped kernel on the GPU at every tile (16, 32, 64), with and without K splits,
     odd sizes, through the general path and then the plan (the same bits), against float64
-    with the module's bounds."""
+    with the module's bounds. (The larger shapes run grouped in float32 and float64 only.)"""
     m, ml = apis
     dtype, prec = FAMILIES.get(fam, (DT.FLOAT32, "ieee"))
     launches = []
@@ -1407,8 +1407,8 @@ def test_gpu_grouped_gradients(apis, fam, monkeypatch):
     monkeypatch.setattr(grouped.Grouped, "launch",
                         lambda self, m_, ptrs: launches.append(self.cfg.bm) or real(self, m_, ptrs))
     rng = np.random.default_rng(seed("gpu grouped", fam))
-    for x_shape, out_f in (((3, 17), 5), ((1000, 17), 3), ((2, 33, 70), 129),
-                           ((32, 1000), 1000), ((130, 257), 300)):
+    for x_shape, out_f in (((3, 17), 5), ((1000, 17), 3), ((2, 33, 70), 129), ((3, 352), 352),
+                           ((2, 768), 768), ((32, 1000), 1000), ((130, 257), 300)):
         for op in ("linear", "fused"):
             (tg, tx, tw, tb), (g, x, w, b) = layer_inputs(m, rng, dtype, x_shape, out_f,
                                                            bias=op == "fused")

@@ -29,7 +29,11 @@ BLOCK = 256              # threads per block (the template's NT)
 TILES = (64, 32, 16)     # square block tiles, largest first
 MAX_ITERS = 4            # k tiles per split
 MAX_SPLITS = 16
-MAX_MACS = 1 << 27       # all products together (perf/NOTES.md "Per-call host cost", S21)
+# multiply-adds of all products together: beyond these, the separate launches' tensor-core
+# kernels (16-bit; float32's 3xTF32) gain more GPU time than one launch saves of host time
+# (perf/NOTES.md "Per-call host cost", S21)
+MAX_MACS = 1 << 27
+MAX_MACS_16 = 1 << 22
 MAX_SUM_ROWS = MAX_ITERS * MAX_SPLITS * BK   # the column sums' rows (as a K: 2,048)
 COUNTERS = common.TicketCounters(256)
 
@@ -101,14 +105,14 @@ def _layout(products: Sequence[Product], bm: int, sum_cols: int) -> Config:
 
 
 def choose(products: Sequence[Product], sum_rows: int, sum_cols: int,
-           sm_count: int) -> Optional[Config]:
+           sm_count: int, max_macs: int = MAX_MACS) -> Optional[Config]:
     """The launch of these products (and sum_cols column sums over sum_rows rows, 0: none),
     or None where one launch does not pay: an empty or large product (over MAX_ITERS *
-    MAX_SPLITS k tiles, or more than MAX_MACS multiply-adds in all), or over MAX_SUM_ROWS
+    MAX_SPLITS k tiles, or more than max_macs multiply-adds in all), or over MAX_SUM_ROWS
     rows to sum. The tile is the largest whose grid still fills the SMs (else the smallest)."""
     if any(min(p.M, p.N, p.K) < 1 for p in products) or sum_rows > MAX_SUM_ROWS:
         return None
-    if sum(p.M * p.N * p.K for p in products) > MAX_MACS:
+    if sum(p.M * p.N * p.K for p in products) > max_macs:
         return None
     if any(-(-p.K // BK) > MAX_ITERS * MAX_SPLITS for p in products):
         return None
@@ -219,5 +223,6 @@ def for_products(m: Any, dtype: CudaDataType, dev: int, precision: Optional[str]
     if not use_for(m, dtype, precision):
         return None
     cfg = choose(products, sums[0], sums[1],
-                 m.backend.get_device_info(dev).multiprocessor_count)
+                 m.backend.get_device_info(dev).multiprocessor_count,
+                 MAX_MACS_16 if dtype.itemsize == 2 else MAX_MACS)
     return None if cfg is None else Grouped(m, dtype, dev, cfg, products, sums)
