@@ -26,14 +26,17 @@ TEMPLATE = "matmul_grouped.cu.j2"
 TEMPLATES = (TEMPLATE,)
 BK = 32                  # the template's tile depth
 BLOCK = 256              # threads per block (the template's NT)
-TILES = (64, 32, 16)     # square block tiles, largest first
+# square block tiles, largest first (64 renders too, but a long-K product over few rows,
+# e.g. grad_x of 32 x 1024 -> 1024, runs half-empty 64-row tiles through all its splits:
+# 31.8 µs against 19.6 with 32, perf/NOTES.md "Per-call host cost", S21)
+TILES = (32, 16)
 MAX_ITERS = 4            # k tiles per split
 MAX_SPLITS = 16
 # multiply-adds of all products together: beyond these, the separate launches' tensor-core
 # kernels (16-bit; float32's 3xTF32) gain more GPU time than one launch saves of host time
 # (perf/NOTES.md "Per-call host cost", S21)
 MAX_MACS = 1 << 27
-MAX_MACS_16 = 1 << 22
+MAX_MACS_16 = 1 << 23
 MAX_SUM_ROWS = MAX_ITERS * MAX_SPLITS * BK   # the column sums' rows (as a K: 2,048)
 COUNTERS = common.TicketCounters(256)
 
