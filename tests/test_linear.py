@@ -619,6 +619,8 @@ def test_gpu_sketched_linear_plan_path(ml, dtype, dims, monkeypatch):
 SKINNY_ODD = [(M, K, N) for M in (1, 7, 32, 63) for K in (5, 1000, 4097) for N in (3, 1025)]
 SKINNY_ALIGNED = [(32, 1024, 4096), (32, 1024, 1024), (1, 1000, 1024), (63, 4096, 260),
                   (7, 256, 36)]
+# linear layers with few output tiles (mm.few_tiles): several 32-row tiles per column tile
+SKINNY_FEW_TILES = [(131, 300, 257), (128, 512, 512)]
 
 
 def test_skinny_candidates_for_small_m_only():
@@ -646,6 +648,22 @@ def test_skinny_candidates_for_small_m_only():
                         (DT.BFLOAT16, None)):
         assert mm.skinny_candidates(dtype, prec, p, 132) == []
     assert mm.skinny_candidates(DT.FLOAT32, None, p._replace(batch=2), 132) == []
+
+
+def test_skinny_candidates_for_few_tiles_in_linear_layers():
+    """The linear layers (linear=True), whose own kernels do not split K, get the skinny
+    configs for larger M too where the output is few 128 x 128 tiles (a quarter of the SMs
+    at most) and M <= SKINNY_FEW_TILES_MAX_M; the plain GEMM (which splits K itself) not."""
+    for M, K, N in ((128, 512, 512), (512, 1024, 1024), (300, 256, 129), (65, 1024, 4096)):
+        p = mm.Plan(1, M, N, K, 0, 0, (M, N))
+        assert mm.few_tiles(p, 132)
+        got = mm.skinny_candidates(DT.FLOAT32, None, p, 132, linear=True)
+        assert got and all(c["skinny"] for c in got)
+        assert mm.skinny_candidates(DT.FLOAT32, None, p, 132) == []
+        assert mm.skinny_candidates(DT.FLOAT32, "tf32", p, 132, linear=True) == []
+    for M, K, N in ((513, 1024, 1024), (256, 1024, 4096), (128, 255, 512)):
+        p = mm.Plan(1, M, N, K, 0, 0, (M, N))
+        assert mm.skinny_candidates(DT.FLOAT32, None, p, 132, linear=True) == []
 
 
 @pytest.mark.parametrize("cfg", mm.SKINNY_F32, ids=lambda c: "{mt}x{bn}x{bk}_t{tn}".format(**c))
@@ -711,7 +729,7 @@ def test_linear_skinny_launches(fam, shape, with_bias):
     kernel (b_trans, vec by alignment) over (row tiles x column tiles, splits), x, W and the
     workspace, M, N, K, the K chunk, its dynamic shared memory; then the reduce with the
     bias (or a null pointer) and GELU over the same workspace into y, M * N elements, N,
-    the split count. Larger M gets no skinny candidate."""
+    the split count. M over SKINNY_FEW_TILES_MAX_M gets no skinny candidate."""
     dtype, prec, _ = FAMS[fam]
     M, K, N = shape
     m = _skinny_recording_math(True)
@@ -720,7 +738,7 @@ def test_linear_skinny_launches(fam, shape, with_bias):
     y = mm.linear(m, x, w, b, "bias_gelu", prec)
     (_, cands), = m.seen
     assert [c for c in cands if c.get("skinny")] == \
-        mm.skinny_candidates(dtype, prec, mm.Plan(1, M, N, K, 0, 0, (M, N)), 132)
+        mm.skinny_candidates(dtype, prec, mm.Plan(1, M, N, K, 0, 0, (M, N)), 132, linear=True)
     cfg = next(c for c in cands if c.get("skinny"))
     m.backend.launches.clear()
     assert mm.linear(m, x, w, b, "bias_gelu", prec, out=y) is y
@@ -733,9 +751,10 @@ def test_linear_skinny_launches(fam, shape, with_bias):
     assert v1[:2] == [x.ptr, w.ptr] and v1[3:] == [M, N, K, chunk]
     assert k2.params == mm.splitk_epilogue_params(dtype, "bias_gelu") and smem2 == 0
     assert v2 == [v1[2], y.ptr, b.ptr if with_bias else 0, M * N, N, s]
-    # the same call shape with M = 65: no skinny candidate
+    # the same call shape with M over SKINNY_FEW_TILES_MAX_M: no skinny candidate
     m2 = _skinny_recording_math(True)
-    mm.linear(m2, m2.backend.empty((65, K), dtype), m2.backend.empty((N, K), dtype), None,
+    big = mm.SKINNY_FEW_TILES_MAX_M + 1
+    mm.linear(m2, m2.backend.empty((big, K), dtype), m2.backend.empty((N, K), dtype), None,
               "bias_gelu", prec)
     assert not any(c.get("skinny") for _, cands in m2.seen for c in cands)
 
@@ -773,7 +792,7 @@ def test_gpu_linear_skinny_configs(ml, cfg, fam):
     dtype, prec, bound = FAMS[fam]
     rng = np.random.default_rng(8664)
     dev = m.backend.current_device
-    for M, K, N in SKINNY_ODD + SKINNY_ALIGNED:
+    for M, K, N in SKINNY_ODD + SKINNY_ALIGNED + SKINNY_FEW_TILES:
         (tx, tw, tb), (xr, wr, br) = _inputs(m, rng, dtype, (M, K), N)
         p = mm.Plan(1, M, N, K, 0, 0, (M, N))
         refs = {True: _reference(xr, wr, br), False: _reference(xr, wr, np.zeros(N))}

@@ -795,8 +795,10 @@ def test_gpu_every_gelu_grad_config_is_correct(apis, fam):
                 U_OUT[dtype] * np.abs(ref) + ATOL[dtype]
             p = mm.Plan(1, M, N, K, 0, 0, (M, N))
             pn = mm.normalize_precision(prec, dtype)
-            # the linear configs, and the skinny split-K ones (M <= 64) at their split counts
-            cands = mm.linear_configs(dtype, pn, vec) + mm.skinny_candidates(dtype, pn, p, 132)
+            # the linear configs, and the skinny split-K ones (M <= 64, or few output tiles)
+            # at their split counts
+            cands = mm.linear_configs(dtype, pn, vec) + \
+                mm.skinny_candidates(dtype, pn, p, 132, linear=True)
             for cfg in cands:
                 out = poisoned(m, (M, N), dtype)
                 assert mm.is_vec_ok(tx, tw, out, p) is vec

@@ -119,10 +119,10 @@ from .matmul_plans import config_runner  # noqa: F401
 from .matmul_shapes import is_vec_ok, shape_class, tune_key  # noqa: F401
 from .matmul_skinny import (  # noqa: F401
     CLUSTER_F32, CLUSTER_F32_SCALAR, CLUSTER_NARROW_TILES, CLUSTER_SPLITS, CLUSTER_TILES,
-    SKINNY_F32, SKINNY_MIN_CHUNK,
+    SKINNY_F32, SKINNY_FEW_TILES_MAX_M, SKINNY_MIN_CHUNK,
     cluster_blocks, cluster_candidates, cluster_chunk, cluster_smem, cluster_split_choices,
-    cluster_threads, cluster_tiles, skinny_blocks, skinny_candidates, skinny_chunk, skinny_smem,
-    skinny_split_options, skinny_threads, skinny_tiles)
+    cluster_threads, cluster_tiles, few_tiles, skinny_blocks, skinny_candidates, skinny_chunk,
+    skinny_smem, skinny_split_options, skinny_threads, skinny_tiles)
 from .matmul_splitk import (  # noqa: F401
     X3_MIN_CHUNK, effective_split, split_candidates, split_count, split_options,
     x3_split_options, x3_split_time)

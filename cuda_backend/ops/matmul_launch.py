@@ -160,7 +160,8 @@ def _call_candidates(m: Any, a: CudaTensor, b: CudaTensor, out: CudaTensor, p: P
         # small M: the skinny split-K configs too, each at its split counts, and on sm_90+
         # the cluster ones (timed against the family's own, never forced)
         info = m.backend.get_device_info(dev)
-        cands = cands + skinny_candidates(dtype, prec, p, sms, info.max_grid_dims[1]) + \
+        cands = cands + skinny_candidates(dtype, prec, p, sms, info.max_grid_dims[1],
+                                          is_linear) + \
             cluster_candidates(dtype, prec, p, sms,
                                getattr(info, "compute_capability", (0, 0)), vec)
     return cands

@@ -36,6 +36,11 @@ K_32x256x16_t2 = _skinny(32, 256, 16, 2, 4, 2)   # 128 thr, 252 / 221 regs, 9216
 K_32x128x32_t1 = _skinny(32, 128, 32, 1, 4, 2)   # 128 thr, 158 / 156 regs, 92160 / 83968 B
 SKINNY_F32 = [K_32x256x16_t2, K_32x128x32_t1]
 SKINNY_MAX_M = 64      # offered where M <= this (and K >= SKINNY_MIN_K), batch 1
+# ... and to the linear layers (whose own kernels do not split K) up to this M where the
+# output is few 128 x 128 tiles (at most a quarter of the SMs): 128 x 512 -> 512 is 4 tiles,
+# 52 us of float32 GELU-gradient recompute on 4 blocks against PyTorch's 13 us GEMM (H200,
+# perf/NOTES.md "Linear layers" S21)
+SKINNY_FEW_TILES_MAX_M = 512
 SKINNY_MIN_K = 256
 SKINNY_MIN_CHUNK = 32  # a block's K slice is at least this long
 SKINNY_WAVES = (1, 2, 4)   # split counts timed: about this many blocks per SM
@@ -125,11 +130,19 @@ def skinny_split_options(cfg: Dict[str, Any], p: Plan, sm_count: int,
     return out
 
 
+def few_tiles(p: Plan, sm_count: int) -> bool:
+    """The output is at most SKINNY_FEW_TILES_MAX_M rows and sm_count / 4 tiles of 128 x 128."""
+    return p.M <= SKINNY_FEW_TILES_MAX_M and \
+        4 * -(-p.M // 128) * -(-p.N // 128) <= sm_count
+
+
 def skinny_candidates(dtype: CudaDataType, precision: Optional[str], p: Plan, sm_count: int,
-                      max_y: int = 65535) -> List[Dict[str, Any]]:
+                      max_y: int = 65535, linear: bool = False) -> List[Dict[str, Any]]:
     """The autotuner's (skinny config, split) candidates for a call, beside the family's
-    own: only for M <= SKINNY_MAX_M, K >= SKINNY_MIN_K, batch 1, float32 on CUDA cores."""
-    if p.batch != 1 or not 1 <= p.M <= SKINNY_MAX_M or p.K < SKINNY_MIN_K:
+    own: only for M <= SKINNY_MAX_M (linear=True, the linear layers: or few output tiles,
+    `few_tiles`), K >= SKINNY_MIN_K, batch 1, float32 on CUDA cores."""
+    small_m = 1 <= p.M <= SKINNY_MAX_M or (linear and p.M >= 1 and few_tiles(p, sm_count))
+    if p.batch != 1 or not small_m or p.K < SKINNY_MIN_K:
         return []
     return [{**c, "split": s} for c in skinny_configs(dtype, precision)
             for s in skinny_split_options(c, p, sm_count, max_y)]
